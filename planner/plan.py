@@ -1,0 +1,237 @@
+"""The plan: how one training job is parallelised. The common language of search, cost model and runner.
+
+A frozen, hashable dataclass that checks itself on construction (`__post_init__`) and against a model,
+cluster and job (`check_plan`). JSON round-trips it exactly (`to_dict` / `from_dict`).
+
+Data-parallel sharding is three degrees over the DP group (Lins' s_p, s_g, s_os): parameters are sharded
+over groups of `param_shard` DP ranks, gradients over `grad_shard`, optimizer states over `optim_shard`,
+each dividing the next and `dp`. The ZeRO stages are named points: ZeRO-0 (1, 1, 1), ZeRO-1 (1, 1, dp),
+ZeRO-2 (1, dp, dp), ZeRO-3 (dp, dp, dp); HSDP/MiCS is (g, g, g) with g inside a node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+
+from planner.errors import PlannerError
+from planner.jsonio import dataclass_from_dict, dataclass_to_dict
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+RECOMPUTE = ("none", "selective", "full")
+# MAZ3 tiers for parameters gathered in forward: kept on device until backward, kept in host memory,
+# kept as an intra-node secondary shard, or dropped (plain ZeRO-3: gathered again in backward).
+CACHE_TIERS = ("none", "device", "host", "secondary")
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def zero_degrees(level: int, dp: int) -> tuple[int, int, int]:
+    """(param_shard, grad_shard, optim_shard) of ZeRO stage `level` over `dp` ranks."""
+    table = {0: (1, 1, 1), 1: (1, 1, dp), 2: (1, dp, dp), 3: (dp, dp, dp)}
+    if level not in table:
+        raise PlannerError(f"--zero must be 0, 1, 2 or 3, got {level}")
+    return table[level]
+
+
+@dataclass(frozen=True)
+class Plan:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    virtual_stages: int = 1
+    micro_batch: int = 1
+    num_micro_batches: int = 1
+    schedule: str = "1f1b"
+    recompute: str = "none"
+    # Per-layer recomputation (length num_layers), overriding `recompute` where set (the ILP's output).
+    recompute_layers: tuple[str, ...] | None = None
+    sequence_parallel: bool = False
+    param_shard: int = 1
+    grad_shard: int = 1
+    optim_shard: int = 1
+    # Transformer layers per model chunk, chunk c = v * pp + p on pipeline rank p (Megatron's
+    # interleaved order); None splits evenly. The embedding is on chunk 0, the head on the last chunk.
+    stage_layers: tuple[int, ...] | None = None
+    # Overlap: layers whose parameters are gathered ahead of use, and the gradient bucket size.
+    prefetch_depth: int = 1
+    bucket_size_bytes: int = DEFAULT_BUCKET_BYTES
+    # MAZ3: one tier for every layer or one per layer.
+    param_cache: str | tuple[str, ...] = "none"
+    # Commshift: issue the DP gradient reduction after the stage's last input-gradient send.
+    commshift: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "virtual_stages", "micro_batch", "num_micro_batches",
+                     "param_shard", "grad_shard", "optim_shard", "bucket_size_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth must be at least 0, got {self.prefetch_depth}")
+        self._check_schedule()
+        self._check_sharding()
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        for policy in self.recompute_layers or ():
+            if policy not in RECOMPUTE:
+                raise ValueError(f"recompute_layers entry must be one of {', '.join(RECOMPUTE)}, got {policy!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel needs tp > 1")
+        if self.stage_layers is not None:
+            if len(self.stage_layers) != self.num_chunks:
+                raise ValueError(f"stage_layers has {len(self.stage_layers)} entries, but pp x virtual_stages "
+                                 f"= {self.pp} x {self.virtual_stages} = {self.num_chunks}")
+            if min(self.stage_layers) < 1:
+                raise ValueError(f"every pipeline stage needs at least one layer, got stage_layers {list(self.stage_layers)}")
+        tiers = (self.param_cache,) if isinstance(self.param_cache, str) else self.param_cache
+        for tier in tiers:
+            if tier not in CACHE_TIERS:
+                raise ValueError(f"param_cache must be one of {', '.join(CACHE_TIERS)}, got {tier!r}")
+        if any(t != "none" for t in tiers) and self.param_shard == 1:
+            raise ValueError("param_cache needs sharded parameters (param_shard > 1)")
+        if self.commshift and (self.pp == 1 or self.dp == 1):
+            warnings.warn("commshift has no effect without both pipeline (pp > 1) and data parallelism (dp > 1)",
+                          stacklevel=3)
+
+    def _check_schedule(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.schedule == "interleaved-1f1b":
+            if self.pp < 2 or self.virtual_stages < 2:
+                raise ValueError("interleaved-1f1b needs pp >= 2 and virtual_stages >= 2, "
+                                 f"got pp={self.pp}, virtual_stages={self.virtual_stages}")
+            if self.num_micro_batches % self.pp:
+                raise ValueError(f"interleaved-1f1b needs num_micro_batches ({self.num_micro_batches}) "
+                                 f"divisible by pp ({self.pp})")
+        elif self.virtual_stages != 1:
+            raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule interleaved-1f1b, "
+                             f"got {self.schedule}")
+
+    def _check_sharding(self) -> None:
+        chain = (("param_shard", self.param_shard), ("grad_shard", self.grad_shard),
+                 ("optim_shard", self.optim_shard))
+        for name, degree in chain:
+            if self.dp % degree:
+                raise ValueError(f"{name} {degree} does not divide dp {self.dp}")
+        if self.grad_shard % self.param_shard or self.optim_shard % self.grad_shard:
+            raise ValueError("sharding degrees must nest: param_shard divides grad_shard divides optim_shard, "
+                             f"got ({self.param_shard}, {self.grad_shard}, {self.optim_shard})")
+
+    # --- derived quantities --------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def num_chunks(self) -> int:
+        """Model chunks over the whole pipeline: pp x virtual_stages."""
+        return self.pp * self.virtual_stages
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.micro_batch * self.num_micro_batches
+
+    @property
+    def shard_degrees(self) -> tuple[int, int, int]:
+        return (self.param_shard, self.grad_shard, self.optim_shard)
+
+    @property
+    def zero_level(self) -> int | None:
+        """The ZeRO stage this sharding is, or None for other points (HSDP, Lins mixes)."""
+        for level in (0, 1, 2, 3):
+            if self.shard_degrees == zero_degrees(level, self.dp):
+                return level
+        return None
+
+    def chunk_layer_counts(self, num_layers: int) -> tuple[int, ...]:
+        """Transformer layers in each model chunk (stage_layers, or an even split with the remainder
+        given to middle chunks, since the first and last chunks also hold the embedding and head)."""
+        if self.stage_layers is not None:
+            return self.stage_layers
+        chunks = self.num_chunks
+        base, extra = divmod(num_layers, chunks)
+        order = list(range(1, chunks - 1)) + [0, chunks - 1] if chunks > 2 else list(range(chunks))
+        counts = [base] * chunks
+        for c in order[:extra]:
+            counts[c] += 1
+        return tuple(counts)
+
+    def chunk_layer_ranges(self, num_layers: int) -> list[range]:
+        """Global layer indices of each chunk c (chunk c lives on pipeline rank c % pp)."""
+        ranges, start = [], 0
+        for count in self.chunk_layer_counts(num_layers):
+            ranges.append(range(start, start + count))
+            start += count
+        return ranges
+
+    def layer_recompute(self, layer: int) -> str:
+        return self.recompute_layers[layer] if self.recompute_layers is not None else self.recompute
+
+    def layer_cache(self, layer: int) -> str:
+        return self.param_cache if isinstance(self.param_cache, str) else self.param_cache[layer]
+
+    def describe(self) -> str:
+        """A short one-line name, e.g. 'dp4 tp2 pp2 mb1x8 1f1b rc=full shard=(4,4,4)'."""
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
+        if self.virtual_stages > 1:
+            parts.append(f"v{self.virtual_stages}")
+        parts.append(f"mb{self.micro_batch}x{self.num_micro_batches}")
+        if self.pp > 1:
+            parts.append(self.schedule)
+        parts.append(f"rc={self.recompute if self.recompute_layers is None else 'per-layer'}")
+        if self.sequence_parallel:
+            parts.append("sp")
+        level = self.zero_level
+        parts.append(f"zero{level}" if level is not None and self.dp > 1 else
+                     f"shard=({self.param_shard},{self.grad_shard},{self.optim_shard})" if level is None else "")
+        if self.param_cache != "none":
+            parts.append(f"cache={self.param_cache if isinstance(self.param_cache, str) else 'per-layer'}")
+        if self.commshift:
+            parts.append("commshift")
+        return " ".join(p for p in parts if p)
+
+    def replace(self, **changes: object) -> "Plan":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclass_to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: object, *, what: str = "plan") -> "Plan":
+        return dataclass_from_dict(cls, data, what=what)
+
+
+def check_plan(plan: Plan, *, model, num_devices: int, job) -> None:
+    """Raise PlannerError if `plan` cannot train `model` on `num_devices` devices with `job`'s batch."""
+    if plan.world_size != num_devices:
+        raise PlannerError(f"dp x tp x pp = {plan.dp} x {plan.tp} x {plan.pp} = {plan.world_size}, "
+                           f"but the cluster has {num_devices} devices")
+    for name, value in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads),
+                        ("ffn_hidden_size", model.ffn_hidden_size)):
+        if value % plan.tp:
+            raise PlannerError(f"tp {plan.tp} does not divide the model's {name} {value}")
+    if plan.num_chunks > model.num_layers:
+        raise PlannerError(f"pp x virtual_stages = {plan.num_chunks} exceeds the model's {model.num_layers} layers")
+    if sum(plan.chunk_layer_counts(model.num_layers)) != model.num_layers:
+        raise PlannerError(f"stage_layers {list(plan.stage_layers or ())} sum to "
+                           f"{sum(plan.stage_layers or ())}, but the model has {model.num_layers} layers")
+    if plan.global_batch != job.global_batch:
+        raise PlannerError(f"dp x micro_batch x num_micro_batches = {plan.dp} x {plan.micro_batch} x "
+                           f"{plan.num_micro_batches} = {plan.global_batch}, but the global batch is {job.global_batch}")
+    if plan.sequence_parallel and job.seq_len % plan.tp:
+        raise PlannerError(f"sequence parallel needs tp {plan.tp} to divide seq_len {job.seq_len}")
+    if model.learned_positions and job.seq_len > model.max_seq_len:
+        raise PlannerError(f"seq_len {job.seq_len} exceeds the model's {model.max_seq_len} learned positions")
+    for name, per_layer in (("recompute_layers", plan.recompute_layers),
+                            ("param_cache", None if isinstance(plan.param_cache, str) else plan.param_cache)):
+        if per_layer is not None and len(per_layer) != model.num_layers:
+            raise PlannerError(f"{name} has {len(per_layer)} entries, but the model has {model.num_layers} layers")
+
+
+def micro_batches_for(*, global_batch: int, dp: int, micro_batch: int) -> int:
+    """Micro-batches per DP replica per step; raises PlannerError when the batch does not divide."""
+    if global_batch % (dp * micro_batch):
+        raise PlannerError(f"global batch {global_batch} is not divisible by dp x micro_batch = "
+                           f"{dp} x {micro_batch} = {dp * micro_batch}")
+    return global_batch // (dp * micro_batch)

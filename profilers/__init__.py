@@ -1,0 +1,1 @@
+"""Hardware description and measurement: the `Hardware` type (datasheet presets and measured profiles)."""

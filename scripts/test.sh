@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Install planner and its test dependencies into .venv (CPU torch 2.13.0), then run the test suite.
+#   bash scripts/test.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip >/dev/null
+python -m pip install -q "torch==2.13.0" -e ".[test]"
+set +e
+python -m pytest "$@"
+rc=$?
+set -e
+# pytest exits 5 when it collected no test: that is a failure of the suite, not a pass.
+if [ "$rc" -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi
+exit "$rc"

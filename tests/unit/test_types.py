@@ -1,0 +1,108 @@
+"""The four input types: validation, exact-key JSON round trips, presets and HF configs."""
+
+import json
+
+import pytest
+
+from planner.errors import PlannerError
+from planner.inputs import PlanFlags, make_problem, plan_from_flags
+from planner.job import Job
+from planner.model import PRESETS, ModelSpec, resolve_model
+from planner.plan import Plan, check_plan, zero_degrees
+from profilers.hardware import PRESETS as HW, Hardware, resolve_hardware
+
+
+def test_preset_parameter_counts_match_published_sizes():
+    # Published sizes: Llama 3 8B = 8.03B, 70B = 70.6B, 405B = 405.9B; Megatron's 1.7B ... 1T rows.
+    assert PRESETS["llama3-8b"].num_params() == 8_030_261_248
+    assert abs(PRESETS["llama3-70b"].num_params() / 1e9 - 70.55) < 0.01
+    assert abs(PRESETS["llama3-405b"].num_params() / 1e9 - 405.85) < 0.01
+    assert abs(PRESETS["gpt3-175b"].num_params() / 1e9 - 174.6) < 0.1
+    assert abs(PRESETS["gpt3-1t"].num_params() / 1e9 - 1008.0) < 0.1
+
+
+def test_hand_counted_llama_layer():
+    spec = ModelSpec(name="m", arch="llama", num_layers=2, hidden_size=8, num_heads=4, num_kv_heads=2,
+                     ffn_hidden_size=16, vocab_size=10, max_seq_len=4, tied_embeddings=False)
+    # q, o: 8x8 each; k, v: 8x4 each; MLP 3 x 8x16; two RMSNorms of 8.
+    assert spec.layer_params() == 64 + 64 + 32 + 32 + 384 + 16
+    assert spec.num_params() == 10 * 8 + 2 * spec.layer_params() + 8 + 10 * 8
+
+
+def test_zero_points_and_nesting():
+    assert zero_degrees(1, 8) == (1, 1, 8)
+    assert Plan(dp=8, param_shard=8, grad_shard=8, optim_shard=8).zero_level == 3
+    assert Plan(dp=4, param_shard=2, grad_shard=2, optim_shard=4).zero_level is None
+    with pytest.raises(ValueError, match="nest"):
+        Plan(dp=4, param_shard=4, grad_shard=2, optim_shard=4)
+    with pytest.raises(ValueError, match="does not divide dp"):
+        Plan(dp=4, optim_shard=3)
+
+
+def test_plan_json_round_trip_and_exact_keys():
+    plan = Plan(dp=2, pp=2, virtual_stages=2, schedule="interleaved-1f1b", num_micro_batches=4,
+                stage_layers=(1, 3, 2, 2), param_shard=2, grad_shard=2, optim_shard=2,
+                param_cache=("device", "none", "host", "none", "none", "none", "none", "none"))
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    with pytest.raises(PlannerError, match="unknown key 'db'"):
+        Plan.from_dict({"db": 2})
+    with pytest.raises(PlannerError, match="plan.tp: expected an integer"):
+        Plan.from_dict({"tp": "2"})
+
+
+def test_even_split_gives_remainder_to_middle_chunks():
+    assert Plan(pp=4).chunk_layer_counts(10) == (2, 3, 3, 2)
+    assert Plan(pp=2).chunk_layer_counts(5) == (3, 2)
+
+
+def test_check_plan_names_what_does_not_fit():
+    problem = make_problem(model="tiny", hardware="cpu", gpus=4, gpus_per_node=None, global_batch=8, seq_len=32)
+    with pytest.raises(PlannerError, match="tp 3 does not divide the model's num_heads 8"):
+        check_plan(Plan(tp=3), model=problem.model, num_devices=3, job=Job(global_batch=1, seq_len=8))
+    with pytest.raises(PlannerError, match="but the cluster has 4 devices"):
+        plan_from_flags(PlanFlags(dp=2, tp=1), problem)
+    assert plan_from_flags(PlanFlags(zero=3), problem).shard_degrees == (4, 4, 4)
+    with pytest.raises(PlannerError, match="global batch 8 is not divisible"):
+        plan_from_flags(PlanFlags(micro_batch=3), problem)
+    with pytest.raises(PlannerError, match="exceeds the model's 8 layers"):
+        check_plan(Plan(pp=16, num_micro_batches=1), model=problem.model, num_devices=16,
+                   job=Job(global_batch=1, seq_len=8))
+
+
+def test_unknown_names_suggest_close_matches(tmp_path):
+    with pytest.raises(PlannerError, match="did you mean llama3-8b"):
+        resolve_model("llama3-8")
+    with pytest.raises(PlannerError, match="did you mean h100"):
+        resolve_hardware("h10")
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    with pytest.raises(PlannerError, match="not valid JSON"):
+        resolve_model(str(bad))
+    bad.write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    with pytest.raises(PlannerError, match="missing key 'num_attention_heads'"):
+        resolve_model(str(bad))
+
+
+def test_hf_configs(tmp_path):
+    llama = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
+             "max_position_embeddings": 8192, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(llama))
+    spec = resolve_model(str(tmp_path / "config.json"))
+    assert spec.num_params() == PRESETS["llama3-8b"].num_params()
+    gpt2 = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
+            "vocab_size": 50257, "n_positions": 1024}
+    (tmp_path / "config.json").write_text(json.dumps(gpt2))
+    assert abs(resolve_model(str(tmp_path)).num_params() - 124_439_808) == 0  # GPT-2 small
+
+
+def test_hardware_profile_round_trip(tmp_path):
+    path = tmp_path / "profile.json"
+    HW["h100"].save(path)
+    assert resolve_hardware(str(path)) == HW["h100"]
+    data = HW["h100"].to_dict()
+    del data["memory_bytes"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlannerError, match="missing key 'memory_bytes'"):
+        resolve_hardware(str(path))
+    assert isinstance(Hardware.from_dict(HW["cpu"].to_dict()), Hardware)
