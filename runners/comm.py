@@ -1,0 +1,120 @@
+"""Collectives with accounting: every engine collective goes through here so that bytes per collective
+type and per link class (intra-node, inter-node) and the time spent waiting are counted.
+
+Byte convention (what one rank puts on the wire under a ring algorithm, the volume the cost model
+prices): all-gather and reduce-scatter (n - 1)/n x the unsharded size, all-reduce 2(n - 1)/n x size,
+broadcast and point-to-point x size. The volume is split between link classes by the ring's edges: of
+the n edges of a ring over the group's ranks in order, those that join ranks on different (emulated)
+nodes carry inter-node traffic.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "p2p")
+
+
+@dataclass
+class CommCounters:
+    bytes_by_kind: dict[str, int] = field(default_factory=lambda: {k: 0 for k in KINDS})
+    intra_node_bytes: int = 0
+    inter_node_bytes: int = 0
+    wait_s: float = 0.0
+
+    def reset(self) -> None:
+        for k in self.bytes_by_kind:
+            self.bytes_by_kind[k] = 0
+        self.intra_node_bytes = self.inter_node_bytes = 0
+        self.wait_s = 0.0
+
+    def snapshot(self) -> dict:
+        return {**self.bytes_by_kind, "intra_node": self.intra_node_bytes, "inter_node": self.inter_node_bytes}
+
+
+class Comm:
+    """The collectives of one process, with counters; `ranks_per_node` groups global ranks into nodes."""
+
+    def __init__(self, *, ranks_per_node: int) -> None:
+        self.ranks_per_node = max(1, ranks_per_node)
+        self.counters = CommCounters()
+        self._cross_fraction: dict[tuple[int, ...], float] = {}
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def _inter_fraction(self, ranks: tuple[int, ...]) -> float:
+        """Fraction of a ring's edges over `ranks` that cross nodes."""
+        frac = self._cross_fraction.get(ranks)
+        if frac is None:
+            n = len(ranks)
+            crossings = sum(self.node_of(ranks[i]) != self.node_of(ranks[(i + 1) % n]) for i in range(n))
+            frac = crossings / n if n > 1 else 0.0
+            self._cross_fraction[ranks] = frac
+        return frac
+
+    def _count(self, kind: str, volume_bytes: float, ranks: tuple[int, ...]) -> None:
+        volume = int(volume_bytes)
+        self.counters.bytes_by_kind[kind] += volume
+        inter = int(volume * self._inter_fraction(ranks))
+        self.counters.inter_node_bytes += inter
+        self.counters.intra_node_bytes += volume - inter
+
+    @staticmethod
+    def _group_ranks(group) -> tuple[int, ...]:
+        return tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+
+    # --- collectives ---------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, group, *, async_op: bool = False, op=dist.ReduceOp.SUM):
+        ranks = self._group_ranks(group)
+        n = len(ranks)
+        if n == 1:
+            return None
+        self._count("all_reduce", 2 * (n - 1) / n * tensor.numel() * tensor.element_size(), ranks)
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, group, *, async_op: bool = False):
+        """Gather `shard` from every group rank into `output` (group-rank order)."""
+        ranks = self._group_ranks(group)
+        n = len(ranks)
+        if n == 1:
+            output.copy_(shard)
+            return None
+        self._count("all_gather", (n - 1) / n * output.numel() * output.element_size(), ranks)
+        return dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, group, *, async_op: bool = False):
+        """Sum `full` over the group and leave chunk i (group-rank order) in group rank i's `output`."""
+        ranks = self._group_ranks(group)
+        n = len(ranks)
+        if n == 1:
+            output.copy_(full)
+            return None
+        self._count("reduce_scatter", (n - 1) / n * full.numel() * full.element_size(), ranks)
+        return dist.reduce_scatter_tensor(output, full, group=group, async_op=async_op)
+
+    def broadcast(self, tensor: torch.Tensor, *, src: int, group, async_op: bool = False):
+        ranks = self._group_ranks(group)
+        if len(ranks) == 1:
+            return None
+        self._count("broadcast", tensor.numel() * tensor.element_size(), ranks)
+        return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+    def isend(self, tensor: torch.Tensor, *, dst: int, group=None):
+        self._count("p2p", tensor.numel() * tensor.element_size(), (dist.get_rank(), dst))
+        return dist.isend(tensor, dst=dst, group=group)
+
+    def irecv(self, tensor: torch.Tensor, *, src: int, group=None):
+        return dist.irecv(tensor, src=src, group=group)
+
+    def wait(self, work) -> None:
+        """Wait for an async collective, counting the time blocked."""
+        if work is None:
+            return
+        start = time.perf_counter()
+        work.wait()
+        self.counters.wait_s += time.perf_counter() - start
