@@ -1,0 +1,76 @@
+"""The profile's fits recover known latency, bandwidth and GEMM-efficiency parameters from synthetic curves."""
+
+import numpy as np
+import pytest
+
+from planner.errors import PlannerError
+from profilers.fit import GemmSample, bus_factor, fit_gemm, fit_latency_bandwidth, predict_gemm_time_s
+
+
+def test_bus_factor_follows_nccl_tests() -> None:
+    assert bus_factor("all_reduce", 4) == pytest.approx(1.5)
+    assert bus_factor("all_gather", 4) == pytest.approx(0.75)
+    assert bus_factor("reduce_scatter", 2) == pytest.approx(0.5)
+    assert bus_factor("all_to_all", 8) == pytest.approx(7 / 8)
+    assert bus_factor("broadcast", 8) == 1.0 and bus_factor("p2p", 2) == 1.0
+    with pytest.raises(ValueError):
+        bus_factor("all_reduce", 1)
+
+
+@pytest.mark.parametrize("latency_s,bandwidth", [(5e-5, 1.25e8), (1e-3, 1.25e8), (2e-6, 4.5e11), (0.0, 3e9)])
+def test_linear_fit_recovers_latency_and_bandwidth_under_noise(latency_s: float, bandwidth: float) -> None:
+    rng = np.random.default_rng(0)
+    sizes = np.geomspace(1024, 256 * 2**20, 19)
+    times = (latency_s + sizes / bandwidth) * rng.lognormal(0.0, 0.03, sizes.size)
+    fit = fit_latency_bandwidth(sizes, times)
+    assert fit.bandwidth_bytes_per_s == pytest.approx(bandwidth, rel=0.05)
+    assert fit.latency_s == pytest.approx(latency_s, rel=0.15, abs=5e-7)
+    assert fit.rms_rel_error < 0.06
+
+
+def test_linear_fit_clamps_negative_intercept_from_a_burst() -> None:
+    # A token bucket lets the first `burst` bytes through at line rate: time = (bytes - burst) / rate.
+    sizes = np.geomspace(2**20, 64 * 2**20, 7)
+    times = (sizes - 64 * 1024) / 1.25e8
+    fit = fit_latency_bandwidth(sizes, times)
+    assert fit.latency_s == 0.0
+    assert fit.bandwidth_bytes_per_s == pytest.approx(1.25e8, rel=0.05)
+
+
+def test_linear_fit_rejects_flat_or_tiny_curves() -> None:
+    with pytest.raises(PlannerError, match="at least 2 points"):
+        fit_latency_bandwidth([1024], [1e-3])
+    with pytest.raises(PlannerError, match="do not grow"):
+        fit_latency_bandwidth([1024, 2048, 4096], [3e-3, 2e-3, 1e-3])
+
+
+def _synthetic_gemms(*, asymptotes: dict[str, float], half_dim: float, overhead_s: float,
+                     noise: float) -> list[GemmSample]:
+    rng = np.random.default_rng(1)
+    shapes = [(d, d, d) for d in (16, 32, 64, 128, 256, 512, 1024, 2048)]
+    shapes += [(128, 384, 128), (512, 128, 512), (2048, 64, 64), (64, 4096, 256), (1024, 1024, 32)]
+    samples = []
+    for dtype, asym in asymptotes.items():
+        for m, n, k in shapes:
+            rate = asym * np.prod([d / (d + half_dim) for d in (m, n, k)])
+            t = max(overhead_s, 2 * m * n * k / rate) * rng.lognormal(0, noise)
+            samples.append(GemmSample(m=m, n=n, k=k, dtype=dtype, time_s=t))
+    return samples
+
+
+def test_gemm_fit_recovers_efficiency_model() -> None:
+    truth = {"fp32": 8e10, "bf16": 2e10}
+    samples = _synthetic_gemms(asymptotes=truth, half_dim=48.0, overhead_s=2e-5, noise=0.02)
+    fit = fit_gemm(samples)
+    assert fit.gemm_half_dim == pytest.approx(48.0, rel=0.15)
+    assert fit.kernel_overhead_s == pytest.approx(2e-5, rel=0.1)
+    for dtype, asym in truth.items():
+        assert fit.asymptote_flops_per_s[dtype] == pytest.approx(asym, rel=0.05)
+    assert predict_gemm_time_s(fit, m=8, n=8, k=8, dtype="fp32") == pytest.approx(2e-5, rel=0.1)
+
+
+def test_gemm_fit_without_floor_or_shape_penalty() -> None:
+    samples = _synthetic_gemms(asymptotes={"fp32": 1e12}, half_dim=0.0, overhead_s=0.0, noise=0.0)
+    fit = fit_gemm(samples)
+    assert fit.gemm_half_dim < 1.0
+    assert fit.asymptote_flops_per_s["fp32"] == pytest.approx(1e12, rel=0.02)
