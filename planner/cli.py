@@ -11,6 +11,7 @@ becomes one line on stderr and exit code 2, never a traceback.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from enum import Enum
 from typing import Annotated, Optional
@@ -101,6 +102,122 @@ def presets(fmt: FormatOpt = OutputFormat.table) -> None:
                          f"{hw.intra_node.bandwidth_bytes_per_s / 1e9:.0f}",
                          f"{hw.inter_node.bandwidth_bytes_per_s / 1e9:.1f}")
     console.print(hw_table)
+
+
+StepsOpt = Annotated[int, typer.Option("--steps", help="Optimizer steps to train.")]
+
+
+@app.command()
+def run(
+    model: ModelOpt = "tiny",
+    hardware: HardwareOpt = "cpu",
+    global_batch: GlobalBatchOpt = 8,
+    seq_len: SeqLenOpt = 64,
+    steps: StepsOpt = 10,
+    nproc: Annotated[int, typer.Option("--nproc", help="Processes on this node (torchrun --nproc-per-node).")] = 2,
+    gpus_per_node: GpusPerNodeOpt = None,
+    nnodes: Annotated[int, typer.Option("--nnodes", help="Nodes (torchrun).")] = 1,
+    node_rank: Annotated[int, typer.Option("--node-rank", help="This node's rank (torchrun).")] = 0,
+    rdzv_endpoint: Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous.")] = None,
+    data: Annotated[Optional[str], typer.Option("--data", help="Text file or folder (byte tokens); default synthetic.")] = None,
+    engine: Annotated[str, typer.Option("--engine", help="ours, or torch (DDP/ZeRO/FSDP2/DTensor/pipelining).")] = "ours",
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    lr: Annotated[float, typer.Option("--lr")] = 1e-3,
+    precision: PrecisionOpt = None,
+    plan_file: PlanFileOpt = None,
+    dp: DpOpt = None, tp: TpOpt = 1, pp: PpOpt = 1, virtual_stages: VirtualStagesOpt = 1,
+    micro_batch: MicroBatchOpt = 1, schedule: ScheduleOpt = None, recompute: RecomputeOpt = "none",
+    sequence_parallel: SequenceParallelOpt = False, zero: ZeroOpt = None, param_shard: ParamShardOpt = None,
+    grad_shard: GradShardOpt = None, optim_shard: OptimShardOpt = None, prefetch_depth: PrefetchOpt = 1,
+    bucket_size_mb: BucketOpt = None, param_cache: ParamCacheOpt = "none", commshift: CommshiftOpt = False,
+    metrics_out: Annotated[Optional[str], typer.Option("--metrics-out", help="Write the metrics JSON here.")] = None,
+    fmt: FormatOpt = OutputFormat.table,
+) -> None:
+    """Train with a plan on our engine (launched with torchrun) and report measured beside predicted.
+
+    Examples:
+      planner run                                   # tiny model, 2 CPU processes, DP
+      planner run --nproc 4 --zero 3 --micro-batch 2
+      planner run --nproc 4 --tp 2 --pp 2 --schedule 1f1b --steps 20 --format json
+      planner run --plan plan.json --nproc 8 --gpus-per-node 4
+    """
+    from planner.jsonio import write_json_atomic
+    from planner.inputs import PlanFlags
+    from planner.run_command import RunRequest, build_run, run_in_this_process, under_torchrun
+
+    request = RunRequest(model=model, hardware=hardware, global_batch=global_batch, seq_len=seq_len,
+                         precision=precision, steps=steps, seed=seed, lr=lr, data=data, nproc=nproc, nnodes=nnodes,
+                         node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, gpus_per_node=gpus_per_node,
+                         engine=engine, plan_file=plan_file)
+    flags = PlanFlags(dp=dp, tp=tp, pp=pp, virtual_stages=virtual_stages, micro_batch=micro_batch,
+                      schedule=schedule, recompute=recompute, sequence_parallel=sequence_parallel, zero=zero,
+                      param_shard=param_shard, grad_shard=grad_shard, optim_shard=optim_shard,
+                      prefetch_depth=prefetch_depth, bucket_size_mb=bucket_size_mb, param_cache=param_cache,
+                      commshift=commshift)
+    cfg = build_run(request, flags)
+    if under_torchrun():
+        metrics = run_in_this_process(cfg)
+        if os.environ.get("RANK", "0") != "0":
+            return
+    else:
+        metrics = _launch_with_progress(cfg, request, quiet=fmt is OutputFormat.json)
+    if metrics is None:
+        return
+    if metrics_out:
+        write_json_atomic(metrics_out, metrics)
+    if fmt is OutputFormat.json:
+        print_json(metrics)
+    else:
+        _print_run_report(metrics)
+
+
+def _launch_with_progress(cfg, request, *, quiet: bool):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from runners.launch import RunFailed, launch
+
+    with Progress(TextColumn("[bold]training[/]"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=err_console,
+                  disable=quiet, transient=False) as progress:
+        task = progress.add_task("train", total=cfg.steps, info=cfg.plan.describe())
+
+        def on_step(record: dict) -> None:
+            progress.update(task, advance=1, info=f"loss {record['loss']:.4f}  {record['step_time_s'] * 1e3:.0f} ms/step")
+
+        try:
+            return launch(cfg, nproc=request.nproc, nnodes=request.nnodes, node_rank=request.node_rank,
+                          rdzv_endpoint=request.rdzv_endpoint, on_step=on_step)
+        except RunFailed as exc:
+            err_console.print(f"error: {exc}", markup=False, highlight=False)
+            raise typer.Exit(1)
+
+
+def _print_run_report(metrics: dict) -> None:
+    summary, predicted = metrics["summary"], metrics.get("predicted") or {}
+    steps = metrics["steps"]
+    console.print(f"plan: {_describe_plan(metrics['plan'])}   losses: {steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f}")
+    table = Table(title="Measured beside predicted")
+    for col in ("", "measured", "predicted", "measured / predicted"):
+        table.add_column(col, justify="right")
+
+    def row(name: str, measured: float, pred: float | None, fmt) -> None:
+        ratio = f"{measured / pred:.2f}" if pred else "-"
+        table.add_row(name, fmt(measured), fmt(pred) if pred is not None else "-", ratio)
+
+    row("step time", summary["median_step_time_s"], predicted.get("step_time_s"), lambda v: f"{v * 1e3:.1f} ms")
+    row("tokens/s", summary["tokens_per_s"], predicted.get("tokens_per_s"), lambda v: f"{v:,.0f}")
+    row("peak memory / rank", summary["peak_memory_bytes"], predicted.get("peak_memory_bytes"),
+        lambda v: f"{v / 2**20:,.1f} MiB")
+    console.print(table)
+    comm = summary["comm_bytes"]
+    console.print("communication per step (all ranks): " + ", ".join(
+        f"{k} {v / 2**20:.2f} MiB" for k, v in comm.items() if v) + f"; waiting {summary['comm_wait_s'] * 1e3:.1f} ms/rank")
+
+
+def _describe_plan(plan_dict: dict) -> str:
+    from planner.plan import Plan
+
+    return Plan.from_dict(plan_dict).describe()
 
 
 def _count(n: float) -> str:

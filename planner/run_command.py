@@ -1,0 +1,84 @@
+"""The library side of `planner run`: build the run from flags, launch it, and report measured beside predicted."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from planner.errors import PlannerError
+from planner.inputs import PlanFlags, Problem, load_plan, make_problem, plan_from_flags
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    model: str = "tiny"
+    hardware: str = "cpu"
+    global_batch: int = 8
+    seq_len: int | None = 64
+    precision: str | None = None
+    steps: int = 10
+    seed: int = 0
+    lr: float = 1e-3
+    data: str | None = None
+    nproc: int = 2
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    gpus_per_node: int | None = None
+    engine: str = "ours"
+    plan_file: str | None = None
+    timeout_s: float = 300.0
+
+
+def under_torchrun() -> bool:
+    """True when this process is already one rank of a torchrun (or scheduler) launch."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ
+                                                   and "LOCAL_RANK" in os.environ)
+
+
+def build_run(request: RunRequest, flags: PlanFlags):
+    """The RunConfig for a request; raises PlannerError on any bad input before a process starts."""
+    from runners.train import RunConfig
+
+    if request.steps < 1:
+        raise PlannerError(f"--steps must be at least 1, got {request.steps}")
+    if request.nproc < 1 or request.nnodes < 1:
+        raise PlannerError(f"--nproc and --nnodes must be at least 1, got {request.nproc} and {request.nnodes}")
+    if request.data is not None and not os.path.exists(request.data):
+        raise PlannerError(f"data path not found: {request.data}")
+    if request.engine not in ("ours", "torch"):
+        raise PlannerError(f"--engine must be ours or torch, got {request.engine!r}")
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else request.nproc * request.nnodes
+    per_node = request.gpus_per_node or (int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_torchrun() else request.nproc)
+    problem: Problem = make_problem(model=request.model, hardware=request.hardware, gpus=world,
+                                    gpus_per_node=per_node, global_batch=request.global_batch,
+                                    seq_len=request.seq_len, precision=request.precision or "fp32")
+    if request.plan_file:
+        plan = load_plan(request.plan_file, problem)
+    else:
+        plan = plan_from_flags(flags, problem)
+    if problem.model.tied_embeddings and plan.pp > 1:
+        raise PlannerError("the runner does not yet train tied embeddings across pipeline stages (pp > 1)")
+    try:
+        return RunConfig(plan=plan, model=problem.model, job=problem.job, steps=request.steps, seed=request.seed,
+                         lr=request.lr, data=request.data, ranks_per_node=per_node, engine=request.engine,
+                         hardware=request.hardware, timeout_s=request.timeout_s)
+    except ValueError as exc:
+        raise PlannerError(str(exc)) from None
+
+
+def run_in_this_process(cfg) -> dict:
+    """Under an existing torchrun: this process is one rank; train and return the metrics."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from runners.train import pick_device, train
+
+    device, backend = pick_device()
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout_s))
+    try:
+        metrics, _ = train(cfg, device=device)
+    finally:
+        dist.destroy_process_group()
+    return metrics

@@ -1,0 +1,116 @@
+"""Launch a training run under torchrun on this node (or one node of several) and collect its metrics.
+
+A failed rank is named in one line (from the error file each rank writes, or torchrun's failure
+summary); Ctrl-C or a dead rank stops every process of the run: the whole torchrun process group is
+killed, so nothing is orphaned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+from collections import deque
+from pathlib import Path
+
+from planner.errors import PlannerError
+from planner.jsonio import read_json_file, write_json_atomic
+from runners.train import STEP_PREFIX, RunConfig
+
+
+class RunFailed(RuntimeError):
+    """A rank failed for a reason other than bad input."""
+
+
+def torchrun_command(*, nproc: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None, run_args: list[str]) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    if nnodes == 1 and not rdzv_endpoint:
+        cmd.append("--standalone")
+    else:
+        if not rdzv_endpoint:
+            raise PlannerError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT")
+        cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
+    return cmd + ["-m", "runners.train", *run_args]
+
+
+def _failure_message(error_dir: Path, stderr_tail: list[str], returncode: int) -> tuple[str, bool]:
+    """(message naming the failed rank, whether it was bad input)."""
+    reports = []
+    for path in sorted(error_dir.glob("rank*.json")):
+        try:
+            reports.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    if reports:
+        first = min(reports, key=lambda r: r["rank"])
+        if first.get("bad_input"):
+            return first["error"], True
+        return f"rank {first['rank']} failed: {first['error']}", False
+    text = "\n".join(stderr_tail)
+    match = re.search(r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", text, re.S)
+    if match:
+        code = int(match.group(2))
+        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        return f"rank {match.group(1)} failed ({how})", False
+    return f"the run failed (exit code {returncode}); last output:\n" + "\n".join(stderr_tail[-15:]), False
+
+
+def launch(cfg: RunConfig, *, nproc: int, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None,
+           on_step=None, env: dict | None = None) -> dict | None:
+    """Run `cfg` under torchrun; returns the metrics (None on nodes other than node 0 of several)."""
+    with tempfile.TemporaryDirectory(prefix="planner-run-") as tmp:
+        tmp_path = Path(tmp)
+        config_path, metrics_path, error_dir = tmp_path / "run.json", tmp_path / "metrics.json", tmp_path / "errors"
+        error_dir.mkdir()
+        write_json_atomic(config_path, cfg.to_dict())
+        cmd = torchrun_command(nproc=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+                               run_args=["--config", str(config_path), "--metrics-out", str(metrics_path),
+                                         "--error-dir", str(error_dir)])
+        child_env = {**os.environ, **(env or {})}
+        child_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, nproc))))
+        child_env["PYTHONUNBUFFERED"] = "1"
+        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                               child_env.get("PYTHONPATH")]))
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env,
+                                start_new_session=True)
+        tail: deque[str] = deque(maxlen=200)
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                line = line.rstrip("\n")
+                if line.startswith(STEP_PREFIX):
+                    if on_step is not None:
+                        on_step(json.loads(line[len(STEP_PREFIX):]))
+                else:
+                    tail.append(line)
+            returncode = proc.wait()
+        except KeyboardInterrupt:
+            _kill_group(proc)
+            raise
+        finally:
+            if proc.poll() is None:
+                _kill_group(proc)
+        if returncode != 0:
+            message, bad_input = _failure_message(error_dir, list(tail), returncode)
+            raise (PlannerError if bad_input else RunFailed)(message)
+        if not metrics_path.exists():
+            return None
+        return read_json_file(metrics_path, what="metrics")
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Stop torchrun and every worker it started (they share its process group)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=10)
+            return
+        except subprocess.TimeoutExpired:
+            continue

@@ -1,0 +1,263 @@
+"""The trained transformer, built as pipeline chunks of units for the engine.
+
+A rank's model is a list of chunks (one per local pipeline stage); a chunk runs its `units` in order:
+the embedding (chunk 0), transformer blocks, and the head with the loss (last chunk). A unit is the
+granularity of data-parallel flat-parameter sharding. Units hold only this rank's tensor-parallel shard
+of each weight, but every weight is drawn in full from a generator seeded by (seed, parameter name) and
+then sliced, so every plan starts from exactly the same model as one process.
+
+Activations are [seq, batch, hidden] (sequence-sharded under sequence parallelism). The head returns the
+micro-batch's summed cross entropy times `loss_scale` (1 / tokens in the global batch), so gradients
+summed over micro-batches and data-parallel ranks are those of the global mean loss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from planner.model import ModelSpec
+from runners.tensor_parallel import (TPContext, copy_to_tp, cross_entropy_sum, enter_tp_region, exit_tp_region,
+                                     sequence_parallel_param)
+
+INIT_STD = 0.02
+
+
+def _seeded_normal(shape: tuple[int, ...], *, seed: int, name: str, std: float) -> torch.Tensor:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    return torch.randn(shape, generator=gen, dtype=torch.float32) * std
+
+
+def _shard(full: torch.Tensor, *, dim: int, tp: TPContext) -> torch.Tensor:
+    return full.chunk(tp.size, dim=dim)[tp.rank].contiguous() if tp.size > 1 else full
+
+
+def _param(full_shape, *, name, seed, std, tp, split_dim=None, fill=None) -> nn.Parameter:
+    full = torch.full(full_shape, float(fill)) if fill is not None else _seeded_normal(full_shape, seed=seed, name=name, std=std)
+    param = nn.Parameter(_shard(full, dim=split_dim, tp=tp) if split_dim is not None else full)
+    # The canonical name and TP split let any plan's shards be reassembled into one-process names.
+    param.canonical_name, param.tp_split_dim = name, split_dim
+    return param
+
+
+def canonical_names(chunks: list[nn.Module]) -> dict[str, tuple[str, int | None]]:
+    """'{chunk position}.{module parameter name}' -> (canonical name, TP split dim), taken before any
+    engine wraps the modules."""
+    return {f"{j}.{name}": (p.canonical_name, p.tp_split_dim)
+            for j, chunk in enumerate(chunks) for name, p in chunk.named_parameters()}
+
+
+class Norm(nn.Module):
+    """RMSNorm (llama) or LayerNorm (gpt2); replicated over TP, gradients summed under sequence parallel."""
+
+    def __init__(self, spec: ModelSpec, *, name: str, tp: TPContext) -> None:
+        super().__init__()
+        self.tp, self.rms = tp, spec.arch == "llama"
+        self.weight = _param((spec.hidden_size,), name=f"{name}.weight", seed=0, std=0, tp=tp, fill=1.0)
+        self.bias = None if self.rms else _param((spec.hidden_size,), name=f"{name}.bias", seed=0, std=0, tp=tp, fill=0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = sequence_parallel_param(self.weight, self.tp)
+        if self.rms:
+            xf = x.float()
+            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype) * w
+        return F.layer_norm(x, (x.shape[-1],), w, sequence_parallel_param(self.bias, self.tp), 1e-5)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding on x [s, b, heads, d] (half-split convention, as HF Llama)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, *, name: str, seed: int, tp: TPContext, selective: bool) -> None:
+        super().__init__()
+        h, kv, d = spec.hidden_size, spec.kv_dim, spec.head_dim
+        out_std = INIT_STD / math.sqrt(2 * spec.num_layers)
+        self.tp, self.spec, self.selective = tp, spec, selective
+        self.local_heads, self.local_kv_heads = spec.num_heads // tp.size, spec.num_kv_heads // tp.size
+        self.wq = _param((h, h), name=f"{name}.wq", seed=seed, std=INIT_STD, tp=tp, split_dim=0)
+        self.wk = _param((kv, h), name=f"{name}.wk", seed=seed, std=INIT_STD, tp=tp, split_dim=0)
+        self.wv = _param((kv, h), name=f"{name}.wv", seed=seed, std=INIT_STD, tp=tp, split_dim=0)
+        self.wo = _param((h, h), name=f"{name}.wo", seed=seed, std=out_std, tp=tp, split_dim=1)
+        if spec.has_bias:
+            self.bq = _param((h,), name=f"{name}.bq", seed=seed, std=0, tp=tp, split_dim=0, fill=0.0)
+            self.bk = _param((kv,), name=f"{name}.bk", seed=seed, std=0, tp=tp, split_dim=0, fill=0.0)
+            self.bv = _param((kv,), name=f"{name}.bv", seed=seed, std=0, tp=tp, split_dim=0, fill=0.0)
+            self.bo = _param((h,), name=f"{name}.bo", seed=seed, std=0, tp=tp, fill=0.0)
+        else:
+            self.bq = self.bk = self.bv = self.bo = None
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # [s, b, heads, d] -> [b, heads, s, d]; GQA repeats each KV head over its query heads.
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        rep = self.local_heads // self.local_kv_heads
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out.permute(2, 0, 1, 3).flatten(2)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        x = enter_tp_region(x, self.tp)
+        s, b, d = x.shape[0], x.shape[1], self.spec.head_dim
+        q = F.linear(x, self.wq, self.bq).view(s, b, self.local_heads, d)
+        k = F.linear(x, self.wk, self.bk).view(s, b, self.local_kv_heads, d)
+        v = F.linear(x, self.wv, self.bv).view(s, b, self.local_kv_heads, d)
+        if rope is not None:
+            cos, sin = (t[:s] for t in rope)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        # Selective recomputation (Korthikanti et al. 2022): drop the attention core's activations
+        # (scores, softmax) and recompute them in backward; keep the GEMM inputs.
+        ctx = checkpoint(self._core, q, k, v, use_reentrant=False) if self.selective else self._core(q, k, v)
+        out = exit_tp_region(F.linear(ctx, self.wo), self.tp)
+        return out + sequence_parallel_param(self.bo, self.tp) if self.bo is not None else out
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec, *, name: str, seed: int, tp: TPContext) -> None:
+        super().__init__()
+        h, f = spec.hidden_size, spec.ffn_hidden_size
+        out_std = INIT_STD / math.sqrt(2 * spec.num_layers)
+        self.tp, self.gated = tp, spec.gated_mlp
+        self.w_in = _param((f, h), name=f"{name}.w_in", seed=seed, std=INIT_STD, tp=tp, split_dim=0)
+        self.w_gate = _param((f, h), name=f"{name}.w_gate", seed=seed, std=INIT_STD, tp=tp, split_dim=0) if self.gated else None
+        self.w_out = _param((h, f), name=f"{name}.w_out", seed=seed, std=out_std, tp=tp, split_dim=1)
+        if spec.has_bias:
+            self.b_in = _param((f,), name=f"{name}.b_in", seed=seed, std=0, tp=tp, split_dim=0, fill=0.0)
+            self.b_out = _param((h,), name=f"{name}.b_out", seed=seed, std=0, tp=tp, fill=0.0)
+        else:
+            self.b_in = self.b_out = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = enter_tp_region(x, self.tp)
+        if self.gated:
+            hidden = F.silu(F.linear(x, self.w_gate)) * F.linear(x, self.w_in)
+        else:
+            hidden = F.gelu(F.linear(x, self.w_in, self.b_in))
+        out = exit_tp_region(F.linear(hidden, self.w_out), self.tp)
+        return out + sequence_parallel_param(self.b_out, self.tp) if self.b_out is not None else out
+
+
+class Block(nn.Module):
+    """One transformer layer (pre-norm), with its recomputation policy: none, selective or full."""
+
+    def __init__(self, spec: ModelSpec, *, index: int, seed: int, tp: TPContext, recompute: str) -> None:
+        super().__init__()
+        name = f"layers.{index}"
+        self.recompute = recompute
+        self.norm1 = Norm(spec, name=f"{name}.norm1", tp=tp)
+        self.attn = Attention(spec, name=f"{name}.attn", seed=seed, tp=tp, selective=recompute == "selective")
+        self.norm2 = Norm(spec, name=f"{name}.norm2", tp=tp)
+        self.mlp = MLP(spec, name=f"{name}.mlp", seed=seed, tp=tp)
+        self.rope = spec.arch == "llama"
+        if self.rope:
+            d = spec.head_dim
+            inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+            angles = torch.outer(torch.arange(spec.max_seq_len, dtype=torch.float32), inv_freq)
+            # [s, 1, 1, d/2]: broadcast over batch and heads.
+            self.register_buffer("cos", angles.cos()[:, None, None, :], persistent=False)
+            self.register_buffer("sin", angles.sin()[:, None, None, :], persistent=False)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        rope = (self.cos.to(x.dtype), self.sin.to(x.dtype)) if self.rope else None
+        x = x + self.attn(self.norm1(x), rope)
+        return x + self.mlp(self.norm2(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute == "full" and torch.is_grad_enabled():
+            # Full recomputation keeps only the layer's input; the unit's parameters are gathered by the
+            # engine's backward pre-hook before this recompute runs.
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+
+class Embedding(nn.Module):
+    """Vocab-parallel token embedding (+ learned positions for gpt2); out [s, b, h], sequence-sharded under SP."""
+
+    def __init__(self, spec: ModelSpec, *, seed: int, tp: TPContext) -> None:
+        super().__init__()
+        self.tp, self.spec = tp, spec
+        self.weight = _param((spec.vocab_size, spec.hidden_size), name="embed.weight", seed=seed, std=INIT_STD,
+                             tp=tp, split_dim=0)
+        self.vocab_start = tp.rank * (spec.vocab_size // tp.size)
+        self.pos = (_param((spec.max_seq_len, spec.hidden_size), name="embed.pos", seed=seed, std=INIT_STD, tp=tp)
+                    if spec.learned_positions else None)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        ids = tokens.t()  # [s, b]
+        if self.tp.size == 1:
+            x = F.embedding(ids, self.weight)
+        else:
+            local = ids - self.vocab_start
+            outside = (local < 0) | (local >= self.weight.shape[0])
+            x = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * (~outside).unsqueeze(-1)
+            x = exit_tp_region(x, self.tp)
+        if self.pos is not None:
+            s_local = x.shape[0]
+            start = self.tp.rank * s_local if self.tp.sequence_parallel else 0
+            x = x + sequence_parallel_param(self.pos, self.tp)[start:start + s_local].unsqueeze(1)
+        return x
+
+
+class Head(nn.Module):
+    """Final norm, vocab-parallel output projection, and the summed cross entropy times loss_scale."""
+
+    def __init__(self, spec: ModelSpec, *, seed: int, tp: TPContext, loss_scale: float) -> None:
+        super().__init__()
+        self.tp, self.loss_scale = tp, loss_scale
+        self.norm = Norm(spec, name="final_norm", tp=tp)
+        # Tied models start the output projection from the embedding's draw; the engine keeps the two
+        # copies' gradients summed (see runners/train.py).
+        name = "embed.weight" if spec.tied_embeddings else "lm_head.weight"
+        self.weight = _param((spec.vocab_size, spec.hidden_size), name=name, seed=seed, std=INIT_STD, tp=tp, split_dim=0)
+        self.vocab_start = tp.rank * (spec.vocab_size // tp.size)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = enter_tp_region(self.norm(x), self.tp)
+        logits = F.linear(x, self.weight)  # [s, b, V / tp]
+        return cross_entropy_sum(logits, targets.t(), vocab_start=self.vocab_start, tp=self.tp) * self.loss_scale
+
+
+class Chunk(nn.Module):
+    """A contiguous run of units: forward(x, targets) returns the hidden state, or the loss for the last chunk."""
+
+    def __init__(self, units: list[nn.Module]) -> None:
+        super().__init__()
+        self.units = nn.ModuleList(units)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        for unit in self.units:
+            x = unit(x, targets) if isinstance(unit, Head) else unit(x)
+        return x
+
+
+def build_chunk(spec: ModelSpec, *, layers: range, first: bool, last: bool, seed: int, tp: TPContext,
+                recompute: list[str] | str, loss_scale: float) -> Chunk:
+    """One pipeline chunk: the embedding if `first`, blocks `layers`, the head if `last`.
+
+    `recompute` is one policy or a list indexed by global layer number."""
+    units: list[nn.Module] = []
+    if first:
+        units.append(Embedding(spec, seed=seed, tp=tp))
+    for i in layers:
+        policy = recompute if isinstance(recompute, str) else recompute[i]
+        units.append(Block(spec, index=i, seed=seed, tp=tp, recompute=policy))
+    if last:
+        units.append(Head(spec, seed=seed, tp=tp, loss_scale=loss_scale))
+    return Chunk(units)
+
+
+def check_tp_shapes(spec: ModelSpec, tp_size: int) -> None:
+    """Raise ValueError if this model cannot be split over `tp_size` ranks by the runner."""
+    for name, value in (("num_heads", spec.num_heads), ("num_kv_heads", spec.num_kv_heads),
+                        ("ffn_hidden_size", spec.ffn_hidden_size), ("vocab_size", spec.vocab_size)):
+        if value % tp_size:
+            raise ValueError(f"tp {tp_size} does not divide the model's {name} {value}")
