@@ -95,6 +95,8 @@ class Hardware:
     source: str = "datasheet"
     collectives: tuple[CollectiveFit, ...] = ()
     gemm_points: tuple[GemmPoint, ...] = ()
+    # Measured element-wise kernels (norm, activation, add): kernel name -> bytes read + written per second.
+    elementwise_bytes_per_s: dict[str, float] = field(default_factory=dict)
     # Free parameters fitted by `planner calibrate` (names documented in cost_models/).
     calibration: dict[str, float] = field(default_factory=dict)
 
