@@ -1,0 +1,487 @@
+"""Search for the fastest plan that fits: enumerate, bound, price, rank.
+
+    planner search --model llama3-70b --hardware h100 --gpus 1024 --global-batch 1024 --seq-len 4096
+
+    from planner.search import search, SearchOptions
+    result = search(problem, options=SearchOptions(top_k=5))
+
+Branch and bound over the plan space. A *slot* fixes the degrees (dp, tp, pp), virtual stages, schedule,
+micro-batch, recomputation and sequence parallelism; its *variants* add the DP sharding point (ZeRO-0..3,
+HSDP), commshift and the MAZ3 cache tier. Every slot gets a step-time lower bound from the per-layer
+costs alone (the pipeline's compute critical path, no communication or bubble beyond it), and every
+variant a memory lower bound (model states, ZeRO accounting, plus the activations the schedule keeps in
+flight). Slots are priced in order of their bound and the search stops when the next bound cannot beat
+the k-th best plan found: exact whenever the bounds are true lower bounds of the cost model, which the
+tests check, and the search counts any violation it sees (`bound_violations`).
+
+The per-layer costs depend only on (tp, sequence parallel, micro-batch), so they are computed once per
+such key and shared by every slot. The ILP (planner/ilp.py) then refines the best few plans with unequal
+stages and per-layer recomputation.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Callable, Iterator
+
+from cost_models.estimate import Estimate
+from cost_models.schedule import rank_actions
+from planner.errors import PlannerError
+from planner.inputs import Problem
+from planner.plan import CACHE_TIERS, RECOMPUTE, Plan
+
+log = logging.getLogger(__name__)
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The two pricing calls the search makes (the real ones in cost_models/estimate.py, or synthetic
+    ones in tests): `estimate(plan, *, model, cluster, job) -> Estimate` and
+    `layer_costs(plan, *, model, cluster, job) -> LayerCosts`."""
+
+    estimate: Callable[..., Estimate]
+    layer_costs: Callable[..., object]
+
+
+def default_cost_model() -> CostModel:
+    from cost_models import estimate as est
+
+    return CostModel(estimate=est.estimate, layer_costs=est.layer_costs)
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    top_k: int = 10
+    max_virtual_stages: int = 8
+    recompute: tuple[str, ...] = RECOMPUTE
+    use_ilp: bool = True
+    ilp_candidates: int = 3
+    # Price every candidate without bounds or pruning: the brute force the tests compare against.
+    exhaustive: bool = False
+    # Called with the number of plans priced so far (for a progress display).
+    on_progress: Callable[[int], None] | None = None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    plan: Plan
+    estimate: Estimate
+
+    def to_dict(self) -> dict:
+        return {"plan": self.plan.to_dict(), "estimate": self.estimate.to_dict()}
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    winner: Candidate
+    candidates: tuple[Candidate, ...]  # fitting plans fastest first, then the rest by memory shortfall
+    pareto: tuple[Candidate, ...]  # fitting plans no other plan beats on both step time and memory
+    num_evaluated: int  # plans priced by the full cost model
+    num_pruned_memory: int  # variants dropped by the memory lower bound without pricing
+    search_time_s: float
+    bound_violations: int = 0  # priced plans faster than their lower bound (0 unless the cost model changed)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Everything but the DP sharding variant; the unit of the time bound."""
+
+    dp: int
+    tp: int
+    pp: int
+    virtual_stages: int
+    schedule: str
+    micro_batch: int
+    num_micro_batches: int
+    recompute: str
+    sequence_parallel: bool
+
+    def plan(self, *, shards: tuple[int, int, int] = (1, 1, 1), cache: str = "none", commshift: bool = False) -> Plan:
+        return Plan(dp=self.dp, tp=self.tp, pp=self.pp, virtual_stages=self.virtual_stages,
+                    micro_batch=self.micro_batch, num_micro_batches=self.num_micro_batches,
+                    schedule=self.schedule, recompute=self.recompute, sequence_parallel=self.sequence_parallel,
+                    param_shard=shards[0], grad_shard=shards[1], optim_shard=shards[2], param_cache=cache,
+                    commshift=commshift)
+
+
+# --- enumeration ---------------------------------------------------------------------------------------
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def degree_options(problem: Problem) -> list[tuple[int, int, int]]:
+    """Valid (dp, tp, pp): dp x tp x pp = devices, TP inside a node and dividing heads, KV heads and
+    FFN, at most one layer per stage, and dp dividing the global batch."""
+    model, n = problem.model, problem.cluster.num_devices
+    out = []
+    for tp in divisors(problem.cluster.devices_per_node):
+        if n % tp or any(x % tp for x in (model.num_heads, model.num_kv_heads, model.ffn_hidden_size)):
+            continue
+        for pp in divisors(n // tp):
+            dp = n // (tp * pp)
+            if pp <= model.num_layers and problem.job.global_batch % dp == 0:
+                out.append((dp, tp, pp))
+    return out
+
+
+def schedule_options(*, pp: int, num_micro_batches: int, num_layers: int, max_v: int) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) worth pricing for one pipeline depth and micro-batch count.
+
+    Interleaving needs the micro-batches to divide by pp (Plan's rule) and, as in Megatron, the layers to
+    divide by pp x v. GPipe has 1F1B's bubble and keeps all micro-batches in flight, so it can only tie
+    or win when there are no more micro-batches than stages (then both keep every micro-batch in flight).
+    """
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [("1f1b", 1)]
+    v = 2
+    while v <= max_v and pp * v <= num_layers:
+        if num_micro_batches % pp == 0 and num_layers % (pp * v) == 0:
+            out.append(("interleaved-1f1b", v))
+        v *= 2
+    if num_micro_batches <= pp:
+        out.append(("gpipe", 1))
+    return out
+
+
+def enumerate_slots(problem: Problem, options: SearchOptions) -> Iterator[Slot]:
+    model, job = problem.model, problem.job
+    for dp, tp, pp in degree_options(problem):
+        per_replica = job.global_batch // dp
+        for mb in divisors(per_replica):
+            m = per_replica // mb
+            for schedule, v in schedule_options(pp=pp, num_micro_batches=m, num_layers=model.num_layers,
+                                                max_v=options.max_virtual_stages):
+                for rc in options.recompute:
+                    for sp in ((False, True) if tp > 1 and job.seq_len % tp == 0 else (False,)):
+                        yield Slot(dp, tp, pp, v, schedule, mb, m, rc, sp)
+
+
+def sharding_variants(slot: Slot, *, devices_per_node: int) -> list[tuple[tuple[int, int, int], str, bool]]:
+    """(shard degrees, cache tier, commshift) for one slot: ZeRO-0..3, HSDP with the DP ranks of one node,
+    MAZ3 cache tiers where parameters are sharded, commshift where pp > 1 and dp > 1."""
+    dp = slot.dp
+    if dp == 1:
+        return [((1, 1, 1), "none", False)]
+    points = [(1, 1, 1), (1, 1, dp), (1, dp, dp), (dp, dp, dp)]
+    in_node = max(1, devices_per_node // slot.tp)
+    if 1 < in_node < dp and dp % in_node == 0:
+        points.append((in_node, in_node, in_node))
+    shifts = (False, True) if slot.pp > 1 else (False,)
+    out = []
+    for shards in points:
+        for cache in (CACHE_TIERS if shards[0] > 1 else ("none",)):
+            out.extend((shards, cache, shift) for shift in shifts)
+    return out
+
+
+# --- bounds --------------------------------------------------------------------------------------------
+@lru_cache(maxsize=4096)
+def rank_in_flight(schedule: str, pp: int, v: int, m: int) -> tuple[int, ...]:
+    """Most micro-batch chunk activations each pipeline rank holds at once under the schedule."""
+    out = []
+    for actions in rank_actions(schedule=schedule, pp=pp, virtual_stages=v, num_micro_batches=m):
+        live = peak = 0
+        for a in actions:
+            live += 1 if a.kind == "F" else -1
+            peak = max(peak, live)
+        out.append(peak)
+    return tuple(out)
+
+
+@lru_cache(maxsize=4096)
+def chunk_in_flight(schedule: str, pp: int, v: int, m: int) -> tuple[int, ...]:
+    """Per chunk: the most micro-batches whose activations it holds at once (for the ILP, which prices
+    each chunk's layers separately; summing these over a rank's chunks over-counts, never under)."""
+    peaks = [0] * (pp * v)
+    for actions in rank_actions(schedule=schedule, pp=pp, virtual_stages=v, num_micro_batches=m):
+        live = [0] * (pp * v)
+        for a in actions:
+            live[a.chunk] += 1 if a.kind == "F" else -1
+            peaks[a.chunk] = max(peaks[a.chunk], live[a.chunk])
+    return tuple(peaks)
+
+
+@lru_cache(maxsize=4096)
+def chunk_counts(num_layers: int, pp: int, v: int) -> tuple[int, ...]:
+    schedule = "interleaved-1f1b" if v > 1 else "1f1b"
+    return Plan(pp=pp, virtual_stages=v, schedule=schedule, num_micro_batches=pp).chunk_layer_counts(num_layers)
+
+
+def time_lower_bound_s(slot: Slot, costs, *, num_layers: int) -> float:
+    """A step can be no shorter than its pipeline's compute critical path.
+
+    Rank r runs m micro-batches through its chunks, and before its first forward (after its last
+    backward) the chunks before its first chunk, chunk r, must run forward (backward) for one micro-
+    batch: step >= max_r [m T_r + sum_{c<r} T_c] with T the per-micro-batch forward+backward time. For
+    equal stages this is the classic (m + pp - 1) T of GPipe/1F1B, and (m + (pp - 1)/v) T_rank for
+    interleaving (Narayanan et al., SC21, sec. 2.2). Communication and the optimizer only add to it.
+    """
+    counts = chunk_counts(num_layers, slot.pp, slot.virtual_stages)
+    t_layer = costs.time_s[slot.recompute]
+    chunk_t = [n * t_layer for n in counts]
+    chunk_t[0] += costs.first_extra_time_s
+    chunk_t[-1] += costs.last_extra_time_s
+    rank_t = [sum(chunk_t[r::slot.pp]) for r in range(slot.pp)]
+    return max(slot.num_micro_batches * rank_t[r] + sum(chunk_t[:r]) for r in range(slot.pp))
+
+
+def state_bytes_per_param(precision: str) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer) bytes per parameter with Adam: 2 + 2 + 12 in mixed precision,
+    4 + 4 + 8 in fp32 (Rajbhandari et al., ZeRO, SC20, sec. 3.1)."""
+    return (4, 4, 8) if precision == "fp32" else (2, 2, 12)
+
+
+@dataclass(frozen=True)
+class SlotMemory:
+    """What the memory bound of a slot's variants needs: per rank, parameters per device (all split by
+    TP, the lowest any split can give) and the activations its schedule keeps in flight."""
+
+    rank_params: tuple[float, ...]
+    rank_activation_bytes: tuple[float, ...]
+
+    def lower_bound_bytes(self, shards: tuple[int, int, int], precision: str) -> float:
+        w, g, o = state_bytes_per_param(precision)
+        per_param = w / shards[0] + g / shards[1] + o / shards[2]
+        return max(p * per_param + a for p, a in zip(self.rank_params, self.rank_activation_bytes))
+
+
+def slot_memory(slot: Slot, costs, problem: Problem) -> SlotMemory:
+    model = problem.model
+    counts = chunk_counts(model.num_layers, slot.pp, slot.virtual_stages)
+    num_chunks = len(counts)
+    params, acts = [], []
+    live = rank_in_flight(slot.schedule, slot.pp, slot.virtual_stages, slot.num_micro_batches)
+    for r in range(slot.pp):
+        chunks = range(r, num_chunks, slot.pp)
+        n = sum(counts[c] for c in chunks)
+        p = n * model.layer_params() + (model.embedding_params() if 0 in chunks else 0) + (
+            model.head_params() if num_chunks - 1 in chunks else 0)
+        params.append(p / slot.tp)
+        # The rank holds `live` chunk activations at its peak, each at least its smallest chunk's.
+        acts.append(live[r] * min(counts[c] for c in chunks) * costs.activation_bytes[slot.recompute])
+    return SlotMemory(tuple(params), tuple(acts))
+
+
+# --- the search ------------------------------------------------------------------------------------------
+class _Pricer:
+    """Calls the cost model, counting full estimates and caching per-layer costs per (tp, sp, mb)."""
+
+    def __init__(self, problem: Problem, cost: CostModel, on_progress: Callable[[int], None] | None) -> None:
+        self.problem, self.cost, self.on_progress = problem, cost, on_progress
+        self.layer_cache: dict[tuple[int, bool, int], object] = {}
+        self.num_evaluated = 0
+
+    def _kwargs(self) -> dict:
+        p = self.problem
+        return {"model": p.model, "cluster": p.cluster, "job": p.job}
+
+    def slot_costs(self, slot: Slot):
+        # Per-layer time and activations depend on the layer's shape on one device (tp, sequence
+        # parallelism, micro-batch), not on how many replicas or stages there are; unsharded states give
+        # the smallest per-layer time, so the bound stays a lower bound for every sharding variant.
+        key = (slot.tp, slot.sequence_parallel, slot.micro_batch)
+        if key not in self.layer_cache:
+            self.layer_cache[key] = self.cost.layer_costs(slot.plan(), **self._kwargs())
+        return self.layer_cache[key]
+
+    def layer_costs(self, plan: Plan):
+        return self.cost.layer_costs(plan, **self._kwargs())
+
+    def price(self, plan: Plan) -> Candidate:
+        self.num_evaluated += 1
+        if self.on_progress is not None and self.num_evaluated % 64 == 0:
+            self.on_progress(self.num_evaluated)
+        return Candidate(plan, self.cost.estimate(plan, **self._kwargs()))
+
+
+def search(problem: Problem, *, options: SearchOptions = SearchOptions(), cost: CostModel | None = None) -> SearchResult:
+    """The fastest plans that fit, ranked, with the throughput-memory Pareto front.
+
+    Raises PlannerError when no plan fits, naming the least memory per device any plan needs.
+    """
+    start = time.perf_counter()
+    pricer = _Pricer(problem, cost or default_cost_model(), options.on_progress)
+    bounded = []
+    for i, slot in enumerate(enumerate_slots(problem, options)):
+        bounded.append((time_lower_bound_s(slot, pricer.slot_costs(slot), num_layers=problem.model.num_layers), i, slot))
+    if not bounded:
+        raise PlannerError(f"no valid degrees for {problem.cluster.num_devices} devices: dp x tp x pp must equal the "
+                           f"device count with tp inside a node dividing the heads and dp dividing the global "
+                           f"batch {problem.job.global_batch}")
+    bounded.sort(key=lambda item: (item[0], item[1]))
+    state = _BranchAndBound(problem, pricer, options)
+    for bound, _, slot in bounded:
+        if state.done(bound):
+            break
+        state.visit(slot, bound)
+    if not state.fitting:
+        raise PlannerError(state.nothing_fits_message())
+    priced = state.priced
+    if options.use_ilp:
+        priced = priced + _refine_with_ilp(sorted(state.fitting, key=_speed), pricer, problem, options)
+    fitting = sorted((c for c in priced if c.estimate.fits), key=_speed)
+    rest = sorted((c for c in priced if not c.estimate.fits), key=lambda c: c.estimate.memory_shortfall_bytes)
+    return SearchResult(winner=fitting[0], candidates=tuple(fitting + rest), pareto=pareto_front(fitting),
+                        num_evaluated=pricer.num_evaluated, num_pruned_memory=state.num_pruned,
+                        search_time_s=time.perf_counter() - start, bound_violations=state.violations)
+
+
+def _speed(c: Candidate) -> tuple[float, float]:
+    return (c.estimate.step_time_s, c.estimate.peak_memory_bytes)
+
+
+class _BranchAndBound:
+    """The mutable state of one search call: what was priced, the k best that fit, what was pruned."""
+
+    def __init__(self, problem: Problem, pricer: _Pricer, options: SearchOptions) -> None:
+        self.problem, self.pricer, self.options = problem, pricer, options
+        self.limit_bytes = float(problem.cluster.hardware.memory_bytes)
+        self.priced: list[Candidate] = []
+        self.fitting: list[Candidate] = []
+        self.top_times: list[float] = []  # negated step times of the k fastest fitting plans (a max-heap)
+        self.pruned: list[tuple[float, Slot]] = []
+        self.num_pruned = 0
+        self.violations = 0
+
+    def done(self, bound: float) -> bool:
+        """No remaining slot can enter the top k: every later bound is at least this one."""
+        if self.options.exhaustive or len(self.top_times) < self.options.top_k:
+            return False
+        return bound >= -self.top_times[0]
+
+    def visit(self, slot: Slot, bound: float) -> None:
+        memory = slot_memory(slot, self.pricer.slot_costs(slot), self.problem)
+        variants = sharding_variants(slot, devices_per_node=self.problem.cluster.devices_per_node)
+        precision = self.problem.job.precision
+        leanest = min(memory.lower_bound_bytes(shards, precision) for shards, _, _ in variants)
+        if leanest > self.limit_bytes and not self.options.exhaustive:
+            self.pruned.append((leanest, slot))
+            self.num_pruned += len(variants)
+            return
+        for shards, cache, shift in variants:
+            if memory.lower_bound_bytes(shards, precision) > self.limit_bytes and not self.options.exhaustive:
+                self.num_pruned += 1
+                continue
+            self.add(self.pricer.price(slot.plan(shards=shards, cache=cache, commshift=shift)), bound)
+
+    def add(self, cand: Candidate, bound: float) -> None:
+        est = cand.estimate
+        # The cost model's own limit (it may hold some memory back) prunes at least as much.
+        self.limit_bytes = min(self.limit_bytes, float(est.memory_limit_bytes))
+        if est.step_time_s < bound * (1 - 1e-9):
+            self.violations += 1
+            log.warning("step time %.6g s of %s is below its lower bound %.6g s", est.step_time_s,
+                        cand.plan.describe(), bound)
+        self.priced.append(cand)
+        if est.fits:
+            self.fitting.append(cand)
+            heapq.heappush(self.top_times, -est.step_time_s)
+            if len(self.top_times) > self.options.top_k:
+                heapq.heappop(self.top_times)
+
+    def nothing_fits_message(self) -> str:
+        """Find the least peak memory any plan needs (pricing pruned slots in order of their bound
+        while they could still need less) and say it in one line."""
+        leanest = min(self.priced, key=lambda c: c.estimate.peak_memory_bytes, default=None)
+        precision = self.problem.job.precision
+        for lower, slot in sorted(self.pruned, key=lambda item: item[0]):
+            if leanest is not None and lower >= leanest.estimate.peak_memory_bytes:
+                break
+            memory = slot_memory(slot, self.pricer.slot_costs(slot), self.problem)
+            for shards, cache, shift in sharding_variants(slot, devices_per_node=self.problem.cluster.devices_per_node):
+                if leanest is not None and memory.lower_bound_bytes(shards, precision) >= leanest.estimate.peak_memory_bytes:
+                    continue
+                cand = self.pricer.price(slot.plan(shards=shards, cache=cache, commshift=shift))
+                if leanest is None or cand.estimate.peak_memory_bytes < leanest.estimate.peak_memory_bytes:
+                    leanest = cand
+        est = leanest.estimate
+        return (f"no plan fits in {format_bytes(est.memory_limit_bytes)} per device; the leanest "
+                f"({leanest.plan.describe()}) needs {format_bytes(est.peak_memory_bytes)} per device")
+
+
+def format_bytes(num_bytes: float) -> str:
+    return f"{num_bytes / GIB:.1f} GiB" if num_bytes >= GIB else f"{num_bytes / 2**20:.1f} MiB"
+
+
+def pareto_front(candidates: list[Candidate]) -> tuple[Candidate, ...]:
+    """Plans no other plan beats on both step time and peak memory, least memory first."""
+    front: list[Candidate] = []
+    for c in sorted(candidates, key=lambda c: (c.estimate.peak_memory_bytes, c.estimate.step_time_s)):
+        if not front or c.estimate.step_time_s < front[-1].estimate.step_time_s:
+            front.append(c)
+    return tuple(front)
+
+
+# --- ILP refinement --------------------------------------------------------------------------------------
+def _refine_with_ilp(ranked: list[Candidate], pricer: _Pricer, problem: Problem,
+                     options: SearchOptions) -> list[Candidate]:
+    """Re-place layers (unequal stages) and choose recomputation per layer for the best few plans,
+    keeping a refined plan only if the full cost model says it fits."""
+    out: list[Candidate] = []
+    seen: set[Plan] = set()
+    for cand in ranked:
+        if len(seen) >= options.ilp_candidates:
+            break
+        plan = cand.plan
+        if plan.pp == 1 and plan.recompute == "none":
+            continue  # one stage and nothing recomputed: no layout or policy to improve
+        seen.add(plan)
+        refined = _ilp_layout(cand, pricer, problem)
+        if refined is not None:
+            out.append(refined)
+    return out
+
+
+def _stage_costs(plan: Plan, costs, problem: Problem, *, memory_cap_bytes: float):
+    from planner.ilp import StageCosts
+
+    in_flight = chunk_in_flight(plan.schedule, plan.pp, plan.virtual_stages, plan.num_micro_batches)
+    return StageCosts(
+        num_layers=problem.model.num_layers, pp=plan.pp, num_chunks=plan.num_chunks,
+        time_s=dict(costs.time_s), activation_bytes=dict(costs.activation_bytes),
+        state_bytes=float(costs.state_bytes), in_flight=in_flight, memory_cap_bytes=memory_cap_bytes,
+        first_extra_time_s=costs.first_extra_time_s, last_extra_time_s=costs.last_extra_time_s,
+        first_extra_bytes=costs.first_extra_bytes, last_extra_bytes=costs.last_extra_bytes)
+
+
+def _ilp_layout(cand: Candidate, pricer: _Pricer, problem: Problem) -> Candidate | None:
+    """One ILP refinement of `cand`; None when it cannot improve or its result does not fit.
+
+    The ILP sees only layer states, activations and the ends; everything else the cost model counts
+    (buffers, caches, reserve) is taken as fixed: the gap between the estimate's peak and the ILP's own
+    count for the current layout. If the full model disagrees, retry once with the cap lowered by the
+    shortfall.
+    """
+    from planner.ilp import balance_stages, layout_bottleneck_s, layout_memory_bytes
+
+    plan = cand.plan
+    costs = pricer.layer_costs(plan)
+    current = [{plan.recompute: n} for n in plan.chunk_layer_counts(problem.model.num_layers)]
+    probe = _stage_costs(plan, costs, problem, memory_cap_bytes=0.0)
+    other_bytes = cand.estimate.peak_memory_bytes - max(layout_memory_bytes(probe, current))
+    cap = cand.estimate.memory_limit_bytes - other_bytes
+    for _ in range(2):
+        try:
+            layout = balance_stages(_stage_costs(plan, costs, problem, memory_cap_bytes=cap))
+        except PlannerError:
+            return None
+        if layout.bottleneck_time_s >= layout_bottleneck_s(probe, current) * (1 - 1e-6):
+            return None
+        policies = set(layout.recompute_layers)
+        even = layout.stage_layers == plan.chunk_layer_counts(problem.model.num_layers)
+        new_plan = plan.replace(stage_layers=None if even else layout.stage_layers,
+                                recompute=policies.pop() if len(policies) == 1 else plan.recompute,
+                                recompute_layers=None if len(set(layout.recompute_layers)) == 1 else layout.recompute_layers)
+        if new_plan == plan:
+            return None
+        refined = pricer.price(new_plan)
+        if refined.estimate.fits:
+            return refined if refined.estimate.step_time_s < cand.estimate.step_time_s else None
+        cap -= refined.estimate.memory_shortfall_bytes
+    return None
