@@ -104,12 +104,13 @@ class Comm:
         self._count("broadcast", tensor.numel() * tensor.element_size(), ranks)
         return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
-    def isend(self, tensor: torch.Tensor, *, dst: int, group=None):
+    # `tag` tells messages between one pair of ranks apart on gloo; NCCL ignores it and matches by order.
+    def isend(self, tensor: torch.Tensor, *, dst: int, group=None, tag: int = 0):
         self._count("p2p", tensor.numel() * tensor.element_size(), (dist.get_rank(), dst))
-        return dist.isend(tensor, dst=dst, group=group)
+        return dist.isend(tensor, dst=dst, group=group, tag=tag)
 
-    def irecv(self, tensor: torch.Tensor, *, src: int, group=None):
-        return dist.irecv(tensor, src=src, group=group)
+    def irecv(self, tensor: torch.Tensor, *, src: int, group=None, tag: int = 0):
+        return dist.irecv(tensor, src=src, group=group, tag=tag)
 
     def wait(self, work) -> None:
         """Wait for an async collective, counting the time blocked."""
