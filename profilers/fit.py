@@ -48,8 +48,9 @@ def fit_latency_bandwidth(bus_bytes: Sequence[float], times_s: Sequence[float]) 
 
     Weighting by 1/time minimises relative error, so the microsecond points pin the latency and the
     large points pin the bandwidth instead of the largest message swamping the sum. A negative fitted
-    intercept (a token-bucket burst or cache effects make mid sizes look fast) is clamped to zero and
-    the slope refitted through the origin.
+    intercept (a token bucket's burst or a cache makes the first bytes free: time = (bytes - burst) /
+    rate) is reported as zero latency, but the slope is kept: refitting through the origin would
+    inflate the bandwidth by the burst.
     """
     x = np.asarray(bus_bytes, dtype=float)
     t = np.asarray(times_s, dtype=float)
@@ -62,12 +63,10 @@ def fit_latency_bandwidth(bus_bytes: Sequence[float], times_s: Sequence[float]) 
     w = 1.0 / t
     design = np.stack([np.ones_like(x), x], axis=1) * w[:, None]
     (latency_s, inv_bw), *_ = np.linalg.lstsq(design, t * w, rcond=None)
-    if latency_s < 0:
-        latency_s = 0.0
-        inv_bw = float(np.sum(w * w * x * t) / np.sum(w * w * x * x))
     if inv_bw <= 0:
         raise PlannerError("measured times do not grow with message size; cannot fit a bandwidth "
                            "(use larger messages)")
+    latency_s = max(0.0, float(latency_s))
     pred = latency_s + x * inv_bw
     rms = float(np.sqrt(np.mean(((pred - t) / t) ** 2)))
     return LinearFit(latency_s=float(latency_s), bandwidth_bytes_per_s=float(1.0 / inv_bw), rms_rel_error=rms)

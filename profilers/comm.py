@@ -1,0 +1,230 @@
+"""Collective benchmark worker, one process per rank under torchrun (gloo on CPU, NCCL on CUDA).
+
+    python -m torch.distributed.run --nproc-per-node 2 -m profilers.comm --spec spec.json --out-dir out/
+
+`planner profile` writes the spec (sizes, collectives and the process groups to measure) and launches
+this; rank 0 writes `comm.json` with one curve per (group, collective). Each group is measured alone,
+the other ranks waiting at a barrier, so a curve is the link class's own speed. A failing rank writes
+`rank<N>.error` with its exception, so the parent can say which rank failed and why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+PROGRESS_PREFIX = "@@progress"
+ELEMENT_BYTES = 4  # float32 payloads: the byte count, not the dtype, sets a collective's time
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    """A process group to measure: `link` is the class its traffic crosses (intra_node or inter_node)."""
+
+    name: str
+    link: str
+    ranks: tuple[int, ...]
+
+
+def plan_groups(*, world_size: int, ranks_per_node: int, quick: bool) -> list[GroupShape]:
+    """The group shapes plans use, each as the group that contains rank 0.
+
+    Inside a node: consecutive ranks (tensor parallel), sizes 2, 4, ... up to the node. Across nodes:
+    one rank per node (data or pipeline parallel over nodes), sizes 2, 4, ... up to the node count.
+    Both: the whole world when nodes hold several ranks. --quick keeps the smallest and largest sizes.
+    """
+    if world_size % ranks_per_node:
+        raise ValueError(f"{world_size} processes do not split into nodes of {ranks_per_node}")
+    num_nodes = world_size // ranks_per_node
+
+    def sizes(limit: int) -> list[int]:
+        out = sorted({s for s in (2 ** i for i in range(1, 20)) if s <= limit} | ({limit} if limit >= 2 else set()))
+        return sorted({out[0], out[-1]}) if quick and out else out
+
+    shapes = [GroupShape(f"intra{s}", "intra_node", tuple(range(s))) for s in sizes(ranks_per_node)]
+    shapes += [GroupShape(f"inter{s}", "inter_node", tuple(i * ranks_per_node for i in range(s)))
+               for s in sizes(num_nodes)]
+    if num_nodes >= 2 and ranks_per_node >= 2:
+        shapes.append(GroupShape(f"both{world_size}", "inter_node", tuple(range(world_size))))
+    return shapes
+
+
+@dataclass(frozen=True)
+class CommSpec:
+    sizes_bytes: tuple[int, ...]
+    collectives: tuple[str, ...]
+    groups: tuple[GroupShape, ...]
+    budget_s_per_point: float
+    max_repeats: int
+    timeout_s: float
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self)))
+
+    @classmethod
+    def load(cls, path: Path) -> "CommSpec":
+        data = json.loads(path.read_text())
+        data["groups"] = tuple(GroupShape(g["name"], g["link"], tuple(g["ranks"])) for g in data["groups"])
+        return cls(**{**data, "sizes_bytes": tuple(data["sizes_bytes"]), "collectives": tuple(data["collectives"])})
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this worker when its torchrun agent dies, so no rank outlives a killed run."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
+
+
+def _make_op(collective: str, nbytes: int, *, ranks: tuple[int, ...], group, device: torch.device):
+    """A closure running one `collective` of `nbytes` message bytes (see profilers.fit.bus_factor)."""
+    n = len(ranks)
+    numel = nbytes // ELEMENT_BYTES
+    me = dist.get_rank()
+    full = torch.ones(numel, dtype=torch.float32, device=device)
+    part = torch.ones(numel // n, dtype=torch.float32, device=device)
+    if collective == "all_reduce":
+        return lambda: dist.all_reduce(full, group=group)
+    # torch 2.13 renamed the tensor forms (*_single); older releases in our range only have *_tensor.
+    if collective == "all_gather":
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: gather(full, part, group=group)
+    if collective == "reduce_scatter":
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: scatter(part, full, group=group)
+    if collective == "broadcast":
+        return lambda: dist.broadcast(full, src=ranks[0], group=group)
+    if collective == "all_to_all":
+        out = torch.empty_like(full)
+        return lambda: dist.all_to_all_single(out, full, group=group)
+    if collective == "p2p":
+        # One message from the group's first rank to its second: a pipeline stage boundary.
+        if me == ranks[0]:
+            return lambda: dist.send(full, dst=ranks[1], group=group)
+        return lambda: dist.recv(full, src=ranks[0], group=group)
+    raise ValueError(f"unknown collective {collective!r}")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_point(op, *, group, device: torch.device, budget_s: float, max_repeats: int) -> list[float]:
+    """Per-repeat seconds of `op`, each the slowest rank's time after a barrier.
+
+    The repeat count is agreed across the group from the slowest warm-up so every rank calls the
+    collective the same number of times.
+    """
+    op()
+    _sync(device)
+    start = time.perf_counter()
+    op()
+    _sync(device)
+    warm = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+    dist.all_reduce(warm, op=dist.ReduceOp.MAX, group=group)
+    repeats = int(min(max_repeats, max(3, budget_s / max(float(warm.item()), 1e-9))))
+    times = torch.zeros(repeats, dtype=torch.float64, device=device)
+    for i in range(repeats):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        op()
+        _sync(device)
+        times[i] = time.perf_counter() - start
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    return times.tolist()
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def _round_size(nbytes: int, n: int) -> int:
+    unit = ELEMENT_BYTES * n
+    return max(unit, nbytes // unit * unit)
+
+
+def run(spec: CommSpec, *, out_dir: Path, device: torch.device) -> None:
+    rank = dist.get_rank()
+    groups = [dist.new_group(list(shape.ranks)) for shape in spec.groups]
+    points = [(shape, c, s) for shape in spec.groups for c in spec.collectives
+              if c != "p2p" or len(shape.ranks) == 2 for s in spec.sizes_bytes]
+    curves: list[dict] = []
+    done = 0
+    for shape, group in zip(spec.groups, groups):
+        for collective in spec.collectives:
+            if collective == "p2p" and len(shape.ranks) != 2:
+                continue
+            curve = {"group": shape.name, "link": shape.link, "ranks": list(shape.ranks), "collective": collective,
+                     "group_size": len(shape.ranks), "sizes_bytes": [], "median_s": [], "spread_s": [], "repeats": []}
+            for size in spec.sizes_bytes:
+                if rank in shape.ranks:
+                    nbytes = _round_size(size, len(shape.ranks))
+                    op = _make_op(collective, nbytes, ranks=shape.ranks, group=group, device=device)
+                    times = measure_point(op, group=group, device=device, budget_s=spec.budget_s_per_point,
+                                          max_repeats=spec.max_repeats)
+                    curve["sizes_bytes"].append(nbytes)
+                    curve["median_s"].append(statistics.median(times))
+                    curve["spread_s"].append(_quantile(times, 0.9) - _quantile(times, 0.1))
+                    curve["repeats"].append(len(times))
+                done += 1
+                if rank == 0:
+                    print(f"{PROGRESS_PREFIX} {done} {len(points)} {shape.name} {collective} {size}", flush=True)
+            if rank == 0:
+                curves.append(curve)
+            dist.barrier()
+    if rank == 0:
+        tmp = out_dir / "comm.json.tmp"
+        tmp.write_text(json.dumps({"world_size": dist.get_world_size(), "backend": dist.get_backend(),
+                                   "curves": curves}))
+        os.replace(tmp, out_dir / "comm.json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", type=Path, required=True)
+    parser.add_argument("--out-dir", type=Path, required=True)
+    args = parser.parse_args(argv)
+    _die_with_parent()
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        spec = CommSpec.load(args.spec)
+        if torch.cuda.is_available():
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
+            backend = "nccl"
+        else:
+            device, backend = torch.device("cpu"), "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=spec.timeout_s))
+        if os.environ.get("PLANNER_PROFILE_FAIL_RANK") == str(rank):
+            # Test hook: lets the integration test check that a failed rank is reported by name.
+            raise RuntimeError("injected failure (PLANNER_PROFILE_FAIL_RANK)")
+        run(spec, out_dir=args.out_dir, device=device)
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - any failure must be reported with the rank that hit it
+        message = f"{type(exc).__name__}: {exc}".strip()
+        (args.out_dir / f"rank{rank}.error").write_text(
+            json.dumps({"rank": rank, "host": os.uname().nodename, "error": message,
+                        "traceback": traceback.format_exc()}))
+        print(f"rank {rank} failed: {message}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

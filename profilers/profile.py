@@ -1,0 +1,323 @@
+"""`planner profile`: measure this node (or an emulated cluster) and write a Hardware profile JSON.
+
+    planner profile --nproc 2 --quick --out profile.json
+    planner profile --cluster --quick --out profile.json      # on `planner cluster up`
+
+Compute and memory are measured in this process (with the threads one of `local_procs` processes gets);
+collectives by `python -m torch.distributed.run ... -m profilers.comm` (locally, or in each namespace of
+the emulated cluster), then fitted (profilers.fit) into the Hardware type the presets use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+
+from planner.errors import PlannerError
+from planner.model import resolve_model
+from profilers.comm import PROGRESS_PREFIX, CommSpec, plan_groups
+from profilers.compute import ComputeResult, measure_compute
+from profilers.fit import GemmFit, bus_factor, fit_gemm, fit_latency_bandwidth
+from profilers.hardware import COLLECTIVES, PRESETS, CollectiveFit, GemmPoint, Hardware, LinkSpec
+from profilers.memory import MemoryResult, measure_memory
+
+log = logging.getLogger(__name__)
+
+KIB, MIB = 1024, 1024**2
+FULL_SIZES_BYTES = tuple(KIB * 4**i for i in range(10))  # 1 KiB .. 256 MiB
+QUICK_SIZES_BYTES = tuple(KIB * 4**i for i in range(8))  # 1 KiB .. 16 MiB
+
+
+class ProfileFailed(RuntimeError):
+    """A rank (or the launcher) failed while measuring; the message names the rank and its error."""
+
+
+class Progress(Protocol):
+    def __call__(self, stage: str, done: int, total: int | None, label: str) -> None: ...
+
+
+def _no_progress(stage: str, done: int, total: int | None, label: str) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    nproc: int = 2
+    # Ranks per emulated node when all processes run on one real node (None: one node).
+    ranks_per_node: int | None = None
+    quick: bool = False
+    model: str = "tiny"
+    sizes_bytes: tuple[int, ...] | None = None
+    collectives: tuple[str, ...] = COLLECTIVES
+    # Name prefix of an emulated cluster (runners.netns_cluster) to run the collectives on, or None.
+    cluster_prefix: str | None = None
+    comm_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.nproc < 2 and self.cluster_prefix is None:
+            raise PlannerError(f"--nproc must be at least 2 to measure collectives, got {self.nproc}")
+        unknown = [c for c in self.collectives if c not in COLLECTIVES]
+        if unknown:
+            raise PlannerError(f"unknown collective {unknown[0]!r}; choose from {', '.join(COLLECTIVES)}")
+        if self.sizes_bytes is not None and (len(self.sizes_bytes) < 2 or min(self.sizes_bytes) < 1):
+            raise PlannerError("--sizes needs at least two positive message sizes to fit latency and bandwidth")
+
+
+# --- collectives ------------------------------------------------------------------------------------
+@dataclass
+class CommRun:
+    curves: list[dict]
+    world_size: int
+    ranks_per_node: int
+    backend: str
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """'1k,64k,1m' (binary units k/m/g, or plain bytes) to message sizes in bytes."""
+    units = {"": 1, "b": 1, "k": KIB, "kb": KIB, "m": MIB, "mb": MIB, "g": 1024**3, "gb": 1024**3}
+    sizes = []
+    for item in text.split(","):
+        number = item.strip().lower()
+        head = number.rstrip("kmgb")
+        unit = number[len(head):]
+        if not head or unit not in units:
+            raise PlannerError(f"bad message size {item.strip()!r} in --sizes: use e.g. 1k,64k,1m")
+        try:
+            sizes.append(int(float(head) * units[unit]))
+        except ValueError:
+            raise PlannerError(f"bad message size {item.strip()!r} in --sizes: use e.g. 1k,64k,1m") from None
+    return tuple(sizes)
+
+
+def _launch_local(options: ProfileOptions, module_argv: list[str], on_line: Callable[[int, str], None]) -> int:
+    """torchrun on this node (--standalone picks a free port); kill the whole process tree on Ctrl-C."""
+    from runners.netns_cluster import kill_process_tree
+
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(options.nproc),
+            *module_argv]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            on_line(0, line.rstrip("\n"))
+        return proc.wait()
+    except BaseException:
+        kill_process_tree(proc.pid)
+        proc.wait()
+        raise
+
+
+def _launch_cluster(options: ProfileOptions, module_argv: list[str], on_line: Callable[[int, str], None]) -> int:
+    from runners.netns_cluster import launch_on_cluster, load_state, torchrun_argv
+
+    state = load_state(options.cluster_prefix or "planner")
+    argv = [torchrun_argv(state, node, module_argv) for node in range(state.num_nodes)]
+    return launch_on_cluster(state, argv, env={"OMP_NUM_THREADS": "1"}, on_line=on_line)
+
+
+def _topology(options: ProfileOptions) -> tuple[int, int]:
+    """(world size, ranks per node) of the collective run."""
+    if options.cluster_prefix is not None:
+        from runners.netns_cluster import load_state
+
+        state = load_state(options.cluster_prefix)
+        return state.num_nodes * state.procs_per_node, state.procs_per_node
+    per_node = options.ranks_per_node or options.nproc
+    if per_node < 1 or options.nproc % per_node:
+        raise PlannerError(f"--nproc {options.nproc} is not a multiple of --gpus-per-node {per_node}")
+    return options.nproc, per_node
+
+
+def _failure_message(work_dir: Path, code: int, tail: deque[str]) -> str:
+    errors = []
+    for path in sorted(work_dir.glob("rank*.error")):
+        try:
+            data = json.loads(path.read_text())
+            errors.append(f"rank {data['rank']} ({data['host']}) failed: {data['error']}")
+        except (OSError, json.JSONDecodeError, KeyError):
+            errors.append(f"{path.stem} failed (unreadable error file)")
+    if errors:
+        return "; ".join(errors) + f" (torchrun exit code {code})"
+    return f"collective benchmark failed with exit code {code}; last output:\n" + "\n".join(tail)
+
+
+def run_collectives(options: ProfileOptions, *, progress: Progress = _no_progress) -> CommRun:
+    """Launch the collective benchmark on all ranks and return rank 0's curves; a failed rank raises."""
+    world_size, ranks_per_node = _topology(options)
+    sizes = options.sizes_bytes or (QUICK_SIZES_BYTES if options.quick else FULL_SIZES_BYTES)
+    spec = CommSpec(sizes_bytes=tuple(sizes), collectives=tuple(options.collectives),
+                    groups=tuple(plan_groups(world_size=world_size, ranks_per_node=ranks_per_node, quick=options.quick)),
+                    budget_s_per_point=0.1 if options.quick else 0.5, max_repeats=20 if options.quick else 50,
+                    timeout_s=options.comm_timeout_s)
+    tail: deque[str] = deque(maxlen=40)
+    lock = threading.Lock()
+
+    def on_line(node: int, line: str) -> None:
+        if line.startswith(PROGRESS_PREFIX):
+            _, done, total, *label = line.split()
+            progress("collectives", int(done), int(total), " ".join(label))
+            return
+        with lock:
+            tail.append(f"[n{node}] {line}" if options.cluster_prefix else line)
+        log.debug("%s", line)
+
+    # A directory every namespace sees (namespaces share the filesystem): spec in, results and errors out.
+    work_dir = Path(tempfile.mkdtemp(prefix="planner-profile-"))
+    try:
+        spec.save(work_dir / "spec.json")
+        module_argv = ["-m", "profilers.comm", "--spec", str(work_dir / "spec.json"), "--out-dir", str(work_dir)]
+        launch = _launch_cluster if options.cluster_prefix is not None else _launch_local
+        code = launch(options, module_argv, on_line)
+        if code != 0 or not (work_dir / "comm.json").exists():
+            raise ProfileFailed(_failure_message(work_dir, code, tail))
+        data = json.loads((work_dir / "comm.json").read_text())
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    return CommRun(curves=data["curves"], world_size=data["world_size"], ranks_per_node=ranks_per_node,
+                   backend=data["backend"])
+
+
+def fit_collectives(curves: list[dict]) -> list[CollectiveFit]:
+    """One latency-bandwidth fit per measured curve, in bus bytes (profilers.fit.bus_factor)."""
+    fits = []
+    for curve in curves:
+        if len(curve["sizes_bytes"]) < 2:
+            continue
+        factor = bus_factor(curve["collective"], curve["group_size"])
+        fit = fit_latency_bandwidth([s * factor for s in curve["sizes_bytes"]], curve["median_s"])
+        fits.append(CollectiveFit(collective=curve["collective"], link=curve["link"], group_size=curve["group_size"],
+                                  latency_s=fit.latency_s, bandwidth_bytes_per_s=fit.bandwidth_bytes_per_s,
+                                  sizes_bytes=tuple(curve["sizes_bytes"]), median_s=tuple(curve["median_s"]),
+                                  spread_s=tuple(curve["spread_s"])))
+    return fits
+
+
+def link_from_fits(fits: list[CollectiveFit], link: str) -> LinkSpec | None:
+    """A link class's per-device bandwidth and latency: its 2-rank point-to-point fit (the bare link),
+    else the all-reduce of its smallest group, else any collective of its smallest group."""
+    own = sorted((f for f in fits if f.link == link), key=lambda f: f.group_size)
+    if not own:
+        return None
+    for pick in ([f for f in own if f.collective == "p2p"], [f for f in own if f.collective == "all_reduce"], own):
+        if pick:
+            return LinkSpec(bandwidth_bytes_per_s=pick[0].bandwidth_bytes_per_s, latency_s=pick[0].latency_s)
+    return None
+
+
+# --- compute and memory -----------------------------------------------------------------------------
+def _datasheet_peak(device: torch.device, device_name: str) -> dict[str, float] | None:
+    """Datasheet peaks when the GPU is one of the presets (then efficiency is measured against them)."""
+    if device.type != "cuda":
+        return None
+    for preset in PRESETS.values():
+        if preset.device_type == "cuda" and preset.name.upper() in device_name.upper():
+            return dict(preset.peak_flops_per_s)
+    return None
+
+
+def efficiency_fields(fit: GemmFit, *, datasheet_peak: dict[str, float] | None) -> tuple[dict[str, float], float]:
+    """(peak_flops_per_s, gemm_max_efficiency) from the fitted asymptotes.
+
+    The model only sees peak x efficiency. With a datasheet peak, efficiency = asymptote / peak of the
+    fastest dtype (capped at 1) and other dtypes' peaks follow from it; without one (CPUs), the
+    asymptote is the peak and efficiency is 1.
+    """
+    asym = fit.asymptote_flops_per_s
+    if datasheet_peak:
+        ref = max((d for d in asym if d in datasheet_peak), key=lambda d: asym[d], default=None)
+        if ref is not None:
+            efficiency = min(1.0, asym[ref] / datasheet_peak[ref])
+            return {d: (datasheet_peak[d] if d == ref else a / efficiency) for d, a in asym.items()}, efficiency
+    return dict(asym), 1.0
+
+
+def build_hardware(*, device: torch.device, compute: ComputeResult, memory: MemoryResult,
+                   fits: list[CollectiveFit], base: Hardware) -> Hardware:
+    """The Hardware profile; a link class no group crossed keeps `base`'s value (with a warning)."""
+    gemm_fit = fit_gemm(compute.gemms)
+    peaks, efficiency = efficiency_fields(gemm_fit, datasheet_peak=_datasheet_peak(device, compute.device_name))
+    links = {}
+    for link in ("intra_node", "inter_node"):
+        spec = link_from_fits(fits, link)
+        if spec is None:
+            log.warning("%s link not measured (no group crossed it); keeping the %s preset's value", link, base.name)
+        links[link] = spec or base.link(link)
+    return Hardware(
+        name=f"profile-{device.type}", device_type=device.type, device_name=compute.device_name,
+        peak_flops_per_s=peaks, memory_bytes=memory.memory_bytes,
+        memory_bandwidth_bytes_per_s=memory.memory_bandwidth_bytes_per_s, host_memory_bytes=memory.host_memory_bytes,
+        host_device_bandwidth_bytes_per_s=memory.host_device_bandwidth_bytes_per_s,
+        intra_node=links["intra_node"], inter_node=links["inter_node"], gemm_max_efficiency=efficiency,
+        gemm_half_dim=gemm_fit.gemm_half_dim, kernel_overhead_s=gemm_fit.kernel_overhead_s, source="profile",
+        collectives=tuple(fits),
+        gemm_points=tuple(GemmPoint(m=g.m, n=g.n, k=g.k, dtype=g.dtype, flops_per_s=g.flops / g.time_s)
+                          for g in compute.gemms),
+        elementwise_bytes_per_s=compute.elementwise_bytes_per_s)
+
+
+def run_profile(options: ProfileOptions, *, progress: Progress = _no_progress) -> Hardware:
+    """Measure compute, memory and collectives and return the fitted Hardware profile."""
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    world_size, ranks_per_node = _topology(options)
+    model = resolve_model(options.model)
+    threads_before = torch.get_num_threads()
+    if device.type == "cpu":
+        # A training process on this node gets its share of the cores; measure with exactly that.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_per_node))
+    try:
+        steps = iter(range(1, 1 << 30))
+        compute = measure_compute(model=model, device=device, quick=options.quick,
+                                  progress=lambda label: progress("compute", next(steps), None, label))
+        progress("memory", 0, None, "copy bandwidth")
+        memory = measure_memory(device=device, local_procs=ranks_per_node, quick=options.quick)
+    finally:
+        torch.set_num_threads(threads_before)
+    comm = run_collectives(options, progress=progress)
+    base = PRESETS["cpu"] if device.type == "cpu" else PRESETS["h100"]
+    return build_hardware(device=device, compute=compute, memory=memory, fits=fit_collectives(comm.curves), base=base)
+
+
+def warn_if_mismatch(hardware: Hardware, *, device_type: str, device_name: str | None = None) -> str | None:
+    """Warn (and return the message) when a measured profile describes another kind of device than the
+    cluster it is used for; datasheet presets are hypothetical by design and never warn."""
+    if hardware.source != "profile":
+        return None
+    message = None
+    if hardware.device_type != device_type:
+        message = (f"hardware profile was measured on {hardware.device_type} ({hardware.device_name}) "
+                   f"but the cluster runs on {device_type}; its numbers will not match")
+    elif device_name is not None and device_name != hardware.device_name:
+        message = (f"hardware profile was measured on {hardware.device_name!r} but the cluster has "
+                   f"{device_name!r}; re-run `planner profile` there")
+    if message:
+        log.warning("%s", message)
+    return message
+
+
+def summary(hardware: Hardware) -> dict:
+    """The headline numbers of a profile, for the CLI table and the benchmark."""
+    return {
+        "device": hardware.device_name,
+        "peak_flops_per_s": hardware.peak_flops_per_s,
+        "gemm_max_efficiency": hardware.gemm_max_efficiency, "gemm_half_dim": hardware.gemm_half_dim,
+        "kernel_overhead_s": hardware.kernel_overhead_s, "memory_bytes": hardware.memory_bytes,
+        "memory_bandwidth_bytes_per_s": hardware.memory_bandwidth_bytes_per_s,
+        "intra_node": dataclasses.asdict(hardware.intra_node), "inter_node": dataclasses.asdict(hardware.inter_node),
+        "collectives": [{"collective": f.collective, "link": f.link, "group_size": f.group_size,
+                         "latency_s": f.latency_s, "bus_bandwidth_bytes_per_s": f.bandwidth_bytes_per_s}
+                        for f in hardware.collectives],
+    }
