@@ -224,6 +224,162 @@ def _count(n: float) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
+# --- planner profile and the emulated cluster -------------------------------------------------------
+@app.command()
+def profile(
+    out: Annotated[str, typer.Option("--out", help="Where to write the Hardware profile JSON.")] = "profile.json",
+    nproc: Annotated[int, typer.Option("--nproc", help="Processes for the collective benchmark (torchrun).")] = 2,
+    gpus_per_node: GpusPerNodeOpt = None,
+    quick: Annotated[bool, typer.Option("--quick", help="Fewer shapes, messages up to 16 MiB, short repeats.")] = False,
+    model: ModelOpt = "tiny",
+    sizes: Annotated[Optional[str], typer.Option("--sizes", help="Message sizes, e.g. 1k,64k,1m (overrides the default sweep).")] = None,
+    collectives: Annotated[Optional[str], typer.Option("--collectives", help="Comma list (default: all six).")] = None,
+    cluster: Annotated[bool, typer.Option("--cluster", help="Run the collectives on the emulated cluster (`planner cluster up`).")] = False,
+    cluster_prefix: Annotated[str, typer.Option("--cluster-prefix", help="Name prefix of the emulated cluster.")] = "planner",
+    fmt: FormatOpt = OutputFormat.table,
+) -> None:
+    """Measure compute, memory and collectives here and write a Hardware profile JSON.
+
+    The profile feeds `--hardware profile.json` of search, estimate and run.
+
+    Examples:
+      planner profile --quick --out profile.json
+      planner profile --nproc 4 --gpus-per-node 2 --out profile.json    # 2 emulated nodes of 2
+      planner profile --cluster --quick --out profile.json              # on `planner cluster up`
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from profilers.hardware import COLLECTIVES
+    from profilers.profile import ProfileFailed, ProfileOptions, parse_sizes, run_profile, summary
+
+    options = ProfileOptions(
+        nproc=nproc, ranks_per_node=gpus_per_node, quick=quick, model=model,
+        sizes_bytes=parse_sizes(sizes) if sizes else None,
+        collectives=tuple(c.strip() for c in collectives.split(",")) if collectives else COLLECTIVES,
+        cluster_prefix=cluster_prefix if cluster else None)
+    with Progress(TextColumn("[bold]{task.fields[stage]}[/]"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[label]}"), TimeElapsedColumn(), console=err_console,
+                  disable=fmt is OutputFormat.json) as bar:
+        task = bar.add_task("profile", total=None, stage="profile", label="")
+
+        def on_progress(stage: str, done: int, total: int | None, label: str) -> None:
+            bar.update(task, completed=done, total=total, stage=stage, label=label)
+
+        try:
+            hardware = run_profile(options, progress=on_progress)
+        except ProfileFailed as exc:
+            err_console.print(f"error: {exc}", markup=False, highlight=False)
+            raise typer.Exit(1)
+    hardware.save(out)
+    if fmt is OutputFormat.json:
+        print_json({"out": out, **summary(hardware)})
+        return
+    _print_profile(summary(hardware), out=out)
+
+
+def _print_profile(info: dict, *, out: str) -> None:
+    console.print(f"profile of {info['device']} written to {out}")
+    console.print("peak: " + ", ".join(f"{d} {v / 1e9:.1f} GFLOP/s" for d, v in info["peak_flops_per_s"].items())
+                  + f"; GEMM efficiency {info['gemm_max_efficiency']:.2f}, half dim {info['gemm_half_dim']:.1f}, "
+                  f"kernel floor {info['kernel_overhead_s'] * 1e6:.1f} us; memory {info['memory_bytes'] / 2**30:.1f} GiB "
+                  f"at {info['memory_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s")
+    table = Table(title="Collectives (bus bandwidth)")
+    for col in ("collective", "link", "group", "latency us", "GB/s"):
+        table.add_column(col, justify="left" if col in ("collective", "link") else "right")
+    for f in info["collectives"]:
+        table.add_row(f["collective"], f["link"], str(f["group_size"]), f"{f['latency_s'] * 1e6:.1f}",
+                      f"{f['bus_bandwidth_bytes_per_s'] / 1e9:.3f}")
+    console.print(table)
+    for link in ("intra_node", "inter_node"):
+        spec = info[link]
+        console.print(f"{link}: {spec['bandwidth_bytes_per_s'] / 1e9:.3f} GB/s, {spec['latency_s'] * 1e6:.1f} us")
+
+
+cluster_app = typer.Typer(no_args_is_help=True, help="An emulated multi-node cluster (network namespaces + tc; needs root).")
+app.add_typer(cluster_app, name="cluster")
+PrefixOpt = Annotated[str, typer.Option("--prefix", help="Name prefix of the namespaces (several clusters can coexist).")]
+
+
+@cluster_app.command("up")
+def cluster_up(
+    nodes: Annotated[int, typer.Option("--nodes", help="Emulated nodes (network namespaces).")] = 2,
+    procs_per_node: Annotated[int, typer.Option("--procs-per-node", help="Processes torchrun starts per node.")] = 2,
+    inter_node_bandwidth: Annotated[Optional[str], typer.Option("--inter-node-bandwidth", help="Per-node NIC rate, e.g. 1gbit (unshaped if omitted).")] = None,
+    inter_node_latency: Annotated[Optional[str], typer.Option("--inter-node-latency", help="One-way delay, e.g. 1ms (needs sch_netem).")] = None,
+    prefix: PrefixOpt = "planner",
+    fmt: FormatOpt = OutputFormat.table,
+) -> None:
+    """Create the emulated cluster.
+
+    Example: planner cluster up --nodes 2 --procs-per-node 2 --inter-node-bandwidth 1gbit --inter-node-latency 1ms
+    """
+    from runners.netns_cluster import up
+
+    state = up(num_nodes=nodes, procs_per_node=procs_per_node, inter_node_bandwidth=inter_node_bandwidth,
+               inter_node_latency=inter_node_latency, prefix=prefix)
+    if fmt is OutputFormat.json:
+        print_json(state.to_dict())
+        return
+    if state.inter_node_latency_s > 0 and not state.latency_emulated:
+        err_console.print("warning: this kernel has no sch_netem; the inter-node latency is not emulated")
+    console.print(f"cluster {prefix!r} up: {nodes} nodes x {procs_per_node} procs, node 0 at {state.address(0)}")
+
+
+@cluster_app.command("down")
+def cluster_down(prefix: PrefixOpt = "planner") -> None:
+    """Remove every namespace, link and process of the emulated cluster (also after a crash).
+
+    Example: planner cluster down
+    """
+    from runners.netns_cluster import check_prerequisites, down
+
+    check_prerequisites()
+    removed = down(prefix=prefix)
+    console.print(f"removed {', '.join(removed)}" if removed else "nothing to remove")
+
+
+@cluster_app.command("status")
+def cluster_status(prefix: PrefixOpt = "planner", fmt: FormatOpt = OutputFormat.table) -> None:
+    """Show the emulated cluster's nodes, addresses, shaping and processes.
+
+    Example: planner cluster status --format json
+    """
+    from runners.netns_cluster import status
+
+    info = status(prefix=prefix)
+    if fmt is OutputFormat.json:
+        print_json(info)
+        return
+    rate = info["inter_node_bandwidth_bits_per_s"]
+    console.print(f"inter-node: {f'{rate / 1e9:g} Gbit/s' if rate else 'unshaped'}, latency "
+                  f"{info['inter_node_latency_s'] * 1e3:g} ms{'' if info['latency_emulated'] else ' (not emulated)'}")
+    table = Table()
+    for col in ("node", "namespace", "address", "up", "processes"):
+        table.add_column(col)
+    for node in info["nodes"]:
+        table.add_row(str(node["node"]), node["namespace"], node["address"], str(node["up"]), str(node["num_processes"]))
+    console.print(table)
+
+
+@cluster_app.command("exec", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def cluster_exec(
+    ctx: typer.Context,
+    node: Annotated[int, typer.Option("--node", help="Node index to run in.")] = 0,
+    prefix: PrefixOpt = "planner",
+) -> None:
+    """Run a command inside one node's namespace (with GLOO_SOCKET_IFNAME and MASTER_ADDR set).
+
+    Example: planner cluster exec --node 1 -- python -c "import socket; print(socket.gethostname())"
+    """
+    import subprocess
+
+    from runners.netns_cluster import exec_argv, load_state
+
+    if not ctx.args:
+        raise PlannerError("give the command after --, e.g. planner cluster exec --node 1 -- ip addr")
+    raise typer.Exit(subprocess.call(exec_argv(load_state(prefix), node, ctx.args)))
+
+
 def main() -> None:
     """Console-script entry: bad input is one line on stderr and exit code 2, never a traceback.
 
