@@ -18,6 +18,10 @@ import torch.distributed as dist
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "p2p")
 
+# Newer torch names them *_single and deprecates the *_tensor / *_into_tensor spellings.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass
 class CommCounters:
@@ -85,7 +89,7 @@ class Comm:
             output.copy_(shard)
             return None
         self._count("all_gather", (n - 1) / n * output.numel() * output.element_size(), ranks)
-        return dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
+        return _all_gather_single(output, shard, group=group, async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, group, *, async_op: bool = False):
         """Sum `full` over the group and leave chunk i (group-rank order) in group rank i's `output`."""
@@ -95,7 +99,7 @@ class Comm:
             output.copy_(full)
             return None
         self._count("reduce_scatter", (n - 1) / n * full.numel() * full.element_size(), ranks)
-        return dist.reduce_scatter_tensor(output, full, group=group, async_op=async_op)
+        return _reduce_scatter_single(output, full, group=group, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, *, src: int, group, async_op: bool = False):
         ranks = self._group_ranks(group)
