@@ -214,6 +214,184 @@ def _print_run_report(metrics: dict) -> None:
         f"{k} {v / 2**20:.2f} MiB" for k, v in comm.items() if v) + f"; waiting {summary['comm_wait_s'] * 1e3:.1f} ms/rank")
 
 
+# --- planner search and planner estimate ------------------------------------------------------------
+TopOpt = Annotated[int, typer.Option("--top", help="Plans to rank exactly and show.")]
+
+
+class _BadInput:
+    """Turn PlannerError/ValueError into one line on stderr and exit code 2 inside a command, so the
+    behaviour is the same under main() and typer's CliRunner (which calls `app`, not main)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if isinstance(exc, (PlannerError, ValueError)):
+            err_console.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+            raise typer.Exit(2)
+        return False
+
+
+@app.command("search")
+def search_command(
+    model: ModelOpt, hardware: HardwareOpt, gpus: GpusOpt, global_batch: GlobalBatchOpt,
+    gpus_per_node: GpusPerNodeOpt = None, seq_len: SeqLenOpt = None, precision: PrecisionOpt = None,
+    top: TopOpt = 5,
+    out: Annotated[Optional[str], typer.Option("--out", help="Write the winner here ({plan, estimate, model, job}; for --plan).")] = None,
+    optuna_trials: Annotated[int, typer.Option("--optuna-trials", help="TPE trials tuning per-stage knobs around the winner.")] = 0,
+    storage: Annotated[Optional[str], typer.Option("--storage", help="Optuna storage, e.g. sqlite:///tune.db, so a search resumes.")] = None,
+    study_name: Annotated[Optional[str], typer.Option("--study-name", help="Optuna study to create or resume.")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="TPE sampler seed.")] = 0,
+    fmt: FormatOpt = OutputFormat.table,
+) -> None:
+    """Find the fastest plan that fits: degrees, sharding, micro-batches, schedule, recomputation.
+
+    Examples:
+      planner search --model llama3-70b --hardware h100 --gpus 1024 --gpus-per-node 8 --global-batch 1024 --seq-len 4096
+      planner search --model gpt3-175b --hardware a100 --gpus 3072 --global-batch 1536 --top 10 --out plan.json
+      planner search --model tiny --hardware cpu --gpus 8 --global-batch 32 --format json
+      planner search --model gpt3-18b --hardware a100 --gpus 256 --global-batch 1024 --optuna-trials 200 --storage sqlite:///tune.db --study-name gpt3-18b
+    """
+    import time
+
+    from planner.inputs import make_problem
+    from planner.jsonio import write_json_atomic
+    from planner.search import SearchOptions, search
+
+    with _BadInput():
+        if top < 1 or optuna_trials < 0:
+            raise PlannerError(f"--top must be at least 1 and --optuna-trials at least 0, got {top} and {optuna_trials}")
+        problem = make_problem(model=model, hardware=hardware, gpus=gpus, gpus_per_node=gpus_per_node,
+                               global_batch=global_batch, seq_len=seq_len, precision=precision)
+        start = time.perf_counter()
+        with err_console.status("searching") as status:
+            result = search(problem, options=SearchOptions(
+                top_k=top, on_progress=lambda n: status.update(f"searching: {n} plans priced")))
+            ranked, num_evaluated = list(result.candidates), result.num_evaluated
+            if optuna_trials:
+                from planner.tuning import tune
+
+                status.update(f"tuning {result.winner.plan.describe()} with {optuna_trials} TPE trials")
+                tuned = tune(problem, base=result.winner.plan, num_trials=optuna_trials, seed=seed, storage=storage,
+                             study_name=study_name)
+                num_evaluated += tuned.num_new_trials
+                if tuned.best is not None and tuned.best.estimate.step_time_s < ranked[0].estimate.step_time_s:
+                    ranked.insert(0, tuned.best)
+        search_time_s = time.perf_counter() - start
+    winner = ranked[0]
+    if out:
+        write_json_atomic(out, {"plan": winner.plan.to_dict(), "estimate": winner.estimate.to_dict(),
+                                "model": problem.model.to_dict(), "job": problem.job.to_dict()})
+    shown = [c for c in ranked if c.estimate.fits][:top]
+    if fmt is OutputFormat.json:
+        print_json({"search_time_s": search_time_s, "num_evaluated": num_evaluated,
+                    "plans": [c.to_dict() for c in shown], "pareto": [c.to_dict() for c in result.pareto]})
+        return
+    table = Table(title=f"Best plans: {problem.model.name} on {problem.cluster.num_devices} x "
+                        f"{problem.cluster.hardware.name}, batch {problem.job.global_batch} x {problem.job.seq_len}")
+    for col in ("#", "plan", "step", "tokens/s", "MFU", "TFLOP/s/GPU", "GiB/device", "fits"):
+        table.add_column(col, justify="left" if col == "plan" else "right", no_wrap=col != "plan")
+    for i, c in enumerate(shown, 1):
+        e = c.estimate
+        table.add_row(str(i), _plan_label(c.plan), f"{e.step_time_s:.4g} s", f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}",
+                      f"{e.tflops_per_gpu:.3g}", f"{e.peak_memory_bytes / 2**30:.3g}", "yes" if e.fits else "no")
+    console.print(table)
+    console.print(f"priced {num_evaluated} plans ({result.num_pruned_memory} ruled out by memory before pricing) "
+                  f"in {search_time_s:.2f} s", highlight=False)
+    if len(shown) > 1:
+        console.print(_why_winner(shown[0], shown[1]), highlight=False)
+
+
+def _plan_label(plan) -> str:
+    """Plan.describe() plus what it leaves out: unequal stages and the per-layer recomputation mix."""
+    label = plan.describe()
+    if plan.recompute_layers is not None:
+        mix = {p: plan.recompute_layers.count(p) for p in ("none", "selective", "full")}
+        label += " (" + ", ".join(f"{n} {p}" for p, n in mix.items() if n) + ")"
+    if plan.stage_layers is not None:
+        label += " stages=" + "/".join(map(str, plan.stage_layers))
+    return label
+
+
+def _why_winner(winner, runner_up) -> str:
+    """One line: by how much the winner beats the runner-up, the breakdown term it saves most on, and
+    the knobs in which the two plans differ."""
+    w, r = winner.estimate, runner_up.estimate
+    terms = {k: r.breakdown.get(k, 0.0) - v for k, v in w.breakdown.items()
+             if k.endswith("_s") and k not in ("exposed_comm_s",)}
+    saved = max(terms, key=terms.get) if terms else None
+    differs = [f for f in winner.plan.__dataclass_fields__ if getattr(winner.plan, f) != getattr(runner_up.plan, f)]
+    gain = r.step_time_s - w.step_time_s
+    if gain <= 0:
+        return "#1 and #2 tie on predicted step time"
+    line = f"#1 beats #2 by {gain * 1e3:.3g} ms/step ({gain / r.step_time_s:.2%})"
+    if saved is not None and terms[saved] > 0:
+        line += f": {terms[saved] * 1e3:.3g} ms less {saved.removesuffix('_s').replace('_', ' ')}"
+    if differs:
+        line += f" (they differ in {', '.join(differs)})"
+    return line
+
+
+@app.command("estimate")
+def estimate_command(
+    model: ModelOpt, hardware: HardwareOpt, gpus: GpusOpt, global_batch: GlobalBatchOpt,
+    gpus_per_node: GpusPerNodeOpt = None, seq_len: SeqLenOpt = None, precision: PrecisionOpt = None,
+    plan_file: PlanFileOpt = None,
+    dp: DpOpt = None, tp: TpOpt = 1, pp: PpOpt = 1, virtual_stages: VirtualStagesOpt = 1,
+    micro_batch: MicroBatchOpt = 1, schedule: ScheduleOpt = None, recompute: RecomputeOpt = "none",
+    sequence_parallel: SequenceParallelOpt = False, zero: ZeroOpt = None, param_shard: ParamShardOpt = None,
+    grad_shard: GradShardOpt = None, optim_shard: OptimShardOpt = None, prefetch_depth: PrefetchOpt = 1,
+    bucket_size_mb: BucketOpt = None, param_cache: ParamCacheOpt = "none", commshift: CommshiftOpt = False,
+    fmt: FormatOpt = OutputFormat.table,
+) -> None:
+    """Price one plan: step time, tokens/s, MFU, memory per device, and where the time and memory go.
+
+    Examples:
+      planner estimate --model gpt3-1.7b --hardware a100 --gpus 32 --global-batch 512 --recompute full
+      planner estimate --model llama3-70b --hardware h100 --gpus 64 --global-batch 64 --seq-len 4096 --tp 8 --pp 4 --virtual-stages 2 --zero 1 --sequence-parallel
+      planner estimate --model gpt3-175b --hardware a100 --gpus 3072 --global-batch 1536 --plan plan.json --format json
+    """
+    from cost_models.estimate import estimate
+    from planner.inputs import PlanFlags, load_plan, make_problem, plan_from_flags
+
+    with _BadInput():
+        problem = make_problem(model=model, hardware=hardware, gpus=gpus, gpus_per_node=gpus_per_node,
+                               global_batch=global_batch, seq_len=seq_len, precision=precision)
+        if plan_file:
+            plan = load_plan(plan_file, problem)
+        else:
+            if dp is not None and dp * tp * pp != problem.cluster.num_devices:
+                raise PlannerError(f"dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp}, but the cluster has "
+                                   f"{problem.cluster.num_devices} devices")
+            plan = plan_from_flags(PlanFlags(
+                dp=dp, tp=tp, pp=pp, virtual_stages=virtual_stages, micro_batch=micro_batch, schedule=schedule,
+                recompute=recompute, sequence_parallel=sequence_parallel, zero=zero, param_shard=param_shard,
+                grad_shard=grad_shard, optim_shard=optim_shard, prefetch_depth=prefetch_depth,
+                bucket_size_mb=bucket_size_mb, param_cache=param_cache, commshift=commshift), problem)
+        est = estimate(plan, model=problem.model, cluster=problem.cluster, job=problem.job)
+    if fmt is OutputFormat.json:
+        print_json({"plan": plan.to_dict(), **est.to_dict()})
+        return
+    console.print(f"plan: {plan.describe()}", highlight=False)
+    console.print(f"step {est.step_time_s:.4f} s   {est.tokens_per_s:,.0f} tokens/s   MFU {est.mfu:.1%}   "
+                  f"{est.tflops_per_gpu:.0f} TFLOP/s per GPU   memory {est.peak_memory_bytes / 2**30:.2f} of "
+                  f"{est.memory_limit_bytes / 2**30:.2f} GiB per device", highlight=False)
+    table = Table(title="Breakdown (critical rank's time, worst rank's memory)")
+    for col in ("term", "value"):
+        table.add_column(col, justify="left" if col == "term" else "right")
+    for key, value in est.breakdown.items():
+        if key.endswith("_s"):
+            table.add_row(key, f"{value * 1e3:,.1f} ms")
+        elif key.endswith("_bytes"):
+            table.add_row(key, f"{value / 2**30:,.2f} GiB")
+        else:
+            table.add_row(key, f"{value:g}")
+    console.print(table)
+    if not est.fits:
+        console.print(f"does not fit: needs {est.memory_shortfall_bytes / 2**30:.2f} GiB more per device than the "
+                      f"{est.memory_limit_bytes / 2**30:.2f} GiB it has", style="bold red", highlight=False)
+
+
 def _describe_plan(plan_dict: dict) -> str:
     from planner.plan import Plan
 

@@ -325,6 +325,8 @@ def search(problem: Problem, *, options: SearchOptions = SearchOptions(), cost: 
     priced = state.priced
     if options.use_ilp:
         priced = priced + _refine_with_ilp(sorted(state.fitting, key=_speed), pricer, problem, options)
+    # The ILP may turn a plan into one already priced (e.g. a per-layer mix that is all one policy).
+    priced = list({c.plan: c for c in reversed(priced)}.values())
     fitting = sorted((c for c in priced if c.estimate.fits), key=_speed)
     rest = sorted((c for c in priced if not c.estimate.fits), key=lambda c: c.estimate.memory_shortfall_bytes)
     return SearchResult(winner=fitting[0], candidates=tuple(fitting + rest), pareto=pareto_front(fitting),
@@ -482,6 +484,7 @@ def _ilp_layout(cand: Candidate, pricer: _Pricer, problem: Problem) -> Candidate
             return None
         refined = pricer.price(new_plan)
         if refined.estimate.fits:
-            return refined if refined.estimate.step_time_s < cand.estimate.step_time_s else None
+            # Keep it only for a real gain: a rounding-level one would add a look-alike to the ranking.
+            return refined if refined.estimate.step_time_s < cand.estimate.step_time_s * (1 - 1e-6) else None
         cap -= refined.estimate.memory_shortfall_bytes
     return None
