@@ -567,7 +567,8 @@ def main() -> None:
     try:
         app()
     except (PlannerError, ValueError) as exc:
-        err_console.print(f"error: {exc}", markup=False, highlight=False)
+        # soft_wrap: rich would otherwise break a long message at the console width (80 off a TTY).
+        err_console.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
 
 

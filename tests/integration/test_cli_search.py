@@ -1,0 +1,101 @@
+"""`planner search` and `planner estimate` end to end on the tiny model, and their bad-input paths."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from planner.cli import app
+from planner.inputs import load_plan, make_problem
+
+runner = CliRunner()
+TINY = ["--model", "tiny", "--hardware", "cpu", "--gpus", "8", "--global-batch", "32", "--seq-len", "64"]
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def test_search_json_is_ranked_and_matches_estimate(tmp_path):
+    out = tmp_path / "plan.json"
+    result = invoke("search", *TINY, "--top", "3", "--format", "json", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert set(data) == {"search_time_s", "num_evaluated", "plans", "pareto"}
+    assert len(data["plans"]) == 3 and data["num_evaluated"] >= 3
+    times = [p["estimate"]["step_time_s"] for p in data["plans"]]
+    assert times == sorted(times) and all(p["estimate"]["fits"] for p in data["plans"])
+    # The file search writes loads as a plan, and estimate prices it to the same numbers.
+    problem = make_problem(model="tiny", hardware="cpu", gpus=8, gpus_per_node=None, global_batch=32, seq_len=64)
+    plan = load_plan(str(out), problem)
+    assert plan.to_dict() == data["plans"][0]["plan"]
+    saved = json.loads(out.read_text())
+    assert set(saved) == {"plan", "estimate", "model", "job"}
+    est = json.loads(invoke("estimate", *TINY, "--plan", str(out), "--format", "json").stdout)
+    assert est["step_time_s"] == pytest.approx(times[0])
+    assert est["peak_memory_bytes"] == data["plans"][0]["estimate"]["peak_memory_bytes"]
+
+
+def test_search_table_explains_the_winner():
+    result = invoke("search", *TINY, "--top", "4")
+    assert result.exit_code == 0, result.output
+    assert "Best plans" in result.stdout and "priced" in result.stdout
+    assert "#1 beats #2 by" in result.stdout or "tie" in result.stdout
+
+
+def test_estimate_from_flags_reports_breakdown_and_shortfall():
+    result = invoke("estimate", *TINY, "--tp", "2", "--pp", "2", "--micro-batch", "2", "--zero", "1",
+                    "--sequence-parallel", "--format", "json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    for key in ("step_time_s", "tokens_per_s", "mfu", "tflops_per_gpu", "peak_memory_bytes", "fits", "breakdown"):
+        assert key in data
+    assert data["plan"]["dp"] == 2 and data["plan"]["optim_shard"] == 2
+    # 1.7B parameters unsharded on one 8 GiB CPU "device" cannot fit; the table says by how much.
+    big = invoke("estimate", "--model", "gpt3-1.7b", "--hardware", "cpu", "--gpus", "1", "--global-batch", "1")
+    assert big.exit_code == 0, big.output
+    assert "does not fit: needs" in big.stdout and "GiB more per device" in big.stdout
+
+
+def test_search_with_optuna_resumes_its_study(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'tune.db'}"
+    args = ["search", *TINY, "--optuna-trials", "5", "--storage", storage, "--study-name", "s", "--format", "json"]
+    first = json.loads(invoke(*args).stdout)
+    second = json.loads(invoke(*args).stdout)
+    import optuna
+
+    assert len(optuna.load_study(study_name="s", storage=storage).trials) == 10
+    assert second["plans"][0]["estimate"]["step_time_s"] <= first["plans"][0]["estimate"]["step_time_s"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["search", "--model", "llama3-7b", "--hardware", "h100", "--gpus", "8", "--global-batch", "8"], "did you mean llama3-70b"),
+    (["estimate", "--model", "tiny", "--hardware", "h10", "--gpus", "8", "--global-batch", "8"], "did you mean h100"),
+    (["estimate", *TINY, "--dp", "3", "--tp", "2"], "dp x tp x pp = 3 x 2 x 1 = 6, but the cluster has 8 devices"),
+    (["estimate", "--model", "tiny", "--hardware", "cpu", "--gpus", "6", "--global-batch", "6", "--tp", "3"],
+     "tp 3 does not divide the model's num_heads 8"),
+    (["estimate", "--model", "tiny", "--hardware", "cpu", "--gpus", "16", "--global-batch", "16", "--pp", "16"],
+     "exceeds the model's 8 layers"),
+    (["estimate", "--model", "tiny", "--hardware", "cpu", "--gpus", "8", "--global-batch", "12"],
+     "global batch 12 is not divisible"),
+    (["search", "--model", "gpt3-175b", "--hardware", "a100", "--gpus", "8", "--global-batch", "8"],
+     "no plan fits in 80.0 GiB per device; the leanest"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    result = invoke(*args)
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
+def test_console_script_main_turns_errors_into_one_line():
+    # main() (the installed entry point) rather than `app`: the same one line and exit code 2.
+    proc = subprocess.run([sys.executable, "-c", "from planner.cli import main; main()", "estimate", *TINY,
+                           "--tp", "3"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "does not divide" in proc.stderr
+    ok = subprocess.run([sys.executable, "-c", "from planner.cli import main; main()", "search", "--help"],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "Examples" in ok.stdout
