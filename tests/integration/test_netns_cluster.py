@@ -1,0 +1,173 @@
+"""The emulated cluster: up, exec, shaped inter-node vs unshaped intra-node traffic, launch, rollback, down.
+
+Needs root and iproute2 (`ip`, `tc`); skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from planner.errors import PlannerError
+from runners import netns_cluster as nc
+
+PREFIX = "pltest"
+
+
+def _skip_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces and tc)"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "needs iproute2 (ip, tc): apt-get install -y iproute2"
+    probe = subprocess.run(["ip", "netns", "add", f"{PREFIX}-probe"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"cannot create network namespaces here: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", f"{PREFIX}-probe"], capture_output=True)
+    return None
+
+
+pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
+
+
+@pytest.fixture
+def state_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("PLANNER_CLUSTER_STATE_DIR", str(tmp_path))
+    nc.down(prefix=PREFIX)
+    yield tmp_path
+    nc.down(prefix=PREFIX)
+
+
+def _leftovers() -> list[str]:
+    return nc.list_namespaces(PREFIX)
+
+
+RATE_BITS = 200e6
+# Receiver in node 0 counts bytes; sender pushes 8 MiB and reports the rate the receiver saw.
+RECEIVER = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("0.0.0.0", int(sys.argv[1])))
+s.listen(1); c, _ = s.accept(); n = 0; t = None
+while True:
+    b = c.recv(1 << 20)
+    if not b: break
+    t = t or time.perf_counter(); n += len(b)
+print(n * 8 / (time.perf_counter() - t))
+"""
+SENDER = """
+import socket, sys, time
+for _ in range(100):
+    try: c = socket.create_connection((sys.argv[1], int(sys.argv[2]))); break
+    except OSError: time.sleep(0.05)
+buf = b"x" * (1 << 20)
+for _ in range(8): c.sendall(buf)
+c.close()
+"""
+
+
+def _measure_bits_per_s(state: nc.ClusterState, *, sender_node: int, port: int) -> float:
+    receiver = subprocess.Popen(nc.exec_argv(state, 0, [sys.executable, "-c", RECEIVER, str(port)]),
+                                stdout=subprocess.PIPE, text=True)
+    subprocess.run(nc.exec_argv(state, sender_node, [sys.executable, "-c", SENDER, state.address(0), str(port)]),
+                   check=True, timeout=60)
+    out, _ = receiver.communicate(timeout=60)
+    return float(out.strip())
+
+
+def test_up_exec_shaping_and_down_leave_nothing_behind(state_dir) -> None:
+    state = nc.up(num_nodes=2, procs_per_node=2, inter_node_bandwidth="200mbit", inter_node_latency=None, prefix=PREFIX)
+    assert (state_dir / f"cluster-{PREFIX}.json").exists()
+    assert sorted(_leftovers()) == [f"{PREFIX}-hub", f"{PREFIX}-n0", f"{PREFIX}-n1"]
+    info = nc.status(prefix=PREFIX)
+    assert info["hub_up"] and all(n["up"] for n in info["nodes"])
+    # Each node sees only its own NIC address; the root namespace never gets one.
+    addr = subprocess.run(nc.exec_argv(state, 1, ["ip", "-4", "-o", "addr", "show", "dev", "eth0"]),
+                          capture_output=True, text=True, check=True).stdout
+    assert "10.77.0.2/24" in addr
+    assert "10.77.0." not in subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+    env = subprocess.run(nc.exec_argv(state, 1, ["sh", "-c", "echo $GLOO_SOCKET_IFNAME $MASTER_ADDR"]),
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert env == ["eth0", "10.77.0.1"]
+    inter = _measure_bits_per_s(state, sender_node=1, port=5601)
+    intra = _measure_bits_per_s(state, sender_node=0, port=5602)
+    # TCP/IP headers take ~4% of a 1500-byte frame, so the payload rate sits a little under the shaped rate.
+    assert 0.8 * RATE_BITS < inter < 1.05 * RATE_BITS
+    assert intra > 5 * RATE_BITS
+    assert sorted(nc.down(prefix=PREFIX)) == [f"{PREFIX}-hub", f"{PREFIX}-n0", f"{PREFIX}-n1"]
+    assert _leftovers() == [] and not (state_dir / f"cluster-{PREFIX}.json").exists()
+    assert nc.down(prefix=PREFIX) == []
+
+
+def test_launch_on_cluster_kills_every_node_when_one_fails(state_dir) -> None:
+    state = nc.up(num_nodes=2, procs_per_node=1, inter_node_bandwidth=None, inter_node_latency=None, prefix=PREFIX)
+    lines: list[tuple[int, str]] = []
+    start = time.monotonic()
+    code = nc.launch_on_cluster(state, [
+        ["sh", "-c", "echo node0 $PLANNER_CLUSTER_NODE; sleep 60"],
+        ["sh", "-c", "echo node1 $PLANNER_CLUSTER_NODE; sleep 0.5; exit 3"],
+    ], on_line=lambda node, line: lines.append((node, line)))
+    assert code == 3 and time.monotonic() - start < 20
+    assert (0, "node0 0") in lines and (1, "node1 1") in lines
+    assert nc.namespace_pids(state.namespace(0)) == [] and nc.namespace_pids(state.namespace(1)) == []
+    ok = nc.launch_on_cluster(state, [["true"], ["true"]], on_line=lambda node, line: None)
+    assert ok == 0
+
+
+def test_failed_setup_is_rolled_back_with_the_reason(state_dir, monkeypatch) -> None:
+    monkeypatch.setattr(nc, "_shape_commands", lambda state, node: [["tc", "-n", state.namespace(node), "qdisc",
+                                                                      "add", "dev", "eth0", "root", "nosuchqdisc"]])
+    with pytest.raises(PlannerError, match="rolled back.*nosuchqdisc"):
+        nc.up(num_nodes=2, procs_per_node=1, inter_node_bandwidth="1gbit", inter_node_latency=None, prefix=PREFIX)
+    assert _leftovers() == [] and not (state_dir / f"cluster-{PREFIX}.json").exists()
+
+
+def test_down_after_a_crash_cleans_up_by_prefix(state_dir) -> None:
+    state = nc.up(num_nodes=2, procs_per_node=1, inter_node_bandwidth=None, inter_node_latency=None, prefix=PREFIX)
+    orphan = subprocess.Popen(nc.exec_argv(state, 1, ["sleep", "300"]), start_new_session=True)
+    (state_dir / f"cluster-{PREFIX}.json").unlink()  # the crash lost the state file
+    with pytest.raises(PlannerError, match="already up"):
+        nc.up(num_nodes=2, procs_per_node=1, inter_node_bandwidth=None, inter_node_latency=None, prefix=PREFIX)
+    assert len(nc.down(prefix=PREFIX)) == 3
+    assert orphan.wait(timeout=10) != 0 and _leftovers() == []
+
+
+def test_bad_cluster_input() -> None:
+    with pytest.raises(PlannerError, match="bad rate '1 gigabit'"):
+        nc.parse_rate_bits_per_s("1 gigabit")
+    with pytest.raises(PlannerError, match="bad time"):
+        nc.parse_time_s("1 fortnight")
+    assert nc.parse_rate_bits_per_s("125mbps") == pytest.approx(1e9)
+    assert nc.parse_time_s("1ms") == pytest.approx(1e-3)
+
+
+PING = """
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2]))); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+rtts = []
+for _ in range(20):
+    t = time.perf_counter(); c.sendall(b"x"); c.recv(1); rtts.append(time.perf_counter() - t)
+print(sorted(rtts)[10])
+"""
+ECHO = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("0.0.0.0", int(sys.argv[1])))
+s.listen(1); c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while (b := c.recv(1)): c.sendall(b)
+"""
+
+
+def test_latency_is_emulated_where_the_kernel_has_netem(state_dir) -> None:
+    state = nc.up(num_nodes=2, procs_per_node=1, inter_node_bandwidth="1gbit", inter_node_latency="5ms", prefix=PREFIX)
+    if not state.latency_emulated:
+        pytest.skip("this kernel has no sch_netem (CONFIG_NET_SCH_NETEM): latency cannot be emulated")
+    echo = subprocess.Popen(nc.exec_argv(state, 0, [sys.executable, "-c", ECHO, "5603"]))
+    time.sleep(0.5)
+    out = subprocess.run(nc.exec_argv(state, 1, [sys.executable, "-c", PING, state.address(0), "5603"]),
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    echo.wait(timeout=10)
+    # One-way delay on each node's egress: a round trip crosses it twice.
+    assert 2 * 5e-3 <= float(out) < 2 * 5e-3 + 5e-3

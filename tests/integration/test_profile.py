@@ -1,0 +1,122 @@
+"""`planner profile` end to end on loopback (2 gloo processes), its JSON through resolve_hardware, and bad input."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from planner.cli import app
+from planner.errors import PlannerError
+from profilers.fit import bus_factor
+from profilers.hardware import Hardware, resolve_hardware
+from profilers.profile import warn_if_mismatch
+
+runner = CliRunner()
+SIZES = "4k,256k,2m"
+
+
+@pytest.fixture(scope="module")
+def profile_path(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("profile") / "profile.json"
+    start = time.perf_counter()
+    result = runner.invoke(app, ["profile", "--quick", "--nproc", "2", "--sizes", SIZES,
+                                 "--collectives", "all_reduce,all_gather,p2p", "--out", str(out), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    assert time.perf_counter() - start < 120
+    return out
+
+
+def test_profile_json_round_trips_through_resolve_hardware(profile_path: Path) -> None:
+    hw = resolve_hardware(str(profile_path))
+    assert hw.source == "profile" and hw.device_type == "cpu"
+    assert Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
+    assert hw.gemm_points and {p.dtype for p in hw.gemm_points} >= {"fp32"}
+    assert set(hw.elementwise_bytes_per_s) >= {"layer_norm", "rms_norm", "gelu", "silu"}
+    assert 0 < hw.gemm_max_efficiency <= 1 and hw.kernel_overhead_s > 0
+
+
+def test_profile_fits_describe_the_raw_curves(profile_path: Path) -> None:
+    hw = resolve_hardware(str(profile_path))
+    measured = {(f.collective, f.link, f.group_size) for f in hw.collectives}
+    # One node of two processes: every group is inside the node.
+    assert measured == {("all_reduce", "intra_node", 2), ("all_gather", "intra_node", 2), ("p2p", "intra_node", 2)}
+    for fit in hw.collectives:
+        assert len(fit.sizes_bytes) == 3 and len(fit.median_s) == 3 and len(fit.spread_s) == 3
+        assert all(s >= 0 for s in fit.spread_s)
+        # The fit reproduces the largest message's time (bandwidth-dominated) to within 2x on a busy box.
+        big_bytes, big_s = fit.sizes_bytes[-1], fit.median_s[-1]
+        predicted = fit.latency_s + big_bytes * bus_factor(fit.collective, fit.group_size) / fit.bandwidth_bytes_per_s
+        assert 0.5 < predicted / big_s < 2.0
+    p2p = next(f for f in hw.collectives if f.collective == "p2p")
+    assert hw.intra_node.bandwidth_bytes_per_s == p2p.bandwidth_bytes_per_s
+    # The inter-node link was not measured on one node, so it keeps the cpu preset's figure.
+    assert hw.inter_node == resolve_hardware("cpu").inter_node
+
+
+def test_corrupt_profile_names_the_field(profile_path: Path, tmp_path: Path) -> None:
+    data = json.loads(profile_path.read_text())
+    del data["inter_node"]
+    bad = tmp_path / "missing.json"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(PlannerError, match="missing key 'inter_node'"):
+        resolve_hardware(str(bad))
+    data = json.loads(profile_path.read_text())
+    data["collectives"][0]["bandwidth_bytes_per_s"] = "fast"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(PlannerError, match=r"collectives\[0\]\.bandwidth_bytes_per_s"):
+        resolve_hardware(str(bad))
+    bad.write_text(profile_path.read_text()[:200])
+    with pytest.raises(PlannerError, match="not valid JSON"):
+        resolve_hardware(str(bad))
+
+
+def test_profile_on_another_device_kind_warns(profile_path: Path, caplog) -> None:
+    hw = resolve_hardware(str(profile_path))
+    with caplog.at_level(logging.WARNING):
+        message = warn_if_mismatch(hw, device_type="cuda")
+    assert message and "measured on cpu" in message and message in caplog.text
+    assert warn_if_mismatch(hw, device_type="cpu", device_name=hw.device_name) is None
+    assert warn_if_mismatch(resolve_hardware("h100"), device_type="cpu") is None
+
+
+def _comm_workers() -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"profilers.comm" in cmdline:
+            pids.append(int(entry))
+    return pids
+
+
+def test_failed_rank_is_named_and_nothing_is_left_running(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("PLANNER_PROFILE_FAIL_RANK", "1")
+    before = set(_comm_workers())
+    result = runner.invoke(app, ["profile", "--quick", "--nproc", "2", "--sizes", "4k,64k",
+                                 "--collectives", "all_reduce", "--out", str(tmp_path / "p.json")])
+    assert result.exit_code == 1
+    assert "rank 1" in result.output and "injected failure" in result.output
+    assert not (tmp_path / "p.json").exists()
+    time.sleep(0.5)
+    assert set(_comm_workers()) - before == set()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--sizes", "1x,2k"], "bad message size '1x'"),
+    (["--sizes", "4k"], "at least two positive message sizes"),
+    (["--nproc", "1"], "--nproc must be at least 2"),
+    (["--collectives", "all_reduce,gossip"], "unknown collective 'gossip'"),
+    (["--nproc", "3", "--gpus-per-node", "2"], "not a multiple of --gpus-per-node"),
+])
+def test_bad_profile_options_are_one_line_errors(args: list[str], message: str, tmp_path: Path) -> None:
+    result = runner.invoke(app, ["profile", *args, "--out", str(tmp_path / "p.json")])
+    # CliRunner sees the raw exception; main() turns it into one line and exit code 2.
+    assert isinstance(result.exception, PlannerError) and message in str(result.exception)
