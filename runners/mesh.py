@@ -1,0 +1,134 @@
+"""The device mesh: one process's coordinates and process groups under a plan.
+
+Ranks follow Megatron-LM's order, tensor parallel innermost, then data parallel, then pipeline:
+rank = (pp_rank * dp + dp_rank) * tp + tp_rank (Narayanan et al., SC'21, and planner/cluster.py), so a
+TP group is `tp` consecutive ranks and stays inside a node whenever tp <= ranks_per_node.
+
+The data-parallel sharding groups (runners/sharding.py) are built from *consecutive* DP positions, so a
+group fills a node before it spans nodes. For DP position q and degrees s_p | s_g | s_os | dp:
+- param group: the s_p positions that together hold a unit's parameters (all-gather before use);
+- grad group: the s_g positions that reduce-scatter a unit's gradient;
+- grad replica group: the dp / s_g positions holding the same gradient shard (boundary all-reduce);
+- redistribute group: the s_os / s_p positions inside my optimizer group that share my parameter shard
+  (all-gather of updated optimizer shards after the step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from planner.errors import PlannerError
+
+
+@dataclass
+class Mesh:
+    rank: int
+    world_size: int
+    ranks_per_node: int
+    dp: int
+    tp: int
+    pp: int
+    dp_rank: int
+    tp_rank: int
+    pp_rank: int
+    shard_degrees: tuple[int, int, int]
+    tp_ranks: tuple[int, ...]
+    dp_ranks: tuple[int, ...]
+    pp_ranks: tuple[int, ...]
+    param_ranks: tuple[int, ...]
+    grad_ranks: tuple[int, ...]
+    grad_replica_ranks: tuple[int, ...]
+    redistribute_ranks: tuple[int, ...]
+    # Process groups (torch.distributed handles) keyed like the rank tuples above.
+    groups: dict[str, object] = field(default_factory=dict, repr=False)
+
+    @property
+    def tp_group(self):
+        return self.groups["tp"]
+
+    @property
+    def dp_group(self):
+        return self.groups["dp"]
+
+    @property
+    def pp_group(self):
+        return self.groups["pp"]
+
+    @property
+    def param_group(self):
+        return self.groups["param"]
+
+    @property
+    def grad_group(self):
+        return self.groups["grad"]
+
+    @property
+    def grad_replica_group(self):
+        return self.groups["grad_replica"]
+
+    @property
+    def redistribute_group(self):
+        return self.groups["redistribute"]
+
+    def global_rank(self, *, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
+        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+
+
+def _dp_groups(*, dp: int, s_p: int, s_g: int, s_os: int) -> dict[str, list[tuple[int, ...]]]:
+    """The sharding groups as lists of DP positions, each list partitioning range(dp)."""
+    kinds: dict[str, list[tuple[int, ...]]] = {"dp": [tuple(range(dp))]}
+    kinds["param"] = [tuple(range(b, b + s_p)) for b in range(0, dp, s_p)]
+    kinds["grad"] = [tuple(range(b, b + s_g)) for b in range(0, dp, s_g)]
+    kinds["grad_replica"] = [tuple(range(r, dp, s_g)) for r in range(s_g)]
+    kinds["redistribute"] = [tuple(range(b + r, b + s_os, s_p)) for b in range(0, dp, s_os) for r in range(s_p)]
+    return kinds
+
+
+def build_mesh(plan, *, ranks_per_node: int) -> Mesh:
+    """Create every process group of `plan` (call after dist.init_process_group, on every rank).
+
+    Every rank creates every group in the same order (torch.distributed requires it); a rank tuple
+    that two kinds share (e.g. param and grad groups when s_p == s_g) becomes one group.
+    """
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    if plan.world_size != world_size:
+        raise PlannerError(f"plan needs dp x tp x pp = {plan.dp} x {plan.tp} x {plan.pp} = {plan.world_size} "
+                           f"processes, but the job has {world_size}")
+    dp, tp, pp = plan.dp, plan.tp, plan.pp
+    s_p, s_g, s_os = plan.shard_degrees
+    tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+
+    def to_global(p: int, q: int, t: int) -> int:
+        return (p * dp + q) * tp + t
+
+    # (kind, tuple of global ranks) for every group of every kind, in one fixed order.
+    all_groups: list[tuple[str, tuple[int, ...]]] = []
+    for p in range(pp):
+        for q in range(dp):
+            all_groups.append(("tp", tuple(to_global(p, q, t) for t in range(tp))))
+    for q in range(dp):
+        for t in range(tp):
+            all_groups.append(("pp", tuple(to_global(p, q, t) for p in range(pp))))
+    for kind, position_lists in _dp_groups(dp=dp, s_p=s_p, s_g=s_g, s_os=s_os).items():
+        for p in range(pp):
+            for t in range(tp):
+                for positions in position_lists:
+                    all_groups.append((kind, tuple(to_global(p, q, t) for q in positions)))
+
+    handles: dict[tuple[int, ...], object] = {}
+    mine: dict[str, tuple[int, ...]] = {}
+    for kind, ranks in all_groups:
+        if ranks not in handles:
+            handles[ranks] = dist.new_group(list(ranks))
+        if rank in ranks:
+            mine[kind] = ranks
+    return Mesh(
+        rank=rank, world_size=world_size, ranks_per_node=max(1, ranks_per_node), dp=dp, tp=tp, pp=pp,
+        dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank, shard_degrees=(s_p, s_g, s_os),
+        tp_ranks=mine["tp"], dp_ranks=mine["dp"], pp_ranks=mine["pp"], param_ranks=mine["param"],
+        grad_ranks=mine["grad"], grad_replica_ranks=mine["grad_replica"],
+        redistribute_ranks=mine["redistribute"],
+        groups={kind: handles[ranks] for kind, ranks in mine.items()},
+    )

@@ -1,0 +1,554 @@
+"""Data-parallel sharding engine: per-unit flat buffers, three sharding degrees, Adam on fp32 shards.
+
+Parameters, gradients and optimizer states are sharded over their own degree of the DP group,
+s_p | s_g | s_os | dp (Lins' generalisation of ZeRO; ZeRO-0..3 and HSDP/MiCS are points of it), one
+*unit* (embedding, transformer block, head) at a time. The semantics are the ones the cost model prices:
+
+- s_p > 1: a unit's parameters live as a 1/s_p shard; they are all-gathered in the s_p group before the
+  unit's forward and again before its backward, and the gathered buffer is freed (its storage resized to
+  zero, FSDP1-style, so the module's parameter views stay valid) after each. `prefetch_depth` units
+  ahead (behind, in backward) are gathered asynchronously; the wait is just before use.
+- s_g == 1: the full fp32 gradient is accumulated over micro-batches and all-reduced (sum) over the DP
+  group at the accumulation boundary. s_g > 1: after every micro-batch's backward of a unit, its
+  gradient is reduce-scattered in the s_g group into an fp32 shard; the shard is all-reduced across the
+  dp / s_g replica groups only at the boundary. Reductions are bucketed (`bucket_size_bytes`, units in
+  backward order) and asynchronous; the boundary of a unit is its num_micro_batches-th backward of the
+  step, so pipeline schedules whose chunks finish at different times work unchanged.
+- Adam (exactly torch.optim.Adam's single-tensor arithmetic) on the 1/s_os shard with fp32 master
+  weights, then the updated shards are all-gathered inside the s_os / s_p ranks that share my parameter
+  shard (nothing when s_os == s_p).
+
+Nested shard layout (so each rank's optimizer shard lies inside its gradient shard, inside its parameter
+shard): a unit's flat buffer, padded to a multiple of s_os, is cut into s_p parameter chunks, each into
+s_g / s_p gradient chunks, each into s_os / s_g optimizer chunks. DP position q holds parameter chunk
+p(q) = q % s_p, gradient chunk g(q) = p(q) * (s_g/s_p) + (q % s_g) // s_p and optimizer chunk
+o(q) = g(q) * (s_os/s_g) + (q % s_os) // s_g (`shard_chunks`). Collectives put chunk i on *group rank*
+i, and groups are sorted consecutive DP positions, so the parameter all-gather is direct while the
+gradient reduce-scatter and the optimizer redistribution permute chunks while packing their buckets
+(a no-op for ZeRO-0..3 and HSDP, a copy only for mixes such as (2, 4, 4)).
+
+Precision: parameters are held in the compute dtype (`param_dtype`, default the modules' dtype); the
+optimizer keeps fp32 master weights (the parameter shard itself when that is fp32), and gradients are
+accumulated and reduced in fp32, as Megatron-LM does by default (accumulate_allreduce_grads_in_fp32), so
+that summing many micro-batches and ranks does not lose bf16 precision. The state bytes per parameter
+are then (Megatron-LM distributed-optimizer docs, Rajbhandari et al. SC'20 with 4-byte gradients):
+bf16: 2/s_p + 4/s_g + 12/s_os; fp32: 4/s_p + 4/s_g + 8/s_os (`state_bytes_per_param`).
+
+All ranks of a DP group must start with identical parameters (same seed); nothing is broadcast.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from planner.errors import PlannerError
+
+# The first unit's input (token ids) needs no gradient, so torch warns that its full backward hook fires
+# on the outputs' gradients; the pre-hook is exactly that, and the warning would repeat every step.
+warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with "
+                        "respect to module outputs")
+
+
+def shard_chunks(q: int, *, degrees: tuple[int, int, int]) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer) chunk indices of DP position q under degrees (s_p, s_g, s_os).
+
+    The chunks nest: gradient chunk g covers optimizer chunks g*(s_os/s_g) .. (g+1)*(s_os/s_g) - 1 and lies
+    in parameter chunk g // (s_g/s_p); inside one s_os group the map q -> o is a bijection (a mixed-radix
+    split of q % s_os), and ranks of a replica group (equal q % s_g) hold equal gradient chunks.
+    """
+    s_p, s_g, s_os = degrees
+    p = q % s_p
+    g = p * (s_g // s_p) + (q % s_g) // s_p
+    o = g * (s_os // s_g) + (q % s_os) // s_g
+    return p, g, o
+
+
+def state_bytes_per_param(*, degrees: tuple[int, int, int], compute_bytes: int) -> float:
+    """Bytes of parameter, gradient and optimizer state per model parameter this engine holds."""
+    s_p, s_g, s_os = degrees
+    optimizer_bytes = 8 if compute_bytes == 4 else 12  # m, v (+ fp32 master unless params are fp32)
+    return compute_bytes / s_p + 4 / s_g + optimizer_bytes / s_os
+
+
+@dataclass
+class _Pending:
+    """An in-flight collective; `on_done` runs once it completes, `keep` holds its buffers alive."""
+    work: object
+    on_done: Callable[[], None]
+    keep: tuple
+
+
+class _Unit:
+    """One unit's flat parameter buffer, its shards and its per-step bookkeeping."""
+
+    def __init__(self, module: nn.Module, params: list[nn.Parameter], *, chunk: int, position: int,
+                 q: int, degrees: tuple[int, int, int], dtype: torch.dtype) -> None:
+        self.module, self.params, self.chunk, self.position = module, params, chunk, position
+        s_p, s_g, s_os = degrees
+        self.degrees = degrees
+        self.numel = sum(p.numel() for p in params)
+        self.padded = math.ceil(self.numel / s_os) * s_os
+        self.p_chunk, self.g_chunk, self.o_chunk = shard_chunks(q, degrees=degrees)
+        device = params[0].device
+        original = torch.zeros(self.padded, dtype=torch.float32, device=device)
+        offset = 0
+        self.offsets = []
+        with torch.no_grad():
+            for p in params:
+                self.offsets.append(offset)
+                original[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+                offset += p.numel()
+        self.flat = original.to(dtype) if dtype != torch.float32 else original
+        self.flat_bytes = self.flat.untyped_storage().nbytes()
+        for p, off in zip(params, self.offsets):
+            p.data = self.flat[off:off + p.numel()].view(p.shape)
+        if s_p > 1:
+            self.param_shard = self.flat.view(s_p, -1)[self.p_chunk].clone()
+        else:
+            self.param_shard = self.flat
+        # The optimizer's slice of my parameter shard, and its fp32 master (the slice itself if fp32).
+        k = s_os // s_p
+        self.param_slice = self.param_shard.view(k, -1)[self.o_chunk % k]
+        if dtype == torch.float32:
+            self.master = self.param_slice
+        else:
+            self.master = original.view(s_os, -1)[self.o_chunk].clone()
+        del original
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        if s_g == 1:
+            self.grad = torch.zeros(self.padded, dtype=torch.float32, device=device)
+        else:
+            self.grad = torch.zeros(self.padded // s_g, dtype=torch.float32, device=device)
+        self.grad_scratch: torch.Tensor | None = None
+        # Per-step state.
+        self.gathered = s_p == 1
+        self.gather_work = None
+        self.in_backward = False
+        self.num_grads_ready = 0
+        self.num_backward = 0
+        self.boundary_done = False   # its num_micro_batches-th backward has run
+        self.rs_reduced = s_g == 1   # its boundary reduce-scatter has landed in self.grad
+
+    def optim_grad(self) -> torch.Tensor:
+        """The fp32 gradient of my optimizer shard."""
+        s_p, s_g, s_os = self.degrees
+        k = s_os // s_g
+        return self.grad.view(s_os, -1)[self.o_chunk] if s_g == 1 else self.grad.view(k, -1)[self.o_chunk % k]
+
+
+class ShardedDataParallel:
+    """Trains a rank's model chunks under the plan's DP sharding (see the module docstring).
+
+    Args:
+        chunks: this rank's model chunks, each with `units: nn.ModuleList` run in order by its forward.
+        plan: the plan (dp, shard degrees, prefetch_depth, bucket_size_bytes, pp).
+        mesh: runners.mesh.Mesh of this process. comm: runners.comm.Comm that counts every collective.
+        num_micro_batches: backward passes of every unit per step (the accumulation boundary).
+        defer_grad_sync: issue each chunk's boundary all-reduce only at start_grad_sync(chunk) (Commshift).
+        param_dtype: compute dtype of the parameters (default: the modules'); the master stays fp32.
+    """
+
+    def __init__(self, chunks, *, plan, mesh, comm, num_micro_batches: int, lr: float,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 defer_grad_sync: bool = False, param_dtype: torch.dtype | None = None) -> None:
+        if num_micro_batches < 1:
+            raise PlannerError(f"num_micro_batches must be at least 1, got {num_micro_batches}")
+        self.chunks, self.plan, self.mesh, self.comm = list(chunks), plan, mesh, comm
+        self.num_micro_batches = num_micro_batches
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.defer_grad_sync = defer_grad_sync
+        self.degrees = plan.shard_degrees
+        self.num_steps = 0
+        self._pending: deque[_Pending] = deque()
+        self._boundary_queue: deque[_Unit] = deque()
+        self._rs_bucket: list[tuple[_Unit, torch.Tensor, bool]] = []
+        self._boundary_bucket: list[_Unit] = []
+        self._released: set[int] = set()
+        self.live_param_bytes = 0
+        self.peak_param_bytes = 0
+        self._build_units(param_dtype)
+        self._register_hooks()
+
+    # --- construction ----------------------------------------------------------------------------
+    def _build_units(self, param_dtype: torch.dtype | None) -> None:
+        self.units_by_chunk: list[list[_Unit]] = []
+        self.names: dict[int, str] = {}
+        seen: dict[int, str] = {}
+        s_p = self.degrees[0]
+        for v, chunk in enumerate(self.chunks):
+            c = v * self.mesh.pp + self.mesh.pp_rank
+            for name, p in chunk.named_parameters():
+                self.names[id(p)] = f"{c}.{name}"
+            units = []
+            for i, module in enumerate(chunk.units):
+                params = [p for p in module.parameters() if p.requires_grad]
+                for p in params:
+                    if id(p) in seen:
+                        raise PlannerError(f"parameter {self.names.get(id(p))} is in two units ({seen[id(p)]} and "
+                                           f"chunk {c} unit {i}); flat-parameter sharding needs each in one unit")
+                    seen[id(p)] = f"chunk {c} unit {i}"
+                if not params:
+                    continue
+                dtype = param_dtype or params[0].dtype
+                units.append(_Unit(module, params, chunk=v, position=len(units), q=self.mesh.dp_rank,
+                                   degrees=self.degrees, dtype=dtype))
+            self.units_by_chunk.append(units)
+        self.units = [u for units in self.units_by_chunk for u in units]
+        for u in self.units:
+            if s_p > 1:
+                u.flat.untyped_storage().resize_(0)
+            self.live_param_bytes += u.flat.untyped_storage().nbytes() + (u.param_shard.untyped_storage().nbytes()
+                                                                         if s_p > 1 else 0)
+        self.peak_param_bytes = self.live_param_bytes
+
+    def _register_hooks(self) -> None:
+        for u in self.units:
+            u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
+            u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u))
+            u.module.register_full_backward_pre_hook(lambda m, grad_out, u=u: self._pre_backward(u))
+            for i, p in enumerate(u.params):
+                p.register_post_accumulate_grad_hook(lambda p, u=u, i=i: self._on_grad(u, i))
+
+    # --- parameter gathering -------------------------------------------------------------------
+    def _issue_gather(self, u: _Unit) -> None:
+        if u.gathered or u.gather_work is not None:
+            return
+        u.flat.untyped_storage().resize_(u.flat_bytes)
+        self._add_live(u.flat_bytes)
+        work = self.comm.all_gather(u.flat, u.param_shard, self.mesh.param_group, async_op=True)
+        u.gather_work = work if work is not None else _DONE
+
+    def _ensure_gathered(self, u: _Unit) -> None:
+        if u.gathered:
+            return
+        self._issue_gather(u)
+        if u.gather_work is not _DONE:
+            self.comm.wait(u.gather_work)
+        u.gather_work, u.gathered = None, True
+
+    def _free(self, u: _Unit) -> None:
+        if self.degrees[0] == 1 or not u.gathered:
+            return
+        u.flat.untyped_storage().resize_(0)
+        self._add_live(-u.flat_bytes)
+        u.gathered = False
+
+    def _add_live(self, num_bytes: int) -> None:
+        self.live_param_bytes += num_bytes
+        self.peak_param_bytes = max(self.peak_param_bytes, self.live_param_bytes)
+
+    def _prefetch(self, u: _Unit, *, step: int) -> None:
+        units = self.units_by_chunk[u.chunk]
+        for d in range(1, self.plan.prefetch_depth + 1):
+            i = u.position + step * d
+            if 0 <= i < len(units):
+                self._issue_gather(units[i])
+
+    def _pre_forward(self, u: _Unit) -> None:
+        self._ensure_gathered(u)
+        if not u.in_backward and self.degrees[0] > 1:
+            self._prefetch(u, step=+1)
+
+    def _post_forward(self, u: _Unit) -> None:
+        # A recomputation inside backward (checkpoint around the unit) must keep the parameters.
+        if not u.in_backward:
+            self._free(u)
+
+    def _pre_backward(self, u: _Unit) -> None:
+        u.in_backward = True
+        self._ensure_gathered(u)
+        if self.degrees[0] > 1:
+            self._prefetch(u, step=-1)
+
+    # --- gradients ------------------------------------------------------------------------------
+    def _on_grad(self, u: _Unit, i: int) -> None:
+        """A parameter's gradient of this micro-batch is complete: move it into fp32 flat storage."""
+        p = u.params[i]
+        s_g = self.degrees[1]
+        if s_g == 1:
+            target = u.grad
+        else:
+            if u.grad_scratch is None:
+                u.grad_scratch = torch.zeros(u.padded, dtype=torch.float32, device=u.grad.device)
+            target = u.grad_scratch
+        with torch.no_grad():
+            target[u.offsets[i]:u.offsets[i] + p.numel()].add_(p.grad.reshape(-1))
+        p.grad = None
+        u.num_grads_ready += 1
+        if u.num_grads_ready == len(u.params):
+            u.num_grads_ready = 0
+            self._unit_backward_done(u)
+
+    def _unit_backward_done(self, u: _Unit) -> None:
+        u.in_backward = False
+        u.num_backward += 1
+        if u.num_backward > self.num_micro_batches:
+            raise RuntimeError(f"unit {u.position} of chunk {u.chunk} ran backward {u.num_backward} times in one "
+                               f"step, but num_micro_batches is {self.num_micro_batches}; call optimizer_step()")
+        self._free(u)
+        boundary = u.num_backward == self.num_micro_batches
+        if self.degrees[1] > 1:
+            scratch, u.grad_scratch = u.grad_scratch, None
+            self._rs_bucket.append((u, scratch, boundary))
+            full = sum(x.numel() * 4 for _, x, _ in self._rs_bucket) >= self.plan.bucket_size_bytes
+            if full or u.position == 0:
+                self._flush_rs()
+        if boundary:
+            u.boundary_done = True
+            if not self.defer_grad_sync:
+                self._queue_boundary(u)
+        self._poll()
+
+    def _flush_rs(self) -> None:
+        """Reduce-scatter the bucket in the s_g group; chunk g(r) of each unit goes to group rank r."""
+        entries, self._rs_bucket = self._rs_bucket, []
+        s_g = self.degrees[1]
+        sizes = [u.padded // s_g for u, _, _ in entries]
+        send = torch.empty(sum(sizes) * s_g, dtype=torch.float32, device=entries[0][1].device)
+        pos = 0
+        for r in range(s_g):
+            g = shard_chunks(r, degrees=self.degrees)[1]
+            for (u, scratch, _), size in zip(entries, sizes):
+                send[pos:pos + size].copy_(scratch.view(s_g, -1)[g])
+                pos += size
+        recv = torch.empty(sum(sizes), dtype=torch.float32, device=send.device)
+        boundary = [u for u, _, at_boundary in entries if at_boundary]
+
+        def on_done() -> None:
+            offset = 0
+            for (u, _, _), size in zip(entries, sizes):
+                u.grad.add_(recv[offset:offset + size])
+                offset += size
+            for u in boundary:
+                u.rs_reduced = True
+
+        work = self.comm.reduce_scatter(recv, send, self.mesh.grad_group, async_op=True)
+        self._pending.append(_Pending(work, on_done, (send, recv)))
+
+    def _queue_boundary(self, u: _Unit) -> None:
+        # The queue order is fixed by deterministic events (backward order, start_grad_sync calls), so
+        # every rank issues the boundary collectives in the same order.
+        self._boundary_queue.append(u)
+        self._pump()
+
+    def start_grad_sync(self, chunk: int) -> None:
+        """Issue the boundary gradient reduction of local chunk `chunk` (defer_grad_sync mode)."""
+        if chunk in self._released:
+            return
+        units = self.units_by_chunk[chunk]
+        for u in reversed(units):
+            if not u.boundary_done:
+                raise RuntimeError(f"start_grad_sync({chunk}) before unit {u.position}'s last backward of the step")
+        self._released.add(chunk)
+        for u in reversed(units):
+            self._queue_boundary(u)
+
+    def _boundary_group(self):
+        s_g = self.degrees[1]
+        return (self.mesh.dp_group, self.plan.dp) if s_g == 1 else (self.mesh.grad_replica_group, self.plan.dp // s_g)
+
+    def _pump(self) -> None:
+        """Move ready units from the boundary queue into the all-reduce bucket, flushing when due."""
+        group, size = self._boundary_group()
+        while self._boundary_queue and self._boundary_queue[0].rs_reduced:
+            u = self._boundary_queue.popleft()
+            if size == 1:
+                continue
+            self._boundary_bucket.append(u)
+            full = sum(x.grad.numel() * 4 for x in self._boundary_bucket) >= self.plan.bucket_size_bytes
+            if full or u.position == 0:
+                self._flush_boundary(group)
+
+    def _flush_boundary(self, group) -> None:
+        units, self._boundary_bucket = self._boundary_bucket, []
+        if len(units) == 1:
+            work = self.comm.all_reduce(units[0].grad, group, async_op=True)
+            self._pending.append(_Pending(work, lambda: None, ()))
+            return
+        buffer = torch.cat([u.grad for u in units])
+
+        def on_done() -> None:
+            offset = 0
+            for u in units:
+                u.grad.copy_(buffer[offset:offset + u.grad.numel()])
+                offset += u.grad.numel()
+
+        work = self.comm.all_reduce(buffer, group, async_op=True)
+        self._pending.append(_Pending(work, on_done, (buffer,)))
+
+    def _poll(self) -> None:
+        """Finish completed collectives in issue order (never blocking)."""
+        progressed = False
+        while self._pending and (self._pending[0].work is None or self._pending[0].work.is_completed()):
+            self._finish(self._pending.popleft())
+            progressed = True
+        if progressed:
+            self._pump()
+
+    def _finish(self, pending: _Pending) -> None:
+        if pending.work is not None:
+            self.comm.wait(pending.work)
+        pending.on_done()
+
+    def _drain(self) -> None:
+        """Wait for every gradient collective, issuing the boundary ones that depend on earlier ones."""
+        if self._rs_bucket:
+            self._flush_rs()
+        while self._pending or self._boundary_queue:
+            assert self._pending, "boundary queue stalled with nothing in flight"
+            self._finish(self._pending.popleft())
+            self._pump()
+        assert not self._boundary_bucket
+
+    # --- optimizer ----------------------------------------------------------------------------
+    def optimizer_step(self) -> None:
+        """Wait for the gradient reductions, Adam-step my shard, redistribute, and zero the gradients."""
+        for u in self.units:
+            if u.num_backward != self.num_micro_batches:
+                raise RuntimeError(f"unit {u.position} of chunk {u.chunk} ran backward {u.num_backward} times this "
+                                   f"step, expected num_micro_batches = {self.num_micro_batches}")
+        if self.defer_grad_sync:  # chunks the pipeline did not release yet
+            for v in reversed(range(len(self.chunks))):
+                self.start_grad_sync(v)
+        self._drain()
+        self.num_steps += 1
+        with torch.no_grad():
+            for u in self.units:
+                self._adam(u)
+            self._redistribute()
+        for u in self.units:
+            u.grad.zero_()
+            u.num_backward = 0
+            u.boundary_done = False
+            u.rs_reduced = self.degrees[1] == 1
+        self._released.clear()
+
+    def _adam(self, u: _Unit) -> None:
+        """torch.optim.Adam's single-tensor update (weight_decay as L2 added to the gradient)."""
+        beta1, beta2 = self.betas
+        grad = u.optim_grad()
+        if self.weight_decay != 0:
+            grad = grad.add(u.master, alpha=self.weight_decay)
+        u.exp_avg.lerp_(grad, 1 - beta1)
+        u.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        step = float(self.num_steps)
+        bias_correction1 = 1 - beta1 ** step
+        bias_correction2 = 1 - beta2 ** step
+        step_size = self.lr / bias_correction1
+        denom = (u.exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(self.eps)
+        u.master.addcdiv_(u.exp_avg, denom, value=-step_size)
+        if u.master is not u.param_slice:
+            u.param_slice.copy_(u.master)
+
+    def _redistribute(self) -> None:
+        """All-gather the updated optimizer shards among the s_os/s_p ranks sharing my parameter shard."""
+        s_p, _, s_os = self.degrees
+        k = s_os // s_p
+        if k == 1:
+            return
+        q = self.mesh.dp_rank
+        base = q - q % s_os + q % s_p
+        subs = [shard_chunks(base + j * s_p, degrees=self.degrees)[2] % k for j in range(k)]
+        buckets, current, current_bytes = [], [], 0
+        for u in self.units:
+            current.append(u)
+            current_bytes += u.param_shard.numel() * u.param_shard.element_size()
+            if current_bytes >= self.plan.bucket_size_bytes:
+                buckets.append(current)
+                current, current_bytes = [], 0
+        if current:
+            buckets.append(current)
+        works = [self._gather_bucket(units, subs) for units in buckets]
+        for work, unpack in works:
+            self.comm.wait(work)
+            unpack()
+
+    def _gather_bucket(self, units: list[_Unit], subs: list[int]):
+        k = len(subs)
+        send = torch.cat([u.param_slice for u in units])
+        recv = torch.empty(send.numel() * k, dtype=send.dtype, device=send.device)
+        work = self.comm.all_gather(recv, send, self.mesh.redistribute_group, async_op=True)
+
+        def unpack() -> None:
+            segments = recv.view(k, -1)
+            for j, sub in enumerate(subs):
+                offset = 0
+                for u in units:
+                    size = u.param_slice.numel()
+                    u.param_shard.view(k, -1)[sub].copy_(segments[j, offset:offset + size])
+                    offset += size
+
+        return work, unpack
+
+    # --- state ----------------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full parameters (gathered, compute dtype) named '<global chunk>.<name in the chunk>'."""
+        out: dict[str, torch.Tensor] = {}
+        s_p = self.degrees[0]
+        for u in self.units:
+            flat = u.flat
+            if s_p > 1:
+                flat = torch.empty(u.padded, dtype=u.param_shard.dtype, device=u.param_shard.device)
+                self.comm.all_gather(flat, u.param_shard, self.mesh.param_group)
+            for p, off in zip(u.params, u.offsets):
+                out[self.names[id(p)]] = flat[off:off + p.numel()].view(p.shape).clone()
+        return out
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """This rank's shards (parameters, fp32 master, Adam moments) and the step count, for checkpoints."""
+        state = {"num_steps": torch.tensor(self.num_steps)}
+        for i, u in enumerate(self.units):
+            state[f"unit{i}.param_shard"] = u.param_shard.clone()
+            state[f"unit{i}.master"] = u.master.clone()
+            state[f"unit{i}.exp_avg"] = u.exp_avg.clone()
+            state[f"unit{i}.exp_avg_sq"] = u.exp_avg_sq.clone()
+        return state
+
+    def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
+        expected = {"num_steps"} | {f"unit{i}.{k}" for i in range(len(self.units))
+                                    for k in ("param_shard", "master", "exp_avg", "exp_avg_sq")}
+        if set(state) != expected:
+            bad = sorted(set(state) ^ expected)[0]
+            raise PlannerError(f"checkpoint state does not match this engine's shards: key {bad!r}")
+        self.num_steps = int(state["num_steps"])
+        with torch.no_grad():
+            for i, u in enumerate(self.units):
+                for key in ("param_shard", "master", "exp_avg", "exp_avg_sq"):
+                    target = getattr(u, key)
+                    if target.shape != state[f"unit{i}.{key}"].shape:
+                        raise PlannerError(f"checkpoint unit{i}.{key} has shape {tuple(state[f'unit{i}.{key}'].shape)}, "
+                                           f"expected {tuple(target.shape)}")
+                    target.copy_(state[f"unit{i}.{key}"])
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of storage this rank holds now, by kind (distinct storages only)."""
+        seen: set[int] = set()
+
+        def size(t: torch.Tensor) -> int:
+            storage = t.untyped_storage()
+            if storage.data_ptr() in seen or storage.nbytes() == 0:
+                return 0
+            seen.add(storage.data_ptr())
+            return storage.nbytes()
+
+        kinds = {"params": 0, "grads": 0, "optimizer": 0}
+        for u in self.units:
+            kinds["params"] += size(u.flat) + size(u.param_shard)
+            kinds["grads"] += size(u.grad)
+            kinds["optimizer"] += size(u.master) + size(u.exp_avg) + size(u.exp_avg_sq)
+        return kinds
+
+
+class _Done:
+    """Marks a gather that needed no collective (a group of one)."""
+
+
+_DONE = _Done()
