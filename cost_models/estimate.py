@@ -6,7 +6,18 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+
+from cost_models.comm import collective_time_s
+from cost_models.compute import (activation_bytes_per_element, end_compute_times, layer_compute_times,
+                                 memory_time_s, model_flops_per_step)
+from cost_models.memory import (GPU_FRAMEWORK_RESERVE_BYTES, end_activation_bytes, end_params_per_device,
+                                layer_activation_bytes, layer_params_per_device, logits_bytes,
+                                model_state_bytes, peak_live_bytes, state_bytes_per_param)
+from cost_models.schedule import rank_actions
+from cost_models.timeline import ChunkDurations, simulate
+from planner.plan import check_plan
 
 
 @dataclass(frozen=True)
@@ -42,3 +53,295 @@ class Estimate:
             "memory_limit_bytes": int(self.memory_limit_bytes), "fits": self.fits,
             "memory_shortfall_bytes": int(self.memory_shortfall_bytes), "breakdown": dict(self.breakdown),
         }
+
+
+# --- pricing --------------------------------------------------------------------------------------
+POLICIES = ("none", "selective", "full")
+# Adam touches per parameter of its shard: the gradient (read), fp32 master, m and v (read + write) and
+# the compute-dtype parameter (write): 2 + 24 + 2 bytes mixed precision, 4 + 8 + 16 for fp32.
+ADAM_BYTES_PER_PARAM = 28
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Per-layer prices for the search's ILP, on one device under the plan's TP, SP and sharding.
+
+    time_s[policy]: forward + backward + recomputation of one layer for one micro-batch, with its exposed
+    TP communication. activation_bytes[policy]: what the layer keeps per micro-batch in flight.
+    state_bytes: weights + gradients + optimizer states of one layer on one device.
+    first/last_extra_time_s: the embedding (first chunk) and final norm + head + loss (last chunk) per
+    micro-batch, with their TP communication. first/last_extra_bytes: their model states and fixed
+    buffers (the fp32 logits on the last chunk); first/last_extra_activation_bytes: what they keep per
+    micro-batch in flight.
+    """
+
+    time_s: dict[str, float]
+    activation_bytes: dict[str, float]
+    state_bytes: float
+    first_extra_time_s: float
+    last_extra_time_s: float
+    first_extra_bytes: float
+    last_extra_bytes: float
+    first_extra_activation_bytes: float = 0.0
+    last_extra_activation_bytes: float = 0.0
+    # The parts estimate() needs to build actions: forward-only seconds per layer, and the rest.
+    forward_time_s: dict[str, float] = field(default_factory=dict)
+    first_extra_forward_s: float = 0.0
+    last_extra_forward_s: float = 0.0
+    first_extra_tp_comm_s: float = 0.0
+    last_extra_tp_comm_s: float = 0.0
+    tp_comm_s: dict[str, float] = field(default_factory=dict)
+    recompute_time_s: dict[str, float] = field(default_factory=dict)
+
+
+def layer_costs(plan, *, model, cluster, job) -> LayerCosts:
+    """Per-layer time and memory of `plan` (see LayerCosts); estimate() prices chunks as sums of these."""
+    hw, b, s, tp, sp = cluster.hardware, plan.micro_batch, job.seq_len, plan.tp, plan.sequence_parallel
+    dims = dict(micro_batch=b, seq_len=s, tp=tp, sequence_parallel=sp, precision=job.precision)
+    times = layer_compute_times(model, hw, **dims)
+    ends = end_compute_times(model, hw, **dims)
+    act_bytes = b * s * model.hidden_size * activation_bytes_per_element(job.precision)
+    # Megatron: two all-reduces of the b x s x h activations per layer forward, two backward; with
+    # sequence parallelism an all-gather + reduce-scatter pair instead (the same ring volume).
+    if sp:
+        one_s = (collective_time_s(cluster, collective="all_gather", size_bytes=act_bytes, group_size=tp, stride=1)
+                 + collective_time_s(cluster, collective="reduce_scatter", size_bytes=act_bytes, group_size=tp,
+                                     stride=1)) / 2
+    else:
+        one_s = collective_time_s(cluster, collective="all_reduce", size_bytes=act_bytes, group_size=tp, stride=1)
+    tp_fwd_s = 2 * one_s
+    recompute_s = {"none": 0.0, "selective": times.attention_core_forward_s, "full": times.forward_s}
+    tp_comm = {"none": 2 * tp_fwd_s, "selective": 2 * tp_fwd_s, "full": 3 * tp_fwd_s}
+    time_s = {p: times.forward_s + times.backward_s + recompute_s[p] + tp_comm[p] for p in POLICIES}
+    activation = {p: layer_activation_bytes(model, policy=p, **dims) for p in POLICIES}
+    state = model_state_bytes(layer_params_per_device(model, tp=tp), param_shard=plan.param_shard,
+                              grad_shard=plan.grad_shard, optim_shard=plan.optim_shard, precision=job.precision)
+    first_params, last_params = end_params_per_device(model, tp=tp, pp=plan.pp)
+    shards = dict(param_shard=plan.param_shard, grad_shard=plan.grad_shard, optim_shard=plan.optim_shard,
+                  precision=job.precision)
+    first_act, last_act = end_activation_bytes(model, **dims)
+    return LayerCosts(
+        time_s=time_s, activation_bytes=activation, state_bytes=state.total_bytes,
+        first_extra_time_s=ends.embed_forward_s + ends.embed_backward_s + one_s,
+        last_extra_time_s=ends.head_forward_s + ends.head_backward_s + one_s,
+        first_extra_bytes=model_state_bytes(first_params, **shards).total_bytes,
+        last_extra_bytes=model_state_bytes(last_params, **shards).total_bytes
+        + logits_bytes(model, micro_batch=b, seq_len=s, tp=tp),
+        first_extra_activation_bytes=first_act, last_extra_activation_bytes=last_act,
+        forward_time_s={p: times.forward_s + tp_fwd_s for p in POLICIES},
+        first_extra_forward_s=ends.embed_forward_s + one_s,
+        last_extra_forward_s=ends.head_forward_s + (one_s / 2 if sp else 0.0),
+        first_extra_tp_comm_s=one_s, last_extra_tp_comm_s=one_s,
+        tp_comm_s=tp_comm, recompute_time_s=recompute_s)
+
+
+@dataclass
+class _ChunkPrice:
+    """One chunk's per-micro-batch seconds on its rank (internal to estimate)."""
+
+    forward_s: float  # the F action, exposed communication included
+    backward_s: float  # the B action
+    compute_s: float  # forward + backward compute, no recomputation, no communication
+    recompute_s: float
+    tp_comm_s: float
+    dp_comm_s: float  # DP/ZeRO communication per micro-batch (gathers, reduce-scatters, host copies)
+    reduce_s: float  # the step-end reduction of this chunk's gradients
+    last_bucket_s: float
+    num_params: float
+    activation_bytes: float  # per micro-batch in flight
+    cache_bytes: float  # MAZ3 device/secondary copies held while a micro-batch is in flight
+    host_cache_bytes: float
+    recompute_working_bytes: float  # one recomputed layer's activations, rebuilt during its backward
+
+
+def _sharding_comm(plan, cluster, *, num_layers_by_tier: dict[str, int], layer_bytes: float, grad_bytes: float,
+                   end_bytes: float) -> tuple[float, float, float, float, float, float]:
+    """Per micro-batch DP/ZeRO communication of one chunk:
+    (forward exposed, forward hideable, backward exposed-before, backward hideable, backward exposed-after,
+    total seconds), following the plan's sharding degrees and MAZ3 tiers."""
+    tp, s_p, s_g = plan.tp, plan.param_shard, plan.grad_shard
+    hw = cluster.hardware
+    fwd_first = fwd_rest = bwd_first = bwd_rest = bwd_last = 0.0
+    if s_p > 1:
+        gather_s = collective_time_s(cluster, collective="all_gather", size_bytes=layer_bytes, group_size=s_p, stride=tp)
+        num_layers = sum(num_layers_by_tier.values())
+        end_s = collective_time_s(cluster, collective="all_gather", size_bytes=end_bytes, group_size=s_p, stride=tp)
+        # The first layer's gather cannot be prefetched behind compute; the rest are.
+        fwd_first, fwd_rest = gather_s, (num_layers - 1) * gather_s + end_s
+        host_copy_s = layer_bytes / hw.host_device_bandwidth_bytes_per_s
+        per_node = cluster.ranks_per_node_in_group(size=s_p, stride=tp)
+        secondary_s = collective_time_s(cluster, collective="all_gather", size_bytes=layer_bytes,
+                                        group_size=per_node, stride=tp)
+        backward_per_tier = {"none": gather_s, "device": 0.0, "host": host_copy_s, "secondary": secondary_s}
+        fwd_rest += num_layers_by_tier.get("host", 0) * host_copy_s  # device-to-host copy in forward
+        bwd = [backward_per_tier[t] for t, n in num_layers_by_tier.items() for _ in range(n)]
+        bwd_first, bwd_rest = (bwd[0] if bwd else 0.0), sum(bwd[1:]) + end_s
+    if s_g > 1:
+        rs_s = collective_time_s(cluster, collective="reduce_scatter", size_bytes=grad_bytes, group_size=s_g, stride=tp)
+        last = collective_time_s(cluster, collective="reduce_scatter", size_bytes=min(grad_bytes, plan.bucket_size_bytes),
+                                 group_size=s_g, stride=tp)
+        bwd_last, bwd_rest = last, bwd_rest + max(0.0, rs_s - last)
+    total = fwd_first + fwd_rest + bwd_first + bwd_rest + bwd_last
+    return fwd_first, fwd_rest, bwd_first, bwd_rest, bwd_last, total
+
+
+def _boundary_reduce(plan, cluster, *, grad_bytes: float) -> tuple[float, float]:
+    """(seconds, last bucket seconds) of the step-end gradient reduction of `grad_bytes` over DP:
+    an all-reduce over dp when gradients are not sharded, else an all-reduce of the shard across the
+    dp / grad_shard replicas (the reduce-scatters inside each shard group ran every micro-batch)."""
+    dp, s_g, tp = plan.dp, plan.grad_shard, plan.tp
+    size, group, stride = (grad_bytes, dp, tp) if s_g == 1 else (grad_bytes / s_g, dp // s_g, tp * s_g)
+    if group <= 1:
+        return 0.0, 0.0
+    total = collective_time_s(cluster, collective="all_reduce", size_bytes=size, group_size=group, stride=stride)
+    last = collective_time_s(cluster, collective="all_reduce", size_bytes=min(size, plan.bucket_size_bytes),
+                             group_size=group, stride=stride)
+    return total, min(last, total)
+
+
+def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, layers: range,
+                 end_params: tuple[float, float]) -> _ChunkPrice:
+    policies = [plan.layer_recompute(i) for i in layers]
+    tiers = [plan.layer_cache(i) for i in layers]
+    first, last = chunk == 0, chunk == plan.num_chunks - 1
+    forward = sum(costs.forward_time_s[p] for p in policies)
+    total = sum(costs.time_s[p] for p in policies)
+    recompute = sum(costs.recompute_time_s[p] for p in policies)
+    tp_comm = sum(costs.tp_comm_s[p] for p in policies)
+    activation = sum(costs.activation_bytes[p] for p in policies)
+    layer_params = layer_params_per_device(model, tp=plan.tp)
+    num_params = len(layers) * layer_params
+    if first:
+        forward += costs.first_extra_forward_s
+        total += costs.first_extra_time_s
+        tp_comm += costs.first_extra_tp_comm_s
+        activation += costs.first_extra_activation_bytes
+        num_params += end_params[0]
+    if last:
+        forward += costs.last_extra_forward_s
+        total += costs.last_extra_time_s
+        tp_comm += costs.last_extra_tp_comm_s
+        activation += costs.last_extra_activation_bytes
+        num_params += end_params[1]
+    param_bytes, grad_bytes, _ = state_bytes_per_param(job.precision)
+    layer_bytes = layer_params * param_bytes
+    by_tier: dict[str, int] = {}
+    for t in tiers:
+        by_tier[t] = by_tier.get(t, 0) + 1
+    end_bytes = ((end_params[0] if first else 0.0) + (end_params[1] if last else 0.0)) * param_bytes
+    f_first, f_rest, b_first, b_rest, b_last, dp_comm = _sharding_comm(
+        plan, cluster, num_layers_by_tier=by_tier, layer_bytes=layer_bytes, grad_bytes=num_params * grad_bytes,
+        end_bytes=end_bytes)
+    backward = total - forward
+    reduce_s, last_bucket_s = _boundary_reduce(plan, cluster, grad_bytes=num_params * grad_bytes)
+    per_node = cluster.ranks_per_node_in_group(size=plan.param_shard, stride=plan.tp)
+    cache = layer_bytes * (by_tier.get("device", 0) + by_tier.get("secondary", 0) / per_node)
+    working = max((costs.activation_bytes["none"] - costs.activation_bytes[p] for p in policies), default=0.0)
+    return _ChunkPrice(
+        forward_s=f_first + max(forward, f_rest), backward_s=b_first + max(backward, b_rest) + b_last,
+        compute_s=total - recompute - tp_comm, recompute_s=recompute, tp_comm_s=tp_comm, dp_comm_s=dp_comm,
+        reduce_s=reduce_s, last_bucket_s=last_bucket_s, num_params=num_params, activation_bytes=activation,
+        cache_bytes=cache, host_cache_bytes=layer_bytes * by_tier.get("host", 0), recompute_working_bytes=working)
+
+
+@functools.lru_cache(maxsize=512)
+def _memory_actions(schedule: str, pp: int, virtual_stages: int, num_micro_batches: int):
+    """Action lists long enough to reach every rank's steady-state peak of activations in flight:
+    1F1B saturates after pp micro-batches, interleaving after 2 pp (its warm-up is at most (v + 1) pp
+    virtual micro-batches), so 4 pp stands for any longer count (a unit test checks it)."""
+    cap = 4 * pp
+    m = num_micro_batches if num_micro_batches <= cap or schedule == "gpipe" else cap
+    return rank_actions(schedule=schedule, pp=pp, virtual_stages=virtual_stages, num_micro_batches=m)
+
+
+def _rank_memory(plan, cluster, *, model, job, chunks: list[_ChunkPrice], rank: int,
+                 costs: LayerCosts) -> dict[str, float]:
+    mine = [c for c in range(plan.num_chunks) if c % plan.pp == rank]
+    num_params = sum(chunks[c].num_params for c in mine)
+    states = model_state_bytes(num_params, param_shard=plan.param_shard, grad_shard=plan.grad_shard,
+                               optim_shard=plan.optim_shard, precision=job.precision)
+    if plan.schedule == "gpipe":  # all forwards first: every micro-batch in flight at once
+        activations = sum(plan.num_micro_batches * chunks[c].activation_bytes + chunks[c].cache_bytes for c in mine)
+    else:
+        actions = _memory_actions(plan.schedule, plan.pp, plan.virtual_stages, plan.num_micro_batches)[rank]
+        activations = peak_live_bytes(actions, chunk_bytes={c: chunks[c].activation_bytes for c in mine},
+                                      chunk_cache_bytes={c: chunks[c].cache_bytes for c in mine})
+    param_bytes = state_bytes_per_param(job.precision)[0]
+    layer_bytes = layer_params_per_device(model, tp=plan.tp) * param_bytes
+    gathered = (plan.prefetch_depth + 1) * layer_bytes if plan.param_shard > 1 else 0.0
+    # One bucket in flight, never more than the rank's gradients.
+    grad_bytes = num_params * state_bytes_per_param(job.precision)[1]
+    bucket = float(min(plan.bucket_size_bytes, grad_bytes)) if plan.dp > 1 else 0.0
+    logits = (logits_bytes(model, micro_batch=plan.micro_batch, seq_len=job.seq_len, tp=plan.tp)
+              if plan.num_chunks - 1 in mine else 0.0)
+    working = max(chunks[c].recompute_working_bytes for c in mine)
+    hw = cluster.hardware
+    reserve = hw.calibration.get("framework_reserve_bytes", GPU_FRAMEWORK_RESERVE_BYTES) if hw.device_type == "cuda" else 0.0
+    buffers = gathered + bucket + logits + working
+    return {"weights_bytes": states.weights_bytes, "grads_bytes": states.grads_bytes,
+            "optimizer_bytes": states.optimizer_bytes, "activations_bytes": activations,
+            "buffers_bytes": buffers, "framework_reserve_bytes": reserve, "gathered_params_bytes": gathered,
+            "grad_bucket_bytes": bucket, "logits_bytes": logits, "recompute_working_bytes": working,
+            "param_cache_bytes": sum(chunks[c].cache_bytes for c in mine),
+            "host_cache_bytes": sum(chunks[c].host_cache_bytes for c in mine),
+            "total_bytes": states.total_bytes + activations + buffers + reserve}
+
+
+def estimate(plan, *, model, cluster, job) -> Estimate:
+    """Price one training step of `plan`: the pipeline timeline of its chunks (compute.py, comm.py,
+    timeline.py) and the worst rank's memory (memory.py)."""
+    check_plan(plan, model=model, num_devices=cluster.num_devices, job=job)
+    hw, m, pp = cluster.hardware, plan.num_micro_batches, plan.pp
+    costs = layer_costs(plan, model=model, cluster=cluster, job=job)
+    end_params = end_params_per_device(model, tp=plan.tp, pp=pp)
+    chunks = [_price_chunk(plan, costs, cluster, model=model, job=job, chunk=c, layers=layers, end_params=end_params)
+              for c, layers in enumerate(plan.chunk_layer_ranges(model.num_layers))]
+    p2p_bytes = plan.micro_batch * job.seq_len * model.hidden_size * activation_bytes_per_element(job.precision)
+    p2p_bytes /= plan.tp if plan.sequence_parallel else 1
+    p2p_s = collective_time_s(cluster, collective="p2p", size_bytes=p2p_bytes, group_size=2,
+                              stride=plan.dp * plan.tp) if pp > 1 else 0.0
+    durations = ChunkDurations(
+        forward_s=tuple(c.forward_s for c in chunks), backward_s=tuple(c.backward_s for c in chunks), p2p_s=p2p_s,
+        reduce_s=tuple(c.reduce_s for c in chunks), last_bucket_s=tuple(c.last_bucket_s for c in chunks))
+    pipe = simulate(schedule=plan.schedule, pp=pp, virtual_stages=plan.virtual_stages, num_micro_batches=m,
+                    durations=durations, commshift=plan.commshift)
+    param_bytes = state_bytes_per_param(job.precision)[0]
+    ends, tails = [], []
+    for r in range(pp):
+        num_params = sum(c.num_params for c in chunks[r::pp])
+        optimizer_s = memory_time_s(hw, num_params / plan.optim_shard * ADAM_BYTES_PER_PARAM)
+        # Optimizer states sharded wider than parameters: gather the updated parameter shards.
+        post_s = collective_time_s(cluster, collective="all_gather", size_bytes=num_params * param_bytes / plan.param_shard,
+                                   group_size=plan.optim_shard // plan.param_shard, stride=plan.tp * plan.param_shard)
+        tails.append((optimizer_s, post_s))
+        ends.append(max(pipe.compute_end_s[r], pipe.comm_end_s[r]) + optimizer_s + post_s)
+    step_time_s = max(ends)
+    crit = ends.index(step_time_s)
+    mine = chunks[crit::pp]
+    compute_s = m * sum(c.compute_s for c in mine)
+    recompute_s = m * sum(c.recompute_s for c in mine)
+    optimizer_s, post_s = tails[crit]
+    num_sends = sum((c < plan.num_chunks - 1) + (c > 0) for c in range(crit, plan.num_chunks, pp))
+    breakdown = {
+        "compute_s": compute_s, "recompute_s": recompute_s, "tp_comm_s": m * sum(c.tp_comm_s for c in mine),
+        "pp_comm_s": m * num_sends * p2p_s,
+        "dp_comm_s": m * sum(c.dp_comm_s for c in mine) + sum(c.reduce_s for c in mine) + post_s,
+        "exposed_comm_s": (pipe.busy_s[crit] - compute_s - recompute_s)
+        + (step_time_s - pipe.compute_end_s[crit] - optimizer_s),
+        "bubble_s": pipe.compute_end_s[crit] - pipe.busy_s[crit], "optimizer_s": optimizer_s,
+        "critical_rank": float(crit)}
+    memory = [_rank_memory(plan, cluster, model=model, job=job, chunks=chunks, rank=r, costs=costs) for r in range(pp)]
+    worst = max(memory, key=lambda d: d["total_bytes"])
+    breakdown.update({k: v for k, v in worst.items() if k != "total_bytes"})
+    # activations_bytes is the peak of activations in flight plus the MAZ3 caches live at that moment.
+    breakdown["memory_worst_rank"] = float(memory.index(worst))
+    policies = tuple(plan.layer_recompute(i) for i in range(model.num_layers))
+    flops_no_rc = model_flops_per_step(model, global_batch=job.global_batch, seq_len=job.seq_len)
+    flops_rc = model_flops_per_step(model, global_batch=job.global_batch, seq_len=job.seq_len,
+                                    recompute_layers=policies)
+    devices = cluster.num_devices
+    return Estimate(
+        step_time_s=step_time_s, tokens_per_s=job.tokens_per_step / step_time_s,
+        mfu=flops_no_rc / (step_time_s * devices * hw.peak_flops(job.precision)),
+        tflops_per_gpu=flops_rc / (step_time_s * devices) / 1e12,
+        peak_memory_bytes=int(worst["total_bytes"]), memory_limit_bytes=int(hw.memory_bytes), breakdown=breakdown)

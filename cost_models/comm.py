@@ -1,0 +1,96 @@
+"""Communication time of collectives, and the per-step communication volume of a plan.
+
+Collective of B bytes (the full buffer: the all-reduce input, the all-gather output, the reduce-scatter
+input) over n ranks, ring algorithm (Thakur et al. 2005; NCCL):
+
+    all_reduce      2 (n-1)/n * B / bw + 2 (n-1) * latency
+    all_gather      (n-1)/n * B / bw + (n-1) * latency        (reduce_scatter, all_to_all the same)
+    broadcast       B / bw + (n-1) * latency                   (pipelined ring)
+    p2p             B / bw + latency
+
+where bw is the per-device unidirectional bandwidth of the link class the group spans. A group that
+spans nodes is priced hierarchically, the way NCCL's rings use one NIC per GPU: a reduce-scatter (or
+all-gather) inside each node over its r members, then the collective across the k nodes on the
+1/r-size shards, all r NICs of a node working in parallel; so r members per node multiply the effective
+inter-node bandwidth by r, and a group with one member per node (e.g. DP across TP=8 nodes) runs at one
+NIC's bandwidth.
+
+When the profile has a measured `CollectiveFit` for the collective and link class, it replaces the
+datasheet link: time = latency_s + factor(n) * B / bus_bandwidth, with factor 2(n-1)/n for all-reduce,
+(n-1)/n for all-gather, reduce-scatter and all-to-all, 1 for broadcast and p2p (NCCL-tests'
+bus-bandwidth convention), over the whole group with no hierarchical split (the fit was measured on the
+real topology).
+"""
+
+from __future__ import annotations
+
+from planner.cluster import Cluster
+from profilers.hardware import Hardware
+
+_BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "p2p": lambda n: 1.0,
+}
+_LATENCY_STEPS = {
+    "all_reduce": lambda n: 2 * (n - 1),
+    "all_gather": lambda n: n - 1,
+    "reduce_scatter": lambda n: n - 1,
+    "all_to_all": lambda n: n - 1,
+    "broadcast": lambda n: n - 1,
+    "p2p": lambda n: 1,
+}
+
+
+def _fit(hw: Hardware, collective: str, link: str):
+    for fit in hw.collectives:
+        if fit.collective == collective and fit.link == link:
+            return fit
+    return None
+
+
+def flat_collective_time_s(hw: Hardware, *, collective: str, size_bytes: float, group_size: int, link: str) -> float:
+    """Time of a collective over `group_size` ranks that all talk over one link class."""
+    if collective not in _BUS_FACTOR:
+        raise ValueError(f"unknown collective {collective!r}")
+    n = 2 if collective == "p2p" else group_size
+    if n <= 1 or size_bytes <= 0:
+        return 0.0
+    fit = _fit(hw, collective, link)
+    if fit is not None:
+        return fit.latency_s + _BUS_FACTOR[collective](n) * size_bytes / fit.bandwidth_bytes_per_s
+    spec = hw.link(link)
+    return _LATENCY_STEPS[collective](n) * spec.latency_s + _BUS_FACTOR[collective](n) * size_bytes / spec.bandwidth_bytes_per_s
+
+
+def collective_time_s(cluster: Cluster, *, collective: str, size_bytes: float, group_size: int,
+                      stride: int) -> float:
+    """Time of a collective of `size_bytes` over a group of `group_size` ranks spaced `stride` apart."""
+    hw = cluster.hardware
+    if collective == "p2p":
+        link = cluster.group_link(size=2, stride=stride)
+        return flat_collective_time_s(hw, collective="p2p", size_bytes=size_bytes, group_size=2, link=link)
+    if group_size <= 1 or size_bytes <= 0:
+        return 0.0
+    link = cluster.group_link(size=group_size, stride=stride)
+    if link == "intra_node" or _fit(hw, collective, "inter_node") is not None:
+        return flat_collective_time_s(hw, collective=collective, size_bytes=size_bytes, group_size=group_size,
+                                      link=link)
+    per_node = cluster.ranks_per_node_in_group(size=group_size, stride=stride)
+    num_nodes = max(1, group_size // per_node)
+    if collective in ("broadcast", "all_to_all"):
+        # No shard-then-cross structure to exploit: every byte crosses at one NIC's bandwidth.
+        return flat_collective_time_s(hw, collective=collective, size_bytes=size_bytes, group_size=group_size,
+                                      link="inter_node")
+    inner = "reduce_scatter" if collective in ("all_reduce", "reduce_scatter") else "all_gather"
+    time_s = flat_collective_time_s(hw, collective=inner, size_bytes=size_bytes, group_size=per_node,
+                                    link="intra_node")
+    time_s += flat_collective_time_s(hw, collective=collective, size_bytes=size_bytes / per_node,
+                                     group_size=num_nodes, link="inter_node")
+    if collective == "all_reduce":
+        time_s += flat_collective_time_s(hw, collective="all_gather", size_bytes=size_bytes, group_size=per_node,
+                                         link="intra_node")
+    return time_s

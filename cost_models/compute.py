@@ -1,0 +1,231 @@
+"""Compute cost of one transformer layer, the embedding and the head: FLOPs and seconds per micro-batch.
+
+FLOP counts are exact matmul counts (2 FLOPs per multiply-add), per layer, forward:
+
+    QKV     2 T h (h + 2 kv)            T = b s tokens, kv = num_kv_heads * head_dim (GQA)
+    scores  2 b s^2 h                   (Q K^T, every head, the full s x s square as Megatron computes it)
+    context 2 b s^2 h                   (softmax(...) V)
+    out     2 T h^2
+    MLP     2 T h f * 2 (GELU) or 3 (SwiGLU: gate, up, down)
+
+For GPT (f = 4h, kv = h) this is 24 T h^2 + 4 T s h, the per-layer term of Narayanan et al., "Efficient
+Large-Scale Language Model Training on GPU Clusters Using Megatron-LM" (SC21), whose step total with full
+recomputation is 96 B s l h^2 (1 + s/(6h) + V/(16 l h)): forward once, backward twice (input and weight
+gradients), recomputation once more, and the LM head 2 T h V forward plus twice that backward (never
+recomputed). Selective recomputation (Korthikanti et al., "Reducing Activation Recomputation in Large
+Transformer Models", 2022) recomputes only the attention core: the scores, softmax, dropout and context,
+4 b s^2 h FLOPs plus the softmax's memory traffic.
+
+Time: a GEMM of m x k by k x n runs at peak_flops(dtype) * efficiency(m, n, k) with
+efficiency = gemm_max_efficiency * prod_d d / (d + gemm_half_dim) (small dimensions starve the tensor
+cores), and never faster than kernel_overhead_s. With measured `gemm_points` in the profile, the
+efficiency is the measured one of the nearest point (in log-dimension space) scaled by the analytic
+curve's ratio between the two shapes, so it is exact at the measured shapes and follows the analytic
+shape in between. Elementwise and normalisation ops are priced by their bytes over the achieved memory
+bandwidth (memory_bandwidth_bytes_per_s * MEMORY_BANDWIDTH_EFFICIENCY, or
+hardware.calibration["memory_bandwidth_efficiency"]).
+
+Tensor parallelism divides the GEMMs as Megatron does (QKV and MLP-up column-parallel: n / tp; out and
+MLP-down row-parallel: k / tp; attention by heads), and the softmax by heads; hidden-sized elementwise
+work (norms, residual adds, dropout) is replicated on every TP rank unless sequence parallelism splits it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from planner.model import ModelSpec
+from profilers.hardware import Hardware
+
+# Elementwise kernels reach about 80% of the HBM datasheet bandwidth (STREAM-like copies on A100/H100).
+MEMORY_BANDWIDTH_EFFICIENCY = 0.8
+# Vocabulary-parallel cross entropy on fp32 logits: casting, max, exp-sum and the gradient each pass
+# over the logits; bytes per logit element, forward and backward (Megatron's fused implementation).
+LOSS_BYTES_PER_LOGIT_FWD = 16
+LOSS_BYTES_PER_LOGIT_BWD = 12
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One (possibly batched) matmul: `batch` independent (m x k) @ (k x n) products."""
+
+    m: int
+    n: int
+    k: int
+    batch: int = 1
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.n * self.k * self.batch
+
+    def backward(self) -> tuple["Gemm", "Gemm"]:
+        """Input gradient (m x n)(n x k) and weight gradient (k x m)(m x n)."""
+        return Gemm(self.m, self.k, self.n, self.batch), Gemm(self.k, self.n, self.m, self.batch)
+
+
+def layer_gemms(model: ModelSpec, *, micro_batch: int, seq_len: int, tp: int = 1) -> dict[str, list[Gemm]]:
+    """The forward GEMMs of one transformer layer on one TP rank, grouped as 'dense' and 'attention'."""
+    b, s, h, f = micro_batch, seq_len, model.hidden_size, model.ffn_hidden_size
+    tokens, kv, d = b * s, model.kv_dim, model.head_dim
+    heads = b * model.num_heads // tp
+    dense = [Gemm(tokens, (h + 2 * kv) // tp, h), Gemm(tokens, h, h // tp)]
+    if model.gated_mlp:
+        dense += [Gemm(tokens, 2 * f // tp, h), Gemm(tokens, h, f // tp)]
+    else:
+        dense += [Gemm(tokens, f // tp, h), Gemm(tokens, h, f // tp)]
+    attention = [Gemm(s, s, d, heads), Gemm(s, d, s, heads)]
+    return {"dense": dense, "attention": attention}
+
+
+def layer_forward_flops(model: ModelSpec, *, micro_batch: int, seq_len: int) -> int:
+    """Exact matmul FLOPs of one layer's forward for one micro-batch (all TP ranks together)."""
+    return sum(g.flops for group in layer_gemms(model, micro_batch=micro_batch, seq_len=seq_len).values()
+               for g in group)
+
+
+def attention_core_flops(model: ModelSpec, *, micro_batch: int, seq_len: int) -> int:
+    """Forward FLOPs of scores and context (4 b s^2 h): what selective recomputation repeats."""
+    return 4 * micro_batch * seq_len * seq_len * model.hidden_size
+
+
+def head_forward_flops(model: ModelSpec, *, micro_batch: int, seq_len: int) -> int:
+    """The LM head projection 2 T h V (the loss itself is elementwise and priced by bandwidth)."""
+    return 2 * micro_batch * seq_len * model.hidden_size * model.vocab_size
+
+
+def recompute_flops(model: ModelSpec, *, policy: str, micro_batch: int, seq_len: int) -> int:
+    """Extra forward FLOPs one layer spends on recomputation under `policy`."""
+    if policy == "full":
+        return layer_forward_flops(model, micro_batch=micro_batch, seq_len=seq_len)
+    if policy == "selective":
+        return attention_core_flops(model, micro_batch=micro_batch, seq_len=seq_len)
+    return 0
+
+
+def model_flops_per_step(model: ModelSpec, *, global_batch: int, seq_len: int,
+                         recompute_layers: tuple[str, ...] | None = None) -> int:
+    """Matmul FLOPs of one step: 3x forward (forward + 2x backward) for layers and head, plus each
+    layer's recomputation under `recompute_layers` (None: no recomputation, which is what MFU counts).
+
+    With every layer on "full" this is Narayanan et al.'s 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) for GPT.
+    """
+    per_layer = layer_forward_flops(model, micro_batch=global_batch, seq_len=seq_len)
+    total = 3 * (model.num_layers * per_layer + head_forward_flops(model, micro_batch=global_batch, seq_len=seq_len))
+    for policy in recompute_layers or ():
+        total += recompute_flops(model, policy=policy, micro_batch=global_batch, seq_len=seq_len)
+    return total
+
+
+# --- time ----------------------------------------------------------------------------------------
+def _analytic_efficiency(hw: Hardware, m: float, n: float, k: float) -> float:
+    half = hw.gemm_half_dim
+    return hw.gemm_max_efficiency * (m / (m + half)) * (n / (n + half)) * (k / (k + half))
+
+
+def gemm_efficiency(hw: Hardware, *, m: int, n: int, k: int, dtype: str) -> float:
+    """Fraction of peak a GEMM of this shape reaches (see the module docstring)."""
+    analytic = _analytic_efficiency(hw, m, n, k)
+    points = [p for p in hw.gemm_points if p.dtype == dtype]
+    if not points:
+        return analytic
+    lm, ln, lk = math.log2(m), math.log2(n), math.log2(k)
+    nearest = min(points, key=lambda p: (math.log2(p.m) - lm) ** 2 + (math.log2(p.n) - ln) ** 2
+                  + (math.log2(p.k) - lk) ** 2)
+    measured = nearest.flops_per_s / hw.peak_flops(dtype)
+    return min(1.0, measured * analytic / _analytic_efficiency(hw, nearest.m, nearest.n, nearest.k))
+
+
+def gemm_time_s(hw: Hardware, gemm: Gemm, *, dtype: str) -> float:
+    """Seconds for one (batched) GEMM: FLOPs at the shape's efficiency, floored at the kernel overhead."""
+    eff = gemm_efficiency(hw, m=gemm.m, n=gemm.n, k=gemm.k, dtype=dtype)
+    return max(gemm.flops / (hw.peak_flops(dtype) * eff), hw.kernel_overhead_s)
+
+
+def memory_time_s(hw: Hardware, num_bytes: float, *, num_kernels: int = 1) -> float:
+    """Seconds for bandwidth-bound kernels moving `num_bytes`, floored at one overhead per kernel."""
+    eff = hw.calibration.get("memory_bandwidth_efficiency", MEMORY_BANDWIDTH_EFFICIENCY)
+    return max(num_bytes / (hw.memory_bandwidth_bytes_per_s * eff), num_kernels * hw.kernel_overhead_s)
+
+
+def activation_bytes_per_element(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+@dataclass(frozen=True)
+class LayerComputeTimes:
+    """Seconds of one layer for one micro-batch on one device (compute only; TP comm is separate)."""
+
+    forward_s: float
+    backward_s: float
+    attention_core_forward_s: float  # the part selective recomputation repeats
+
+
+def _elementwise_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
+                       precision: str) -> tuple[float, float]:
+    """Forward bytes moved by one layer's elementwise ops on one TP rank: (hidden/FFN ops, attention core).
+
+    Per token: two norms (read + write h), two residual adds (read 2, write 1; GPT's fused
+    bias-dropout-add also writes a 1-byte mask), the MLP activation (GELU: read + write f; SwiGLU in eager
+    PyTorch: silu read + write, then the product reads 2 and writes 1, 5 f), RoPE on q and k (llama).
+    Per attention score: fused scale-mask-softmax reads and writes it; GPT's dropout reads, writes and
+    stores a mask. Hidden-sized ops are split by sequence parallelism, head-sized ones by TP.
+    """
+    p, h, f = activation_bytes_per_element(precision), model.hidden_size, model.ffn_hidden_size
+    tokens = micro_batch * seq_len
+    dropout = model.arch == "gpt2"
+    hidden = h * (4 * p + 2 * (3 * p + (1 if dropout else 0)))
+    hidden_per_rank = hidden / tp if sequence_parallel else hidden
+    sharded = (5 * p * f if model.gated_mlp else 2 * p * f) + (4 * p * (h + model.kv_dim) if model.arch == "llama" else 0)
+    score_bytes = (4 * p + 1) if dropout else 2 * p
+    scores = micro_batch * model.num_heads * seq_len * seq_len / tp
+    return tokens * (hidden_per_rank + sharded / tp), scores * score_bytes
+
+
+def layer_compute_times(model: ModelSpec, hw: Hardware, *, micro_batch: int, seq_len: int, tp: int,
+                        sequence_parallel: bool, precision: str) -> LayerComputeTimes:
+    """Forward, backward and attention-core seconds of one layer (backward = input + weight gradients,
+    elementwise backward moving twice the forward bytes)."""
+    gemms = layer_gemms(model, micro_batch=micro_batch, seq_len=seq_len, tp=tp)
+    dense_fwd = sum(gemm_time_s(hw, g, dtype=precision) for g in gemms["dense"])
+    attn_fwd = sum(gemm_time_s(hw, g, dtype=precision) for g in gemms["attention"])
+    dense_bwd = sum(gemm_time_s(hw, g2, dtype=precision) for g in gemms["dense"] for g2 in g.backward())
+    attn_bwd = sum(gemm_time_s(hw, g2, dtype=precision) for g in gemms["attention"] for g2 in g.backward())
+    hidden_bytes, score_bytes = _elementwise_bytes(model, micro_batch=micro_batch, seq_len=seq_len, tp=tp,
+                                                   sequence_parallel=sequence_parallel, precision=precision)
+    # Kernel counts: ~8 elementwise kernels per layer forward (norms, adds, activation, rope), 2 for softmax.
+    elem_fwd = memory_time_s(hw, hidden_bytes, num_kernels=8)
+    softmax_fwd = memory_time_s(hw, score_bytes, num_kernels=2)
+    return LayerComputeTimes(
+        forward_s=dense_fwd + attn_fwd + elem_fwd + softmax_fwd,
+        backward_s=dense_bwd + attn_bwd + 2 * elem_fwd + 2 * softmax_fwd,
+        attention_core_forward_s=attn_fwd + softmax_fwd)
+
+
+@dataclass(frozen=True)
+class EndComputeTimes:
+    """Seconds of the embedding (first chunk) and of final norm + head + loss (last chunk)."""
+
+    embed_forward_s: float
+    embed_backward_s: float
+    head_forward_s: float
+    head_backward_s: float
+
+
+def end_compute_times(model: ModelSpec, hw: Hardware, *, micro_batch: int, seq_len: int, tp: int,
+                      sequence_parallel: bool, precision: str) -> EndComputeTimes:
+    """The embedding is a gather (bandwidth); its backward a scatter-add into the (vocab-sharded) table.
+    The head is one GEMM T x h x V/tp (backward: two), plus the fp32 cross-entropy over the logits."""
+    p, h = activation_bytes_per_element(precision), model.hidden_size
+    tokens = micro_batch * seq_len
+    embed_bytes = tokens * h * p * (3 if model.learned_positions else 2)
+    head = Gemm(tokens, -(-model.vocab_size // tp), h)
+    logits = tokens * model.vocab_size / tp
+    norm_bytes = tokens * h * 2 * p / (tp if sequence_parallel else 1)
+    return EndComputeTimes(
+        embed_forward_s=memory_time_s(hw, embed_bytes),
+        embed_backward_s=memory_time_s(hw, 2 * embed_bytes),
+        head_forward_s=gemm_time_s(hw, head, dtype=precision)
+        + memory_time_s(hw, logits * LOSS_BYTES_PER_LOGIT_FWD + norm_bytes, num_kernels=4),
+        head_backward_s=sum(gemm_time_s(hw, g, dtype=precision) for g in head.backward())
+        + memory_time_s(hw, logits * LOSS_BYTES_PER_LOGIT_BWD + 2 * norm_bytes, num_kernels=3))

@@ -1,0 +1,159 @@
+"""Device memory of a plan: model states, activations per micro-batch in flight, and buffers.
+
+Model states (Rajbhandari et al., "ZeRO", SC20): mixed-precision Adam keeps 2 bytes of parameter, 2 of
+gradient and 12 of optimizer state (fp32 master, m, v) per parameter, 16P in all; ZeRO-1/2/3 shard the
+last 12, 14 and 16 bytes over N data-parallel ranks (4P + 12P/N, 2P + 14P/N, 16P/N). Here the three
+degrees are independent (param_shard, grad_shard, optim_shard over the DP group), applied to the
+parameters each device holds after TP (Megatron's split) and PP (its chunks' layers). fp32 jobs keep
+4 + 4 + 8 (m, v; the parameter is its own master).
+
+Activations (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
+2022): a GPT layer saves s b h (34 + 5 a s / h) bytes in 16-bit, which is the sum of the tensors the
+backward pass needs (`_saved_tensors` lists them); TP divides what lives between the column- and
+row-parallel GEMMs (10 + 24/t), sequence parallelism the rest (34/t); selective recomputation drops the
+attention core (the 5 a s / h term); full recomputation keeps only the layer input. The same list,
+re-derived for llama (GQA keys/values of width kv, SwiGLU's gate/up/product, no dropout), gives its
+numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost_models.compute import activation_bytes_per_element
+from planner.model import ModelSpec
+
+GIB = 1024**3
+# CUDA context, cuBLAS/NCCL workspaces and allocator slack that no tensor accounts for.
+GPU_FRAMEWORK_RESERVE_BYTES = 2 * GIB
+
+
+def state_bytes_per_param(precision: str) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer) bytes per parameter for Adam."""
+    return (4, 4, 8) if precision == "fp32" else (2, 2, 12)
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    weights_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return self.weights_bytes + self.grads_bytes + self.optimizer_bytes
+
+
+def model_state_bytes(num_params: float, *, param_shard: int, grad_shard: int, optim_shard: int,
+                      precision: str) -> StateBytes:
+    """Bytes of weights, gradients and optimizer states of `num_params` parameters under the sharding."""
+    p, g, o = state_bytes_per_param(precision)
+    return StateBytes(num_params * p / param_shard, num_params * g / grad_shard, num_params * o / optim_shard)
+
+
+def layer_params_per_device(model: ModelSpec, *, tp: int) -> float:
+    """Parameters of one layer on one TP rank: column- and row-parallel weights and column biases are
+    split; norms and row-parallel biases are replicated (Megatron)."""
+    h, f, kv = model.hidden_size, model.ffn_hidden_size, model.kv_dim
+    split = 2 * h * h + 2 * h * kv + (3 if model.gated_mlp else 2) * h * f
+    replicated = 2 * model.norm_params()
+    if model.has_bias:
+        split += h + 2 * kv + f
+        replicated += 2 * h
+    return split / tp + replicated
+
+
+def end_params_per_device(model: ModelSpec, *, tp: int, pp: int) -> tuple[float, float]:
+    """Extra parameters of the first chunk (embedding) and the last chunk (final norm, head) per TP rank.
+
+    Vocabulary-parallel embedding and head split V over TP; tied embeddings need a second copy on the last
+    stage when the first and last chunk live on different ranks (pp > 1), as in Megatron.
+    """
+    h, vocab_rows = model.hidden_size, -(-model.vocab_size // tp)
+    first = vocab_rows * h + (model.max_seq_len * h if model.learned_positions else 0)
+    last = model.norm_params() + (vocab_rows * h if (not model.tied_embeddings or pp > 1) else 0)
+    return float(first), float(last)
+
+
+def _saved_tensors(model: ModelSpec, *, micro_batch: int, seq_len: int, precision: str) -> dict[str, tuple[float, str]]:
+    """Bytes each saved tensor of one layer takes (all TP ranks together), with how it is split:
+    'replicated' (lives outside the TP region: split only by sequence parallelism), 'tp' (split by TP),
+    'core' (attention core, split by TP, dropped by selective recomputation)."""
+    p, h, f, kv = activation_bytes_per_element(precision), model.hidden_size, model.ffn_hidden_size, model.kv_dim
+    sbh = seq_len * micro_batch * h
+    tokens = seq_len * micro_batch
+    scores = model.num_heads * seq_len * seq_len * micro_batch
+    dropout = model.arch == "gpt2"
+    saved = {
+        "norm1_input": (p * sbh, "replicated"),
+        "qkv_input": (p * sbh, "replicated"),
+        "query_key": (p * tokens * (h + kv), "tp"),
+        "value": (p * tokens * kv, "tp"),
+        "softmax_output": (p * scores, "core"),
+        "out_proj_input": (p * sbh, "tp"),
+        "norm2_input": (p * sbh, "replicated"),
+        "mlp_input": (p * sbh, "replicated"),
+    }
+    if dropout:
+        saved["attention_dropout_mask"] = (scores, "core")
+        saved["attention_dropout_output"] = (p * scores, "core")
+        saved["attn_residual_dropout_mask"] = (sbh, "replicated")
+        saved["mlp_residual_dropout_mask"] = (sbh, "replicated")
+    if model.gated_mlp:
+        # down(silu(gate) * up): silu saves gate, the product saves silu(gate) and up, down saves the product.
+        saved["mlp_intermediates"] = (4 * p * tokens * f, "tp")
+    else:
+        saved["mlp_intermediates"] = (2 * p * tokens * f, "tp")  # GELU input and output
+    return saved
+
+
+def layer_activation_bytes(model: ModelSpec, *, policy: str, micro_batch: int, seq_len: int, tp: int,
+                           sequence_parallel: bool, precision: str) -> float:
+    """Bytes one layer keeps per micro-batch in flight on one device under recomputation `policy`."""
+    p = activation_bytes_per_element(precision)
+    if policy == "full":
+        # Only the layer input (the residual stream), itself sequence-sharded under SP.
+        return p * seq_len * micro_batch * model.hidden_size / (tp if sequence_parallel else 1)
+    total = 0.0
+    for size, split in _saved_tensors(model, micro_batch=micro_batch, seq_len=seq_len, precision=precision).values():
+        if split == "core" and policy == "selective":
+            continue
+        total += size / tp if (split != "replicated" or sequence_parallel) else size
+    return total
+
+
+def end_activation_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
+                         precision: str) -> tuple[float, float]:
+    """Activations the first chunk (embedding dropout mask for GPT) and the last chunk (final-norm input,
+    and the gathered head input) keep per micro-batch."""
+    p, sbh = activation_bytes_per_element(precision), seq_len * micro_batch * model.hidden_size
+    sp = tp if sequence_parallel else 1
+    first = sbh / sp if model.arch == "gpt2" else 0.0
+    return first, p * sbh / sp + p * sbh
+
+
+def logits_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, tp: int) -> float:
+    """fp32 logits of one micro-batch on one TP rank (vocabulary-parallel head), live during the loss."""
+    return 4.0 * micro_batch * seq_len * -(-model.vocab_size // tp)
+
+
+def peak_live_bytes(actions, *, chunk_bytes: dict[int, float], chunk_cache_bytes: dict[int, float]) -> float:
+    """Largest sum over a rank's timeline of activations in flight plus MAZ3 caches held.
+
+    `chunk_bytes[c]` is what one micro-batch's forward of chunk c leaves until its backward;
+    `chunk_cache_bytes[c]` is held while any micro-batch of chunk c is in flight (the cached gathered
+    parameters serve every micro-batch in flight: one copy per chunk).
+    """
+    live = peak = 0.0
+    in_flight: dict[int, int] = {}
+    for action in actions:
+        c = action.chunk
+        count = in_flight.get(c, 0)
+        if action.kind == "F":
+            live += chunk_bytes[c] + (chunk_cache_bytes[c] if count == 0 else 0.0)
+            in_flight[c] = count + 1
+            peak = max(peak, live)
+        else:
+            live -= chunk_bytes[c] + (chunk_cache_bytes[c] if count == 1 else 0.0)
+            in_flight[c] = count - 1
+    return peak

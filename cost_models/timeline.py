@@ -1,0 +1,291 @@
+"""The step's timeline: the pipeline schedule simulated from `rank_actions`, with the DP reduction.
+
+Every rank runs its action list in order; an action starts when the rank is free and its input has
+arrived: F(c, m) after F(c - 1, m) plus one point-to-point transfer, B(c, m) after B(c + 1, m) plus one
+transfer (and after F(c, m), which the rank order already implies). Sends are asynchronous, so a
+transfer delays only the receiver (sends overlap the sender's next compute).
+
+Durations are per chunk and already include the chunk's exposed TP communication and the part of its
+per-micro-batch DP/ZeRO communication (gathers, reduce-scatters) that the separate communication stream
+cannot hide. What is left is the step-end gradient reduction of each chunk (`reduce_s`), which the
+schedule places in one of two ways (Commshift):
+
+* without commshift, the reduction of chunk c is issued inside its last backward (bucket by bucket as
+  gradients become ready) and the send of that backward's input gradient waits for it: the action lasts
+  max(backward, reduction - last bucket) + last bucket, so every stage's reduction sits on the
+  critical path of the upstream stages' cool-down;
+* with commshift, the last backward ends and sends as usual; the reduction is issued after the send on
+  the rank's communication stream and overlaps the upstream stages' remaining backwards; the rank waits
+  for it just before the optimizer step.
+
+A simulation of many micro-batches is long (pp = 16 and 1024 micro-batches are 32768 actions), and
+the makespan is not linear in the micro-batch count from any fixed count on (constant terms such as the
+step-end reductions can dominate a slower-growing path for a long time), so extrapolating the makespan
+itself is not exact. What is exact:
+
+* 1F1B and interleaved 1F1B: every rank's steady phase is a sequence of identical blocks (one
+  forward/backward pair, or pp x virtual_stages pairs for interleaving, which shift micro-batches by
+  one period); block k of every rank depends only on blocks k and k - 1 (`_compiled` checks this), so
+  once the end times of block k equal those of block k - 1 plus one constant on every rank, every later
+  block repeats them (max-plus algebra is shift-invariant), and a step with n more periods is the
+  simulated one with the rest of its timeline shifted by n times that constant. `simulate` runs the
+  shortest pipeline that reaches this state and shifts; if the state does not repeat in time it
+  doubles the simulated count, up to the full simulation.
+* GPipe is two open flow shops (all forwards, then all backwards), solved in closed form
+  (`_gpipe_closed_form`): the longest path rides the slowest rank for all the repeated work.
+
+The unit tests compare both with the full simulation.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from cost_models.schedule import FORWARD, rank_actions
+
+
+@dataclass(frozen=True)
+class ChunkDurations:
+    """Per-chunk seconds of one micro-batch's forward and backward action and of the step-end reduction."""
+
+    forward_s: tuple[float, ...]
+    backward_s: tuple[float, ...]
+    p2p_s: float  # one activation (or its gradient) between adjacent chunks
+    reduce_s: tuple[float, ...]  # step-end DP reduction of each chunk's gradients
+    last_bucket_s: tuple[float, ...]  # the part of reduce_s that cannot start before the backward ends
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    """Per pipeline rank: when its compute ends, when its communication stream ends, its busy seconds."""
+
+    compute_end_s: tuple[float, ...]
+    comm_end_s: tuple[float, ...]
+    busy_s: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    """A schedule's actions in one dependency-respecting order, as flat tuples
+    (rank, is_forward, chunk, index of the cross-rank dependency or -1, is the chunk's last backward),
+    and its steady blocks: `blocks[r, k, j]` is the order index of the j-th action of block k on rank r."""
+
+    order: tuple[tuple, ...]
+    blocks: np.ndarray  # (pp, num_blocks, block_len), or an empty array when there is no steady phase
+    first_checkable: int  # smallest k whose blocks k and later depend only on blocks k and k - 1
+    special: tuple[bool, ...]  # block k holds some chunk's last backward
+
+
+def _topological(per_rank, num_chunks: int):
+    """Interleave the ranks' lists into one order in which every action follows its dependency."""
+    last_backward = {a.chunk: a.micro_batch for actions in per_rank for a in actions if a.kind != FORWARD}
+    index: dict[tuple[str, int, int], int] = {}
+    order: list[tuple] = []
+    position: list[tuple[int, int]] = []  # (rank, position in the rank's list) of each order entry
+    cursor = [0] * len(per_rank)
+    remaining = sum(len(a) for a in per_rank)
+    while remaining:
+        progressed = False
+        for rank, actions in enumerate(per_rank):
+            while cursor[rank] < len(actions):
+                a = actions[cursor[rank]]
+                forward = a.kind == FORWARD
+                if forward:
+                    dep = None if a.chunk == 0 else (FORWARD, a.chunk - 1, a.micro_batch)
+                else:
+                    dep = None if a.chunk == num_chunks - 1 else (a.kind, a.chunk + 1, a.micro_batch)
+                if dep is not None and dep not in index:
+                    break
+                index[(a.kind, a.chunk, a.micro_batch)] = len(order)
+                order.append((rank, forward, a.chunk, -1 if dep is None else index[dep],
+                              (not forward) and last_backward[a.chunk] == a.micro_batch))
+                position.append((rank, cursor[rank]))
+                cursor[rank] += 1
+                remaining -= 1
+                progressed = True
+        assert progressed, "schedule deadlocks"
+    return order, position
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(schedule: str, pp: int, virtual_stages: int, num_micro_batches: int) -> _Compiled:
+    per_rank = rank_actions(schedule=schedule, pp=pp, virtual_stages=virtual_stages,
+                            num_micro_batches=num_micro_batches)
+    order, position = _topological(per_rank, pp * virtual_stages)
+    if schedule == "gpipe":
+        return _Compiled(tuple(order), np.zeros((0, 0, 0), dtype=np.int64), 0, ())
+    # Steady phase of rank r: forward/backward pairs from its first backward's preceding forward on.
+    pairs_per_block = virtual_stages * (pp if schedule == "interleaved-1f1b" else 1)
+    block_len = 2 * pairs_per_block
+    starts = []
+    for actions in per_rank:
+        first_backward = next(i for i, a in enumerate(actions) if a.kind != FORWARD)
+        starts.append(max(0, first_backward - 1))
+    num_blocks = min((len(per_rank[r]) - starts[r]) // block_len for r in range(pp))
+    # A rank's steady pairs end where its cool-down (backwards only) begins.
+    num_blocks = min([num_blocks] + [sum(1 for a in per_rank[r][starts[r]:] if a.kind == FORWARD) // pairs_per_block
+                                     for r in range(pp)])
+    if num_blocks < 1:
+        return _Compiled(tuple(order), np.zeros((0, 0, 0), dtype=np.int64), 0, ())
+    where = {pos: i for i, pos in enumerate(position)}
+    blocks = np.empty((pp, num_blocks, block_len), dtype=np.int64)
+    block_of: dict[int, tuple[int, int]] = {}
+    for r in range(pp):
+        for k in range(num_blocks):
+            for j in range(block_len):
+                i = where[(r, starts[r] + k * block_len + j)]
+                blocks[r, k, j] = i
+                block_of[i] = (r, k)
+    # Blocks whose actions reach outside (the warm-up) or further back than the previous block.
+    first_checkable = 1
+    for i, (r, k) in block_of.items():
+        rank, pos = position[i]
+        deps = [order[i][3]] + ([where[(rank, pos - 1)]] if pos > 0 else [])
+        for dep in deps:
+            if dep < 0:
+                continue
+            dep_block = block_of.get(dep)
+            if dep_block is None or k - dep_block[1] not in (0, 1):
+                first_checkable = max(first_checkable, k + 1)
+    special = tuple(bool(any(order[i][4] for i in blocks[:, k, :].ravel())) for k in range(num_blocks))
+    return _Compiled(tuple(order), blocks, first_checkable, special)
+
+
+def _run(order: tuple[tuple, ...], pp: int, d: ChunkDurations, commshift: bool) -> tuple[PipelineResult, list[float]]:
+    end = [0.0] * len(order)
+    rank_free = [0.0] * pp
+    comm_free = [0.0] * pp
+    busy = [0.0] * pp
+    fwd, bwd, p2p, reduce_s, last_bucket = d.forward_s, d.backward_s, d.p2p_s, d.reduce_s, d.last_bucket_s
+    for i, (rank, forward, chunk, dep, last) in enumerate(order):
+        start = rank_free[rank]
+        if dep >= 0:
+            arrive = end[dep] + p2p
+            if arrive > start:
+                start = arrive
+        duration = fwd[chunk] if forward else bwd[chunk]
+        if last and reduce_s[chunk] > 0.0:
+            if commshift:
+                # Issued after this action's send, on the communication stream.
+                comm_free[rank] = max(comm_free[rank], start + duration) + reduce_s[chunk]
+            else:
+                duration = max(duration, reduce_s[chunk] - last_bucket[chunk]) + last_bucket[chunk]
+        end[i] = rank_free[rank] = start + duration
+        busy[rank] += duration
+    return PipelineResult(tuple(rank_free), tuple(comm_free), tuple(busy)), end
+
+
+def simulate_full(*, schedule: str, pp: int, virtual_stages: int, num_micro_batches: int,
+                  durations: ChunkDurations, commshift: bool) -> PipelineResult:
+    """Simulate every action of the step."""
+    compiled = _compiled(schedule, pp, virtual_stages, num_micro_batches)
+    return _run(compiled.order, pp, durations, commshift)[0]
+
+
+def _steady_shift(compiled: _Compiled, end: list[float]) -> tuple[int, float] | None:
+    """(c, shift): the last checkable steady block repeats the block c before it plus `shift` on every
+    rank (max-plus periodicity of cyclicity c, which pipeline transfers can make larger than 1), or None."""
+    num_blocks = compiled.blocks.shape[1] if compiled.blocks.ndim == 3 else 0
+    k = num_blocks - 1
+    if k >= 1 and compiled.special[k]:
+        k -= 1  # the insertion point must precede every chunk's last backward
+    if k < 1 or compiled.special[k]:
+        return None
+    ends = np.asarray(end)
+    tolerance = 1e-12 * max(1.0, abs(float(ends.max())))
+    latest = ends[compiled.blocks[:, k, :]]
+    for cycle in range(1, k + 1):
+        # The recurrence must hold from block k - cycle + 1 on, with no last backward in the repeated blocks.
+        if k - cycle + 1 < compiled.first_checkable or compiled.special[k - cycle]:
+            return None
+        shift = latest - ends[compiled.blocks[:, k - cycle, :]]
+        lo, hi = float(shift.min()), float(shift.max())
+        if hi - lo <= tolerance:
+            return cycle, lo
+    return None
+
+
+def _gpipe_closed_form(*, pp: int, m: int, d: ChunkDurations, commshift: bool) -> PipelineResult:
+    """GPipe's makespan per rank without simulating (one chunk per rank).
+
+    Forwards form a flow shop of identical jobs: the longest path to F(r, m - 1) rides the slowest rank
+    up to r for the m - 1 repeated jobs, F_end(r) = sum_{q <= r} f_q + r p2p + (m - 1) max_{q <= r} f_q.
+    Backwards run from the last rank down, rank j starting after its own forwards (R_j = F_end(j)); the
+    longest path to B(r, m - 1) starts at some rank j >= r, rides some rank t in [r, j] for the repeated
+    jobs, and its last job is each rank's last backward (duration b'_q, with the step-end reduction
+    when commshift is off): G_t = max(R_t, G_{t+1} + b_{t+1} + p2p),
+    H_r = max(G_r + (m - 1) b_r + b'_r, H_{r+1} + b'_r + p2p).
+    """
+    f, b, p = d.forward_s, d.backward_s, d.p2p_s
+    last = [b[r] if commshift or d.reduce_s[r] <= 0.0 else
+            max(b[r], d.reduce_s[r] - d.last_bucket_s[r]) + d.last_bucket_s[r] for r in range(pp)]
+    release, total, slowest = [], 0.0, 0.0
+    for r in range(pp):
+        total += f[r]
+        slowest = max(slowest, f[r])
+        release.append(total + r * p + (m - 1) * slowest)
+    g = [0.0] * pp
+    h = [0.0] * pp
+    for r in reversed(range(pp)):
+        g[r] = release[r] if r == pp - 1 else max(release[r], g[r + 1] + b[r + 1] + p)
+        ride = g[r] + (m - 1) * b[r] + last[r]
+        h[r] = ride if r == pp - 1 else max(ride, h[r + 1] + last[r] + p)
+    comm = tuple(h[r] + d.reduce_s[r] if commshift and d.reduce_s[r] > 0.0 else 0.0 for r in range(pp))
+    busy = tuple(m * (f[r] + b[r]) - b[r] + last[r] for r in range(pp))
+    return PipelineResult(tuple(h), comm, busy)
+
+
+@functools.lru_cache(maxsize=256)
+def _shortest_checkable(schedule: str, pp: int, virtual_stages: int, period: int) -> int:
+    """The fewest micro-batches (a multiple of the period, more than pp) whose steady phase has enough
+    blocks to check a cycle of 2 after the blocks that still reach into the warm-up."""
+    count = period * (pp // period + 1)
+    while True:
+        compiled = _compiled(schedule, pp, virtual_stages, count)
+        if compiled.blocks.ndim == 3 and compiled.blocks.shape[1] >= compiled.first_checkable + 2:
+            return count
+        count += period
+
+
+def _extrapolated(schedule: str, pp: int, virtual_stages: int, m: int, d: ChunkDurations,
+                  commshift: bool) -> PipelineResult | None:
+    """The step of m micro-batches from a shorter simulation whose steady state repeats (module doc)."""
+    period = pp if schedule == "interleaved-1f1b" else 1
+    simulated = _shortest_checkable(schedule, pp, virtual_stages, period)
+    while simulated < m:
+        compiled = _compiled(schedule, pp, virtual_stages, simulated)
+        result, end = _run(compiled.order, pp, d, commshift)
+        found = _steady_shift(compiled, end)
+        if found is None:
+            simulated = 2 * simulated + (m - 2 * simulated) % period
+            continue
+        cycle, shift = found
+        blocks_added = (m - simulated) // period
+        if blocks_added % cycle:
+            # Insert whole cycles only: simulate the remainder (the repeating state persists).
+            simulated += (blocks_added % cycle) * period
+            continue
+        offset = shift * (blocks_added // cycle)
+        per_rank_work = [sum(d.forward_s[c] + d.backward_s[c] for c in range(r, pp * virtual_stages, pp))
+                         for r in range(pp)]
+        return PipelineResult(
+            tuple(x + offset for x in result.compute_end_s),
+            tuple(x + offset if x > 0.0 else 0.0 for x in result.comm_end_s),
+            tuple(x + (m - simulated) * w for x, w in zip(result.busy_s, per_rank_work)))
+    return None
+
+
+def simulate(*, schedule: str, pp: int, virtual_stages: int, num_micro_batches: int,
+             durations: ChunkDurations, commshift: bool) -> PipelineResult:
+    """The step's pipeline: closed form for GPipe, a shifted short simulation for 1F1B and interleaved
+    1F1B once their steady state repeats, else the full simulation (see the module docstring)."""
+    if schedule == "gpipe":
+        return _gpipe_closed_form(pp=pp, m=num_micro_batches, d=durations, commshift=commshift)
+    result = _extrapolated(schedule, pp, virtual_stages, num_micro_batches, durations, commshift)
+    if result is not None:
+        return result
+    return simulate_full(schedule=schedule, pp=pp, virtual_stages=virtual_stages,
+                         num_micro_batches=num_micro_batches, durations=durations, commshift=commshift)
