@@ -44,13 +44,13 @@ class LinearFit:
 
 
 def fit_latency_bandwidth(bus_bytes: Sequence[float], times_s: Sequence[float]) -> LinearFit:
-    """Least-squares fit of time = latency + bytes / bandwidth, weighted by 1/time.
+    """Fit time = latency + bytes / bandwidth: the slope from the large messages, the latency from the small.
 
-    Weighting by 1/time minimises relative error, so the microsecond points pin the latency and the
-    large points pin the bandwidth instead of the largest message swamping the sum. A negative fitted
-    intercept (a token bucket's burst or a cache makes the first bytes free: time = (bytes - burst) /
-    rate) is reported as zero latency, but the slope is kept: refitting through the origin would
-    inflate the bandwidth by the burst.
+    Real curves are not one line: a token bucket's burst, socket buffers and caches make mid-size
+    messages look fast (time ~ latency + max(0, bytes - burst) / rate), so one least-squares line over
+    all sizes tilts and overstates the bandwidth. The bandwidth is therefore the least-squares slope
+    over the larger half of the sizes (where the link's rate dominates), and the latency the median of
+    time - bytes / bandwidth over the smallest quarter (where the fixed cost dominates), clamped at zero.
     """
     x = np.asarray(bus_bytes, dtype=float)
     t = np.asarray(times_s, dtype=float)
@@ -60,16 +60,21 @@ def fit_latency_bandwidth(bus_bytes: Sequence[float], times_s: Sequence[float]) 
         raise PlannerError("a latency-bandwidth fit needs positive times and non-negative sizes")
     if np.ptp(x) == 0:
         raise PlannerError("a latency-bandwidth fit needs at least two different message sizes")
-    w = 1.0 / t
-    design = np.stack([np.ones_like(x), x], axis=1) * w[:, None]
-    (latency_s, inv_bw), *_ = np.linalg.lstsq(design, t * w, rcond=None)
+    order = np.argsort(x)
+    x, t = x[order], t[order]
+    half = x.size // 2
+    large = slice(min(half, x.size - 2), None)
+    if np.ptp(x[large]) == 0:
+        large = slice(None)
+    inv_bw = float(np.polyfit(x[large], t[large], 1)[0])
     if inv_bw <= 0:
         raise PlannerError("measured times do not grow with message size; cannot fit a bandwidth "
                            "(use larger messages)")
-    latency_s = max(0.0, float(latency_s))
+    small = slice(0, max(1, x.size // 4))
+    latency_s = max(0.0, float(np.median(t[small] - x[small] * inv_bw)))
     pred = latency_s + x * inv_bw
     rms = float(np.sqrt(np.mean(((pred - t) / t) ** 2)))
-    return LinearFit(latency_s=float(latency_s), bandwidth_bytes_per_s=float(1.0 / inv_bw), rms_rel_error=rms)
+    return LinearFit(latency_s=latency_s, bandwidth_bytes_per_s=1.0 / inv_bw, rms_rel_error=rms)
 
 
 @dataclass(frozen=True)

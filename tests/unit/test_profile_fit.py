@@ -37,6 +37,16 @@ def test_linear_fit_keeps_the_rate_behind_a_token_bucket_burst() -> None:
     assert fit.bandwidth_bytes_per_s == pytest.approx(1.25e8, rel=1e-6)
 
 
+def test_linear_fit_is_not_tilted_by_a_burst_hinge() -> None:
+    # What a shaped link shows: a fixed cost, then nothing until the burst is spent, then the rate.
+    sizes = np.array([1024 * 4**i for i in range(8)], dtype=float)  # 1 KiB .. 16 MiB, the --quick sweep
+    times = 1.5e-4 + np.maximum(0.0, sizes - 250e3) / 1.25e8
+    fit = fit_latency_bandwidth(sizes, times)
+    assert fit.bandwidth_bytes_per_s == pytest.approx(1.25e8, rel=0.02)
+    # The smallest messages pay bytes / rate nowhere (inside the burst), so the latency reads a bit low.
+    assert fit.latency_s == pytest.approx(1.5e-4, rel=0.2)
+
+
 def test_linear_fit_rejects_flat_or_tiny_curves() -> None:
     with pytest.raises(PlannerError, match="at least 2 points"):
         fit_latency_bandwidth([1024], [1e-3])
