@@ -9,15 +9,8 @@ pipeline width runs in one spawn (process start-up dominates on two cores), 8 Ad
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
-import traceback
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -25,6 +18,7 @@ from cost_models.schedule import rank_actions
 from planner.plan import Plan
 from runners.comm import Comm
 from runners.pipeline import GRADIENT, Message, message_tag, run_pipeline
+from spawn import run_on_ranks
 
 VOCAB, HIDDEN, SEQ, MICRO_BATCH, STEPS, LR, SEED = 16, 8, 4, 2, 8, 1e-2, 7
 LOSS_TOL, PARAM_TOL = 1e-4, 1e-3
@@ -165,48 +159,18 @@ def train_pipelined(name: str, rank: int, pp: int) -> dict:
             "params": {c: {k: v.detach().clone() for k, v in ch.state_dict().items()} for c, ch in mine.items()}}
 
 
-def _worker(rank: int, pp: int, port: int, names: list[str], out_dir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=pp, timeout=datetime.timedelta(seconds=60))
-    results = {}
-    for name in names:
-        try:
-            results[name] = train_pipelined(name, rank, pp)
-        except Exception:  # report and stop: the peers would hang on this rank's missing messages
-            results[name] = {"error": traceback.format_exc()}
-            torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-            raise
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn_all(pp: int, out_dir: str) -> list[dict]:
-    names = [n for n, cfg in CONFIGS.items() if cfg[1] == pp]
-    try:
-        mp.spawn(_worker, args=(pp, _free_port(), names, out_dir), nprocs=pp, join=True)
-    finally:
-        results = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) if os.path.exists(os.path.join(out_dir, f"rank{r}.pt"))
-                   else {} for r in range(pp)]
-        for r, res in enumerate(results):
-            for name, value in res.items():
-                assert "error" not in value, f"{name} rank {r}:\n{value['error']}"
-    return results
+def _worker(rank: int, pp: int, names: list[str]) -> dict:
+    return {name: train_pipelined(name, rank, pp) for name in names}
 
 
 @pytest.fixture(scope="module")
-def pipelined(tmp_path_factory):
+def pipelined():
     cache: dict[int, list[dict]] = {}
 
     def get(pp: int) -> list[dict]:
         if pp not in cache:
-            cache[pp] = spawn_all(pp, str(tmp_path_factory.mktemp(f"pp{pp}")))
+            names = [n for n, cfg in CONFIGS.items() if cfg[1] == pp]
+            cache[pp] = run_on_ranks(_worker, world_size=pp, args=(names,), timeout_s=240)
         return cache[pp]
     return get
 
