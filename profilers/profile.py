@@ -3,7 +3,7 @@
     planner profile --nproc 2 --quick --out profile.json
     planner profile --cluster --quick --out profile.json      # on `planner cluster up`
 
-Compute and memory are measured in this process (with the threads one of `local_procs` processes gets);
+Compute and memory are measured in this process (with the cores and memory one of the run's processes gets);
 collectives by `python -m torch.distributed.run ... -m profilers.comm` (locally, or in each namespace of
 the emulated cluster), then fitted (profilers.fit) into the Hardware type the presets use.
 """
@@ -192,13 +192,20 @@ def run_collectives(options: ProfileOptions, *, progress: Progress = _no_progres
 
 
 def fit_collectives(curves: list[dict]) -> list[CollectiveFit]:
-    """One latency-bandwidth fit per measured curve, in bus bytes (profilers.fit.bus_factor)."""
+    """One latency-bandwidth fit per measured curve, in bus bytes (profilers.fit.bus_factor); a curve
+    that does not grow with size is dropped with a warning."""
     fits = []
     for curve in curves:
         if len(curve["sizes_bytes"]) < 2:
             continue
         factor = bus_factor(curve["collective"], curve["group_size"])
-        fit = fit_latency_bandwidth([s * factor for s in curve["sizes_bytes"]], curve["median_s"])
+        try:
+            fit = fit_latency_bandwidth([s * factor for s in curve["sizes_bytes"]], curve["median_s"])
+        except PlannerError as exc:
+            # One noisy curve (an oversubscribed host) must not discard the rest of the profile.
+            log.warning("dropped %s over %s (group %d): %s; raw times %s", curve["collective"], curve["link"],
+                        curve["group_size"], exc, ", ".join(f"{t * 1e6:.0f} us" for t in curve["median_s"]))
+            continue
         fits.append(CollectiveFit(collective=curve["collective"], link=curve["link"], group_size=curve["group_size"],
                                   latency_s=fit.latency_s, bandwidth_bytes_per_s=fit.bandwidth_bytes_per_s,
                                   sizes_bytes=tuple(curve["sizes_bytes"]), median_s=tuple(curve["median_s"]),
@@ -272,18 +279,20 @@ def build_hardware(*, device: torch.device, compute: ComputeResult, memory: Memo
 def run_profile(options: ProfileOptions, *, progress: Progress = _no_progress) -> Hardware:
     """Measure compute, memory and collectives and return the fitted Hardware profile."""
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    world_size, ranks_per_node = _topology(options)
+    world_size, _ranks_per_node = _topology(options)
     model = resolve_model(options.model)
+    # Every rank runs on this host (locally, or in the emulated cluster's namespaces), so a training
+    # process gets 1/world_size of its cores and memory; measure with exactly that share.
+    host_procs = world_size
     threads_before = torch.get_num_threads()
     if device.type == "cpu":
-        # A training process on this node gets its share of the cores; measure with exactly that.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_per_node))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // host_procs))
     try:
         steps = iter(range(1, 1 << 30))
         compute = measure_compute(model=model, device=device, quick=options.quick,
                                   progress=lambda label: progress("compute", next(steps), None, label))
         progress("memory", 0, None, "copy bandwidth")
-        memory = measure_memory(device=device, local_procs=ranks_per_node, quick=options.quick)
+        memory = measure_memory(device=device, local_procs=host_procs, quick=options.quick)
     finally:
         torch.set_num_threads(threads_before)
     comm = run_collectives(options, progress=progress)

@@ -59,6 +59,18 @@ def test_profile_fits_describe_the_raw_curves(profile_path: Path) -> None:
     assert hw.inter_node == resolve_hardware("cpu").inter_node
 
 
+def test_estimate_prices_a_plan_on_the_measured_profile(profile_path: Path) -> None:
+    args = ["estimate", "--model", "tiny", "--gpus", "2", "--global-batch", "8", "--seq-len", "128", "--format", "json"]
+    measured = runner.invoke(app, [*args, "--hardware", str(profile_path)])
+    preset = runner.invoke(app, [*args, "--hardware", "cpu"])
+    assert measured.exit_code == 0 and preset.exit_code == 0, measured.output + preset.output
+    step_s = json.loads(measured.output)["step_time_s"]
+    assert step_s > 0 and step_s != json.loads(preset.output)["step_time_s"]
+    # Capacity is the host memory shared by the two processes: the limit follows the profile.
+    limit = json.loads(measured.output)["memory_limit_bytes"]
+    assert limit <= resolve_hardware(str(profile_path)).memory_bytes
+
+
 def test_corrupt_profile_names_the_field(profile_path: Path, tmp_path: Path) -> None:
     data = json.loads(profile_path.read_text())
     del data["inter_node"]

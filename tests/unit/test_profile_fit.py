@@ -84,3 +84,29 @@ def test_gemm_fit_without_floor_or_shape_penalty() -> None:
     fit = fit_gemm(samples)
     assert fit.gemm_half_dim < 1.0
     assert fit.asymptote_flops_per_s["fp32"] == pytest.approx(1e12, rel=0.02)
+
+
+def test_group_shapes_cover_intra_inter_and_both() -> None:
+    from profilers.comm import plan_groups
+
+    shapes = {s.name: (s.link, s.ranks) for s in plan_groups(world_size=8, ranks_per_node=4, quick=False)}
+    assert shapes == {"intra2": ("intra_node", (0, 1)), "intra4": ("intra_node", (0, 1, 2, 3)),
+                      "inter2": ("inter_node", (0, 4)), "both8": ("inter_node", tuple(range(8)))}
+    quick = [s.name for s in plan_groups(world_size=16, ranks_per_node=8, quick=True)]
+    assert quick == ["intra2", "intra8", "inter2", "both16"]
+    assert [s.name for s in plan_groups(world_size=2, ranks_per_node=2, quick=True)] == ["intra2"]
+    with pytest.raises(ValueError):
+        plan_groups(world_size=6, ranks_per_node=4, quick=False)
+
+
+def test_efficiency_is_measured_against_the_datasheet_peak_when_known() -> None:
+    from profilers.fit import GemmFit
+    from profilers.profile import efficiency_fields
+
+    fit = GemmFit(asymptote_flops_per_s={"bf16": 7e14, "fp32": 3.5e14}, gemm_half_dim=96, kernel_overhead_s=5e-6,
+                  rms_log_error=0.0)
+    peaks, efficiency = efficiency_fields(fit, datasheet_peak={"bf16": 989e12, "fp32": 494e12})
+    assert efficiency == pytest.approx(7e14 / 989e12)
+    assert peaks["bf16"] == 989e12 and peaks["fp32"] * efficiency == pytest.approx(3.5e14)
+    peaks, efficiency = efficiency_fields(fit, datasheet_peak=None)
+    assert efficiency == 1.0 and peaks == fit.asymptote_flops_per_s
