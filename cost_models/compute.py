@@ -112,8 +112,9 @@ def model_flops_per_step(model: ModelSpec, *, global_batch: int, seq_len: int,
     """
     per_layer = layer_forward_flops(model, micro_batch=global_batch, seq_len=seq_len)
     total = 3 * (model.num_layers * per_layer + head_forward_flops(model, micro_batch=global_batch, seq_len=seq_len))
-    for policy in recompute_layers or ():
-        total += recompute_flops(model, policy=policy, micro_batch=global_batch, seq_len=seq_len)
+    for policy in set(recompute_layers or ()):
+        count = recompute_layers.count(policy)
+        total += count * recompute_flops(model, policy=policy, micro_batch=global_batch, seq_len=seq_len)
     return total
 
 

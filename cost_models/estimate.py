@@ -14,7 +14,8 @@ from cost_models.compute import (activation_bytes_per_element, end_compute_times
                                  memory_time_s, model_flops_per_step)
 from cost_models.memory import (GPU_FRAMEWORK_RESERVE_BYTES, end_activation_bytes, end_params_per_device,
                                 layer_activation_bytes, layer_params_per_device, logits_bytes,
-                                model_state_bytes, peak_live_bytes, state_bytes_per_param)
+                                model_state_bytes, in_flight_profiles, peak_from_profiles,
+                                state_bytes_per_param)
 from cost_models.schedule import rank_actions
 from cost_models.timeline import ChunkDurations, simulate
 from planner.plan import check_plan
@@ -245,13 +246,15 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
 
 
 @functools.lru_cache(maxsize=512)
-def _memory_actions(schedule: str, pp: int, virtual_stages: int, num_micro_batches: int):
-    """Action lists long enough to reach every rank's steady-state peak of activations in flight:
-    1F1B saturates after pp micro-batches, interleaving after 2 pp (its warm-up is at most (v + 1) pp
-    virtual micro-batches), so 4 pp stands for any longer count (a unit test checks it)."""
+def _memory_profiles(schedule: str, pp: int, virtual_stages: int, num_micro_batches: int):
+    """Per rank, the in-flight profiles (memory.in_flight_profiles) of the schedule. Action lists of 4 pp
+    micro-batches reach every rank's steady-state peak (1F1B saturates after pp micro-batches,
+    interleaving after 2 pp: its warm-up is at most (v + 1) pp virtual micro-batches), so they stand for
+    any longer count (a unit test checks it)."""
     cap = 4 * pp
     m = num_micro_batches if num_micro_batches <= cap or schedule == "gpipe" else cap
-    return rank_actions(schedule=schedule, pp=pp, virtual_stages=virtual_stages, num_micro_batches=m)
+    per_rank = rank_actions(schedule=schedule, pp=pp, virtual_stages=virtual_stages, num_micro_batches=m)
+    return tuple(in_flight_profiles(actions) for actions in per_rank)
 
 
 def _rank_memory(plan, cluster, *, model, job, chunks: list[_ChunkPrice], rank: int,
@@ -263,9 +266,9 @@ def _rank_memory(plan, cluster, *, model, job, chunks: list[_ChunkPrice], rank: 
     if plan.schedule == "gpipe":  # all forwards first: every micro-batch in flight at once
         activations = sum(plan.num_micro_batches * chunks[c].activation_bytes + chunks[c].cache_bytes for c in mine)
     else:
-        actions = _memory_actions(plan.schedule, plan.pp, plan.virtual_stages, plan.num_micro_batches)[rank]
-        activations = peak_live_bytes(actions, chunk_bytes={c: chunks[c].activation_bytes for c in mine},
-                                      chunk_cache_bytes={c: chunks[c].cache_bytes for c in mine})
+        profiles = _memory_profiles(plan.schedule, plan.pp, plan.virtual_stages, plan.num_micro_batches)[rank]
+        activations = peak_from_profiles(profiles, chunk_bytes={c: chunks[c].activation_bytes for c in mine},
+                                         chunk_cache_bytes={c: chunks[c].cache_bytes for c in mine})
     param_bytes = state_bytes_per_param(job.precision)[0]
     layer_bytes = layer_params_per_device(model, tp=plan.tp) * param_bytes
     gathered = (plan.prefetch_depth + 1) * layer_bytes if plan.param_shard > 1 else 0.0
@@ -294,8 +297,15 @@ def estimate(plan, *, model, cluster, job) -> Estimate:
     hw, m, pp = cluster.hardware, plan.num_micro_batches, plan.pp
     costs = layer_costs(plan, model=model, cluster=cluster, job=job)
     end_params = end_params_per_device(model, tp=plan.tp, pp=pp)
-    chunks = [_price_chunk(plan, costs, cluster, model=model, job=job, chunk=c, layers=layers, end_params=end_params)
-              for c, layers in enumerate(plan.chunk_layer_ranges(model.num_layers))]
+    chunks, priced = [], {}
+    for c, layers in enumerate(plan.chunk_layer_ranges(model.num_layers)):
+        # Chunks with the same layer settings cost the same: price each kind once.
+        key = (c == 0, c == plan.num_chunks - 1, tuple(plan.layer_recompute(i) for i in layers),
+               tuple(plan.layer_cache(i) for i in layers))
+        if key not in priced:
+            priced[key] = _price_chunk(plan, costs, cluster, model=model, job=job, chunk=c, layers=layers,
+                                       end_params=end_params)
+        chunks.append(priced[key])
     p2p_bytes = plan.micro_batch * job.seq_len * model.hidden_size * activation_bytes_per_element(job.precision)
     p2p_bytes /= plan.tp if plan.sequence_parallel else 1
     p2p_s = collective_time_s(cluster, collective="p2p", size_bytes=p2p_bytes, group_size=2,

@@ -137,6 +137,31 @@ def logits_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, tp: int) -
     return 4.0 * micro_batch * seq_len * -(-model.vocab_size // tp)
 
 
+def in_flight_profiles(actions) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """The distinct (chunk, micro-batches in flight) combinations a rank passes through right after each
+    forward (where its memory peaks), so that peaks for any per-chunk bytes are a max over a few sums."""
+    in_flight: dict[int, int] = {}
+    seen = set()
+    for action in actions:
+        c = action.chunk
+        in_flight[c] = in_flight.get(c, 0) + (1 if action.kind == "F" else -1)
+        if action.kind == "F":
+            seen.add(tuple(sorted((k, n) for k, n in in_flight.items() if n > 0)))
+    # Drop profiles another one dominates (no more of any chunk): they can never be the peak.
+    profiles = sorted(seen, key=lambda p: -sum(n for _, n in p))
+    kept: list[tuple[tuple[int, int], ...]] = []
+    for p in profiles:
+        counts = dict(p)
+        if not any(all(dict(q).get(c, 0) >= n for c, n in counts.items()) for q in kept):
+            kept.append(p)
+    return tuple(kept)
+
+
+def peak_from_profiles(profiles, *, chunk_bytes: dict[int, float], chunk_cache_bytes: dict[int, float]) -> float:
+    """Largest activations in flight plus MAZ3 caches over the profiles of `in_flight_profiles`."""
+    return max((sum(n * chunk_bytes[c] + chunk_cache_bytes[c] for c, n in p) for p in profiles), default=0.0)
+
+
 def peak_live_bytes(actions, *, chunk_bytes: dict[int, float], chunk_cache_bytes: dict[int, float]) -> float:
     """Largest sum over a rank's timeline of activations in flight plus MAZ3 caches held.
 
@@ -144,16 +169,5 @@ def peak_live_bytes(actions, *, chunk_bytes: dict[int, float], chunk_cache_bytes
     `chunk_cache_bytes[c]` is held while any micro-batch of chunk c is in flight (the cached gathered
     parameters serve every micro-batch in flight: one copy per chunk).
     """
-    live = peak = 0.0
-    in_flight: dict[int, int] = {}
-    for action in actions:
-        c = action.chunk
-        count = in_flight.get(c, 0)
-        if action.kind == "F":
-            live += chunk_bytes[c] + (chunk_cache_bytes[c] if count == 0 else 0.0)
-            in_flight[c] = count + 1
-            peak = max(peak, live)
-        else:
-            live -= chunk_bytes[c] + (chunk_cache_bytes[c] if count == 1 else 0.0)
-            in_flight[c] = count - 1
-    return peak
+    return peak_from_profiles(in_flight_profiles(actions), chunk_bytes=chunk_bytes,
+                              chunk_cache_bytes=chunk_cache_bytes)

@@ -1,0 +1,67 @@
+"""Collective times: ring formulas by hand, hierarchical groups across nodes, measured fits."""
+
+import dataclasses
+
+import pytest
+
+from cost_models.comm import collective_time_s, flat_collective_time_s
+from planner.cluster import Cluster
+from profilers.hardware import PRESETS as HW
+from profilers.hardware import CollectiveFit
+
+A100 = HW["a100"]  # NVLink 300e9 B/s, 5 us; NIC 25e9 B/s, 15 us
+NODES = Cluster(num_nodes=4, devices_per_node=8, hardware=A100)
+B = 1e8
+
+
+def test_two_rank_all_reduce_by_hand():
+    # 2 (n-1)/n = 1: each rank sends half, then the other half; two latency steps.
+    assert collective_time_s(NODES, collective="all_reduce", size_bytes=B, group_size=2, stride=1) == \
+        pytest.approx(B / 300e9 + 2 * 5e-6, rel=1e-12)
+
+
+def test_ring_all_gather_and_reduce_scatter_by_hand():
+    expected = 3 / 4 * B / 300e9 + 3 * 5e-6
+    for collective in ("all_gather", "reduce_scatter"):
+        assert collective_time_s(NODES, collective=collective, size_bytes=B, group_size=4, stride=2) == \
+            pytest.approx(expected, rel=1e-12)
+
+
+def test_p2p_between_nodes_by_hand():
+    assert collective_time_s(NODES, collective="p2p", size_bytes=B, group_size=2, stride=8) == \
+        pytest.approx(B / 25e9 + 1.5e-5, rel=1e-12)
+    assert collective_time_s(NODES, collective="p2p", size_bytes=B, group_size=2, stride=1) == \
+        pytest.approx(B / 300e9 + 5e-6, rel=1e-12)
+
+
+def test_group_spanning_nodes_is_hierarchical():
+    # 16 consecutive ranks = 2 nodes x 8: reduce-scatter in the node, all-reduce of B/8 across the
+    # two nodes (8 NICs in parallel), all-gather in the node.
+    intra = 7 / 8 * B / 300e9 + 7 * 5e-6
+    inter = (B / 8) / 25e9 + 2 * 1.5e-5
+    assert collective_time_s(NODES, collective="all_reduce", size_bytes=B, group_size=16, stride=1) == \
+        pytest.approx(2 * intra + inter, rel=1e-12)
+    # One member per node (DP across TP=8): the whole buffer over one NIC.
+    assert collective_time_s(NODES, collective="all_reduce", size_bytes=B, group_size=4, stride=8) == \
+        pytest.approx(2 * 3 / 4 * B / 25e9 + 6 * 1.5e-5, rel=1e-12)
+
+
+def test_more_ranks_per_node_is_faster_across_nodes():
+    spread = collective_time_s(NODES, collective="all_gather", size_bytes=B, group_size=4, stride=8)
+    packed = collective_time_s(NODES, collective="all_gather", size_bytes=B, group_size=32, stride=1)
+    assert packed < spread
+
+
+def test_measured_fit_replaces_the_datasheet():
+    fit = CollectiveFit(collective="all_reduce", link="intra_node", group_size=8, latency_s=2e-5,
+                        bandwidth_bytes_per_s=200e9)
+    hw = dataclasses.replace(A100, collectives=(fit,))
+    assert flat_collective_time_s(hw, collective="all_reduce", size_bytes=B, group_size=4, link="intra_node") == \
+        pytest.approx(2e-5 + 1.5 * B / 200e9, rel=1e-12)
+    # Collectives without a fit keep the datasheet link.
+    assert flat_collective_time_s(hw, collective="all_gather", size_bytes=B, group_size=4, link="intra_node") == \
+        flat_collective_time_s(A100, collective="all_gather", size_bytes=B, group_size=4, link="intra_node")
+
+
+def test_single_rank_groups_cost_nothing():
+    assert collective_time_s(NODES, collective="all_reduce", size_bytes=B, group_size=1, stride=1) == 0.0

@@ -1,0 +1,82 @@
+"""Compute model: exact FLOP counts against hand counts and the Megatron formula; GEMM timing rules."""
+
+import dataclasses
+from fractions import Fraction
+
+import pytest
+
+from cost_models.compute import (Gemm, attention_core_flops, gemm_efficiency, gemm_time_s, layer_compute_times,
+                                 layer_forward_flops, layer_gemms, memory_time_s, model_flops_per_step)
+from planner.model import PRESETS
+from profilers.hardware import PRESETS as HW
+from profilers.hardware import GemmPoint
+
+
+def test_tiny_llama_layer_flops_by_hand():
+    # tiny: h=64, 8 heads of 8, 4 KV heads (kv width 32), SwiGLU f=176; b=1, s=4 -> T=4 tokens.
+    tiny = PRESETS["tiny"]
+    qkv = 2 * 4 * 64 * (64 + 2 * 32)
+    out = 2 * 4 * 64 * 64
+    mlp = 3 * 2 * 4 * 64 * 176
+    scores = context = 2 * 1 * 4 * 4 * 64
+    assert layer_forward_flops(tiny, micro_batch=1, seq_len=4) == qkv + out + mlp + scores + context == 372736
+    assert attention_core_flops(tiny, micro_batch=1, seq_len=4) == scores + context
+
+
+@pytest.mark.parametrize("name", ["gpt3-1.7b", "gpt3-175b", "gpt3-1t"])
+def test_full_recompute_step_flops_are_the_megatron_formula(name):
+    model = PRESETS[name]
+    b, s, l, h, v = 512, 2048, model.num_layers, model.hidden_size, model.vocab_size
+    formula = 96 * b * s * l * h * h * (1 + Fraction(s, 6 * h) + Fraction(v, 16 * l * h))
+    counted = model_flops_per_step(model, global_batch=b, seq_len=s, recompute_layers=("full",) * l)
+    assert counted == formula
+    # Without recomputation: three forwards (forward + 2x backward) instead of four for the layers.
+    plain = model_flops_per_step(model, global_batch=b, seq_len=s)
+    assert counted - plain == l * layer_forward_flops(model, micro_batch=b, seq_len=s)
+
+
+def test_tensor_parallel_splits_every_gemm():
+    model = PRESETS["llama3-8b"]
+    whole = sum(g.flops for group in layer_gemms(model, micro_batch=2, seq_len=512).values() for g in group)
+    split = sum(g.flops for group in layer_gemms(model, micro_batch=2, seq_len=512, tp=4).values() for g in group)
+    assert whole == 4 * split
+
+
+def test_gemm_time_follows_the_efficiency_curve_and_the_overhead_floor():
+    hw = HW["a100"]
+    g = Gemm(1024, 2048, 4096)
+    eff = hw.gemm_max_efficiency * (1024 / (1024 + hw.gemm_half_dim)) * (2048 / (2048 + hw.gemm_half_dim)) \
+        * (4096 / (4096 + hw.gemm_half_dim))
+    assert gemm_time_s(hw, g, dtype="bf16") == pytest.approx(g.flops / (312e12 * eff), rel=1e-12)
+    assert gemm_time_s(hw, Gemm(8, 8, 8), dtype="bf16") == hw.kernel_overhead_s
+    # Larger shapes run closer to peak.
+    assert gemm_efficiency(hw, m=8192, n=8192, k=8192, dtype="bf16") > gemm_efficiency(hw, m=512, n=512, k=512,
+                                                                                           dtype="bf16")
+
+
+def test_measured_gemm_points_are_exact_where_measured_and_scaled_between():
+    hw = dataclasses.replace(HW["a100"], gemm_points=(GemmPoint(4096, 4096, 4096, "bf16", 200e12),
+                                                       GemmPoint(512, 512, 512, "bf16", 50e12)))
+    assert gemm_efficiency(hw, m=4096, n=4096, k=4096, dtype="bf16") == pytest.approx(200 / 312)
+    assert gemm_efficiency(hw, m=512, n=512, k=512, dtype="bf16") == pytest.approx(50 / 312)
+    between = gemm_efficiency(hw, m=3000, n=4096, k=4096, dtype="bf16")
+    assert 50 / 312 < between < 200 / 312
+    # Other dtypes keep the analytic curve.
+    assert gemm_efficiency(hw, m=4096, n=4096, k=4096, dtype="fp32") == gemm_efficiency(
+        HW["a100"], m=4096, n=4096, k=4096, dtype="fp32")
+
+
+def test_memory_bound_ops_use_bandwidth():
+    hw = HW["h100"]
+    assert memory_time_s(hw, 3.35e12 * 0.8) == pytest.approx(1.0)
+    assert memory_time_s(hw, 1) == hw.kernel_overhead_s
+
+
+def test_backward_costs_about_twice_forward_and_sequence_parallel_saves_elementwise_time():
+    model, hw = PRESETS["gpt3-18b"], HW["a100"]
+    base = dict(micro_batch=1, seq_len=2048, tp=8, precision="bf16")
+    plain = layer_compute_times(model, hw, sequence_parallel=False, **base)
+    sp = layer_compute_times(model, hw, sequence_parallel=True, **base)
+    assert 1.9 < plain.backward_s / plain.forward_s < 2.2
+    assert sp.forward_s < plain.forward_s
+    assert 0 < plain.attention_core_forward_s < plain.forward_s

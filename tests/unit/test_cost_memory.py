@@ -1,0 +1,113 @@
+"""Memory model: ZeRO's byte counts exactly, Korthikanti's activation formula, and the llama variant by hand."""
+
+from fractions import Fraction
+
+import pytest
+
+from cost_models.memory import (end_params_per_device, layer_activation_bytes, layer_params_per_device,
+                                model_state_bytes, peak_live_bytes)
+from cost_models.schedule import rank_actions
+from planner.model import PRESETS
+
+
+@pytest.mark.parametrize("num_params,n", [(7_000_000_000, 64), (1_558_000_000, 8), (123_456_789, 3)])
+def test_zero_stages_match_the_paper_exactly(num_params, n):
+    p = Fraction(num_params)
+
+    def total(shards):
+        s = model_state_bytes(p, param_shard=shards[0], grad_shard=shards[1], optim_shard=shards[2], precision="bf16")
+        return s.weights_bytes + s.grads_bytes + s.optimizer_bytes
+
+    assert total((1, 1, 1)) == 16 * p
+    assert total((1, 1, n)) == 4 * p + 12 * p / n
+    assert total((1, n, n)) == 2 * p + 14 * p / n
+    assert total((n, n, n)) == 16 * p / n
+
+
+def test_fp32_keeps_no_separate_master_copy():
+    s = model_state_bytes(1000, param_shard=1, grad_shard=1, optim_shard=1, precision="fp32")
+    assert (s.weights_bytes, s.grads_bytes, s.optimizer_bytes) == (4000, 4000, 8000)
+
+
+@pytest.mark.parametrize("name,pp", [("gpt3-1.7b", 1), ("llama3-8b", 1), ("tiny", 1), ("llama3.2-1b", 1)])
+def test_parameter_split_adds_up_to_the_model(name, pp):
+    model = PRESETS[name]
+    first, last = end_params_per_device(model, tp=1, pp=pp)
+    assert first + last + model.num_layers * layer_params_per_device(model, tp=1) == model.num_params()
+
+
+def test_tied_embeddings_need_a_second_copy_across_the_pipeline():
+    model = PRESETS["gpt3-1.7b"]
+    _, last_pp1 = end_params_per_device(model, tp=1, pp=1)
+    _, last_pp2 = end_params_per_device(model, tp=1, pp=2)
+    assert last_pp2 - last_pp1 == model.vocab_size * model.hidden_size
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_gpt_activations_are_korthikanti(tp):
+    model = PRESETS["gpt3-175b"]  # a = 96 heads, h = 12288
+    s, b, h, a = 2048, 1, model.hidden_size, model.num_heads
+    sbh = s * b * h
+    kw = dict(micro_batch=b, seq_len=s, tp=tp, precision="bf16")
+    core = Fraction(5 * a * s, h * tp)
+    assert layer_activation_bytes(model, policy="none", sequence_parallel=False, **kw) == \
+        sbh * (10 + Fraction(24, tp) + core)
+    if tp > 1:
+        assert layer_activation_bytes(model, policy="none", sequence_parallel=True, **kw) == \
+            sbh * (Fraction(34, tp) + core)
+        assert layer_activation_bytes(model, policy="selective", sequence_parallel=True, **kw) == sbh * Fraction(34, tp)
+        assert layer_activation_bytes(model, policy="full", sequence_parallel=True, **kw) == 2 * sbh / tp
+    assert layer_activation_bytes(model, policy="full", sequence_parallel=False, **kw) == 2 * sbh
+
+
+def test_llama_activations_by_hand():
+    # tiny (bf16, b=1, s=4): h=64, kv width 32, f=176, 8 heads. Saved tensors:
+    # norm1 in, qkv in, out-proj in, norm2 in, mlp in: 5 x 2*4*64; Q and K: 2*4*(64+32); V: 2*4*32;
+    # softmax output: 2*8*4*4; SwiGLU gate, silu, up, product: 4 x 2*4*176. No dropout.
+    expected = 5 * 512 + 768 + 256 + 256 + 5632
+    assert layer_activation_bytes(PRESETS["tiny"], policy="none", micro_batch=1, seq_len=4, tp=1,
+                                  sequence_parallel=False, precision="bf16") == expected
+    assert layer_activation_bytes(PRESETS["tiny"], policy="selective", micro_batch=1, seq_len=4, tp=1,
+                                  sequence_parallel=False, precision="bf16") == expected - 256
+
+
+def test_more_recomputation_keeps_less():
+    model = PRESETS["llama3-70b"]
+    kw = dict(micro_batch=1, seq_len=4096, tp=8, sequence_parallel=True, precision="bf16")
+    none, sel, full = (layer_activation_bytes(model, policy=p, **kw) for p in ("none", "selective", "full"))
+    assert none > sel > full > 0
+
+
+def test_peak_live_bytes_counts_in_flight_micro_batches_and_one_cache_per_chunk():
+    actions = rank_actions(schedule="1f1b", pp=4, virtual_stages=1, num_micro_batches=8)[0]
+    assert peak_live_bytes(actions, chunk_bytes={0: 10.0}, chunk_cache_bytes={0: 0.0}) == 40.0
+    assert peak_live_bytes(actions, chunk_bytes={0: 10.0}, chunk_cache_bytes={0: 5.0}) == 45.0
+    inter = rank_actions(schedule="interleaved-1f1b", pp=2, virtual_stages=2, num_micro_batches=4)[0]
+    # Rank 0 holds chunks 0 and 2: F0 F0 F2 F2 | F0 B2 F0 B2 F2 B0 F2 B0 | ... so at most 3 x chunk 0
+    # + 2 x chunk 2 (after the fifth forward) or 4 x chunk 0 + 1 x chunk 2 (after the sixth).
+    def peak(w0, w2):
+        return peak_live_bytes(inter, chunk_bytes={0: w0, 2: w2}, chunk_cache_bytes={0: 0.0, 2: 0.0})
+    assert peak(1.0, 100.0) == 203.0
+    assert peak(100.0, 1.0) == 401.0
+    assert peak(1.0, 1.0) == 5.0
+
+
+@pytest.mark.parametrize("schedule,pp,v", [("1f1b", 4, 1), ("1f1b", 8, 1), ("interleaved-1f1b", 2, 2),
+                                           ("interleaved-1f1b", 4, 3), ("interleaved-1f1b", 8, 2)])
+def test_capped_action_lists_give_the_full_peak(schedule, pp, v):
+    import random
+
+    from cost_models.estimate import _memory_profiles
+    from cost_models.memory import peak_from_profiles
+
+    rng = random.Random(pp * 10 + v)
+    for m in (4 * pp, 5 * pp, 12 * pp):
+        full = rank_actions(schedule=schedule, pp=pp, virtual_stages=v, num_micro_batches=m)
+        capped = _memory_profiles(schedule, pp, v, m)
+        for rank in range(pp):
+            chunks = range(rank, pp * v, pp)
+            for _ in range(5):
+                weights = {c: rng.uniform(0, 10) for c in chunks}
+                cache = {c: rng.choice([0.0, rng.uniform(0, 5)]) for c in chunks}
+                assert peak_from_profiles(capped[rank], chunk_bytes=weights, chunk_cache_bytes=cache) == \
+                    pytest.approx(peak_live_bytes(full[rank], chunk_bytes=weights, chunk_cache_bytes=cache))
