@@ -86,6 +86,33 @@ def _dp_groups(*, dp: int, s_p: int, s_g: int, s_os: int) -> dict[str, list[tupl
     return kinds
 
 
+def mesh_groups(plan) -> list[tuple[str, tuple[int, ...]]]:
+    """Every process group of `plan` as (kind, global ranks), in the one order all ranks create them.
+
+    Kinds: tp, pp, dp, param, grad, grad_replica, redistribute (see the module docstring); each kind's
+    groups partition the world.
+    """
+    dp, tp, pp = plan.dp, plan.tp, plan.pp
+    s_p, s_g, s_os = plan.shard_degrees
+
+    def to_global(p: int, q: int, t: int) -> int:
+        return (p * dp + q) * tp + t
+
+    groups: list[tuple[str, tuple[int, ...]]] = []
+    for p in range(pp):
+        for q in range(dp):
+            groups.append(("tp", tuple(to_global(p, q, t) for t in range(tp))))
+    for q in range(dp):
+        for t in range(tp):
+            groups.append(("pp", tuple(to_global(p, q, t) for p in range(pp))))
+    for kind, position_lists in _dp_groups(dp=dp, s_p=s_p, s_g=s_g, s_os=s_os).items():
+        for p in range(pp):
+            for t in range(tp):
+                for positions in position_lists:
+                    groups.append((kind, tuple(to_global(p, q, t) for q in positions)))
+    return groups
+
+
 def build_mesh(plan, *, ranks_per_node: int) -> Mesh:
     """Create every process group of `plan` (call after dist.init_process_group, on every rank).
 
@@ -96,37 +123,17 @@ def build_mesh(plan, *, ranks_per_node: int) -> Mesh:
     if plan.world_size != world_size:
         raise PlannerError(f"plan needs dp x tp x pp = {plan.dp} x {plan.tp} x {plan.pp} = {plan.world_size} "
                            f"processes, but the job has {world_size}")
-    dp, tp, pp = plan.dp, plan.tp, plan.pp
-    s_p, s_g, s_os = plan.shard_degrees
-    tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
-
-    def to_global(p: int, q: int, t: int) -> int:
-        return (p * dp + q) * tp + t
-
-    # (kind, tuple of global ranks) for every group of every kind, in one fixed order.
-    all_groups: list[tuple[str, tuple[int, ...]]] = []
-    for p in range(pp):
-        for q in range(dp):
-            all_groups.append(("tp", tuple(to_global(p, q, t) for t in range(tp))))
-    for q in range(dp):
-        for t in range(tp):
-            all_groups.append(("pp", tuple(to_global(p, q, t) for p in range(pp))))
-    for kind, position_lists in _dp_groups(dp=dp, s_p=s_p, s_g=s_g, s_os=s_os).items():
-        for p in range(pp):
-            for t in range(tp):
-                for positions in position_lists:
-                    all_groups.append((kind, tuple(to_global(p, q, t) for q in positions)))
-
+    dp, tp = plan.dp, plan.tp
     handles: dict[tuple[int, ...], object] = {}
     mine: dict[str, tuple[int, ...]] = {}
-    for kind, ranks in all_groups:
+    for kind, ranks in mesh_groups(plan):
         if ranks not in handles:
             handles[ranks] = dist.new_group(list(ranks))
         if rank in ranks:
             mine[kind] = ranks
     return Mesh(
-        rank=rank, world_size=world_size, ranks_per_node=max(1, ranks_per_node), dp=dp, tp=tp, pp=pp,
-        dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank, shard_degrees=(s_p, s_g, s_os),
+        rank=rank, world_size=world_size, ranks_per_node=max(1, ranks_per_node), dp=dp, tp=tp, pp=plan.pp,
+        dp_rank=(rank // tp) % dp, tp_rank=rank % tp, pp_rank=rank // (tp * dp), shard_degrees=plan.shard_degrees,
         tp_ranks=mine["tp"], dp_ranks=mine["dp"], pp_ranks=mine["pp"], param_ranks=mine["param"],
         grad_ranks=mine["grad"], grad_replica_ranks=mine["grad_replica"],
         redistribute_ranks=mine["redistribute"],

@@ -93,6 +93,8 @@ def micro_batch(x: torch.Tensor, y: torch.Tensor, index: int) -> tuple[torch.Ten
 
 
 def run_chunks(chunks: list[Chunk], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    dtype = next(chunks[0].parameters()).dtype
+    x, y = x.to(dtype), y.to(dtype)
     for chunk in chunks[:-1]:
         x = chunk(x)
     return chunks[-1](x, y)
@@ -124,30 +126,45 @@ def _train_case(rank: int, world_size: int, case: dict) -> dict:
     plan = Plan(dp=dp, num_micro_batches=m, param_shard=s_p, grad_shard=s_g, optim_shard=s_os,
                 prefetch_depth=case.get("prefetch", 1), bucket_size_bytes=case.get("bucket", 1 << 20))
     mesh = build_mesh(plan, ranks_per_node=case.get("ranks_per_node", world_size))
-    comm = Comm(ranks_per_node=mesh.ranks_per_node)
-    chunks = make_chunks(num_chunks=case.get("chunks", 1), global_count=dp * m * MICRO_BATCH * D_MODEL)
-    engine = ShardedDataParallel(chunks, plan=plan, mesh=mesh, comm=comm, num_micro_batches=m, lr=LR,
-                                 defer_grad_sync=case.get("defer", False))
-    losses = []
-    for step in range(NUM_STEPS):
-        x, y = global_batch(step, dp=dp, m=m)
-        local = torch.zeros(())
-        for i in range(m):
-            loss = run_chunks(chunks, *micro_batch(x, y, mesh.dp_rank * m + i))
-            loss.backward()
-            local += loss.detach()
-        if case.get("defer"):
-            for v in reversed(range(len(chunks))):
-                engine.start_grad_sync(v)
-        engine.optimizer_step()
-        dist.all_reduce(local)  # not through comm: test bookkeeping, not engine traffic
-        losses.append(local.item())
-    counters = comm.counters.snapshot()
-    state_bytes = engine.state_bytes()
-    full = engine.full_state_dict()
-    return {"losses": losses, "params": full if rank == 0 else None, "counters": counters,
-            "state_bytes": state_bytes, "peak_param_bytes": engine.peak_param_bytes,
-            "unit_numels": [u.padded for u in engine.units]}
+
+    def new_engine():
+        comm = Comm(ranks_per_node=mesh.ranks_per_node)
+        chunks = make_chunks(num_chunks=case.get("chunks", 1), global_count=dp * m * MICRO_BATCH * D_MODEL)
+        engine = ShardedDataParallel(chunks, plan=plan, mesh=mesh, comm=comm, num_micro_batches=m, lr=LR,
+                                     defer_grad_sync=case.get("defer", False), param_dtype=case.get("dtype"))
+        return chunks, engine, comm
+
+    def train(chunks, engine, steps):
+        losses = []
+        for step in steps:
+            x, y = global_batch(step, dp=dp, m=m)
+            local = torch.zeros(())
+            for i in range(m):
+                loss = run_chunks(chunks, *micro_batch(x, y, mesh.dp_rank * m + i))
+                loss.backward()
+                local += loss.detach().float()
+            if case.get("defer"):
+                for v in reversed(range(len(chunks))):
+                    engine.start_grad_sync(v)
+            engine.optimizer_step()
+            dist.all_reduce(local)  # not through comm: test bookkeeping, not engine traffic
+            losses.append(local.item())
+        return losses
+
+    chunks, engine, comm = new_engine()
+    half = NUM_STEPS // 2
+    losses = train(chunks, engine, range(half))
+    saved = engine.local_state() if case.get("checkpoint") else None
+    losses += train(chunks, engine, range(half, NUM_STEPS))
+    result = {"losses": losses, "counters": comm.counters.snapshot(), "state_bytes": engine.state_bytes(),
+              "peak_param_bytes": engine.peak_param_bytes, "unit_numels": [u.padded for u in engine.units]}
+    full = {k: v.float() for k, v in engine.full_state_dict().items()}
+    result["params"] = full if rank == 0 else None
+    if saved is not None:  # a fresh engine on freshly initialised chunks, resumed from the shards
+        chunks, engine, _ = new_engine()
+        engine.load_local_state(saved)
+        result["resumed_losses"] = train(chunks, engine, range(half, NUM_STEPS))
+    return result
 
 
 def _worker(rank: int, world_size: int, cases: dict[str, dict]) -> dict[str, dict]:
@@ -160,7 +177,7 @@ CASES_DP4 = {
     "zero2": {"degrees": (1, 4, 4), "m": 3},
     "zero3": {"degrees": (4, 4, 4), "m": 2},
     "hsdp": {"degrees": (2, 2, 2), "m": 2, "ranks_per_node": 2},
-    "mixed_224": {"degrees": (2, 2, 4), "m": 4},
+    "mixed_224": {"degrees": (2, 2, 4), "m": 4, "checkpoint": True},
     # Mixes whose nested layout permutes chunks in the reduce-scatter / the redistribution.
     "mixed_244": {"degrees": (2, 4, 4), "m": 2, "bucket": 512},
     "mixed_124": {"degrees": (1, 2, 4), "m": 2, "bucket": 512},
@@ -171,9 +188,15 @@ CASES_DP4 = {
 CASES_DP2 = {
     "zero0": {"degrees": (1, 1, 1), "m": 3},
     "zero2": {"degrees": (1, 2, 2), "m": 2},
-    "zero3_prefetch2": {"degrees": (2, 2, 2), "m": 2, "prefetch": 2},
+    "zero3_prefetch2": {"degrees": (2, 2, 2), "m": 2, "prefetch": 2, "checkpoint": True},
     "zero3_noprefetch": {"degrees": (2, 2, 2), "m": 1, "prefetch": 0},
 }
+# Mixed precision: bf16 parameters, fp32 master weights and fp32 gradient reduction.
+CASES_BF16 = {
+    "bf16_zero3": {"degrees": (2, 2, 2), "m": 2, "dtype": torch.bfloat16},
+    "bf16_zero1": {"degrees": (1, 1, 2), "m": 2, "dtype": torch.bfloat16},
+}
+CASES_DP8 = {"mixed_248": {"degrees": (2, 4, 8), "m": 2, "ranks_per_node": 4, "bucket": 1024}}
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +206,7 @@ def dp4_results():
 
 @pytest.fixture(scope="module")
 def dp2_results():
-    return run_on_ranks(_worker, world_size=2, args=(CASES_DP2,))
+    return run_on_ranks(_worker, world_size=2, args=({**CASES_DP2, **CASES_BF16},))
 
 
 def _check_against_reference(results: list[dict], case: dict, *, dp: int) -> None:
@@ -210,6 +233,48 @@ def test_dp4_matches_single_process_adam(dp4_results, name):
 @pytest.mark.parametrize("name", list(CASES_DP2))
 def test_dp2_matches_single_process_adam(dp2_results, name):
     _check_against_reference([r[name] for r in dp2_results], CASES_DP2[name], dp=2)
+
+
+def test_dp8_mixed_sharding_matches_single_process_adam():
+    results = run_on_ranks(_worker, world_size=8, args=(CASES_DP8,))
+    _check_against_reference([r["mixed_248"] for r in results], CASES_DP8["mixed_248"], dp=8)
+    # (2, 4, 8), 4 ranks per node, per step: parameter gathers in pairs and reduce-scatters in fours stay
+    # in a node; the boundary all-reduce of the 1/4 gradient shard pairs positions q and q + 4 (inter-node);
+    # the redistribution of 1/8 optimizer shards over positions {q, q+2, q+4, q+6} crosses nodes on half
+    # of its ring's edges.
+    counters = results[0]["mixed_248"]["counters"]
+    P, m, fp32 = num_params(), CASES_DP8["mixed_248"]["m"], 4
+    gathers = 2 * m * (1 / 2) * P * fp32
+    redistribute = (3 / 4) * (P / 2) * fp32
+    all_reduce = 2 * (1 / 2) * (P / 4) * fp32
+    assert counters["all_gather"] == NUM_STEPS * (gathers + redistribute)
+    assert counters["reduce_scatter"] == NUM_STEPS * m * (3 / 4) * P * fp32
+    assert counters["all_reduce"] == NUM_STEPS * all_reduce
+    assert counters["inter_node"] == NUM_STEPS * (all_reduce + redistribute / 2)
+
+
+@pytest.mark.parametrize("name", ["mixed_224", "zero3_prefetch2"])
+def test_resume_from_local_state_continues_identically(dp4_results, dp2_results, name):
+    results = dp4_results if name in CASES_DP4 else dp2_results
+    for rank_result in results:
+        got = rank_result[name]
+        assert got["resumed_losses"] == pytest.approx(got["losses"][NUM_STEPS // 2:], abs=1e-7)
+
+
+@pytest.mark.parametrize("name", list(CASES_BF16))
+def test_bf16_parameters_with_fp32_master_track_fp32_training(dp2_results, name):
+    case = CASES_BF16[name]
+    ref_losses, ref_params = reference(case, dp=2)
+    got = dp2_results[0][name]
+    # bf16 keeps 8 mantissa bits: losses agree to ~1e-2; the fp32 master keeps the steps from stalling.
+    assert got["losses"] == pytest.approx(ref_losses, abs=3e-2)
+    worst = max((got["params"][k] - v).abs().max().item() for k, v in ref_params.items())
+    assert worst < 3e-2
+    P = num_params()
+    want = state_bytes_per_param(degrees=case["degrees"], compute_bytes=2) * P
+    assert want == (2 / 2 + 4 / 2 + 12 / 2) * P if case["degrees"] == (2, 2, 2) else want == (2 + 4 + 12 / 2) * P
+    for rank_result in dp2_results:
+        assert sum(rank_result[name]["state_bytes"].values()) == want
 
 
 def test_nested_layout_is_a_bijection_and_nests():
@@ -299,3 +364,25 @@ def test_real_tiny_model_zero3_with_recomputation_matches_one_process():
     cfgs = [tiny_config(plan, steps=4) for plan in plans]
     for cfg, (metrics, params) in zip(cfgs, run_plans(cfgs)):
         check_against_reference(cfg, metrics, params)
+
+
+def test_mesh_groups_follow_megatron_order_and_nest():
+    from runners.mesh import mesh_groups
+
+    plan = Plan(dp=4, tp=2, pp=2, param_shard=2, grad_shard=2, optim_shard=4)
+    groups = mesh_groups(plan)
+    by_kind: dict[str, list[tuple[int, ...]]] = {}
+    for kind, ranks in groups:
+        by_kind.setdefault(kind, []).append(ranks)
+    for kind, lists in by_kind.items():  # each kind partitions the 16 ranks
+        assert sorted(r for ranks in lists for r in ranks) == list(range(16)), kind
+    # rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+    assert by_kind["tp"][:2] == [(0, 1), (2, 3)]
+    assert (1, 9) in by_kind["pp"] and (0, 8) in by_kind["pp"]
+    assert (0, 2, 4, 6) in by_kind["dp"] and (9, 11, 13, 15) in by_kind["dp"]
+    assert (0, 2) in by_kind["param"] and (4, 6) in by_kind["param"] and (1, 3) in by_kind["param"]
+    assert (0, 4) in by_kind["grad_replica"] and (2, 6) in by_kind["grad_replica"]
+    # Redistribution: inside the optimizer group (DP positions 0..3), the positions sharing a parameter chunk.
+    assert (0, 4) in by_kind["redistribute"] and (2, 6) in by_kind["redistribute"]
+    # With 2 ranks per node, every TP group is inside one node.
+    assert all(ranks[-1] // 2 == ranks[0] // 2 for ranks in by_kind["tp"])
