@@ -2,6 +2,14 @@
 
     from cost_models.estimate import estimate
     est = estimate(plan, model=spec, cluster=cluster, job=job)
+
+A plan is priced per model chunk: its layers' compute (compute.py) under their recomputation policies,
+exposed TP communication and the per-micro-batch DP/ZeRO communication overlapped on a separate
+stream except the first layer's gather and the last bucket's reduce-scatter (comm.py); the chunks'
+actions then run through the pipeline schedule with the step-end gradient reduction placed with or
+without commshift (timeline.py), and each rank's memory peaks over its in-flight micro-batches
+(memory.py). `layer_costs` gives the same per-layer numbers to the search's ILP; `estimate` prices a
+chunk as their sum, so the two agree.
 """
 
 from __future__ import annotations
@@ -257,8 +265,8 @@ def _memory_profiles(schedule: str, pp: int, virtual_stages: int, num_micro_batc
     return tuple(in_flight_profiles(actions) for actions in per_rank)
 
 
-def _rank_memory(plan, cluster, *, model, job, chunks: list[_ChunkPrice], rank: int,
-                 costs: LayerCosts) -> dict[str, float]:
+def _rank_memory(plan, cluster, *, model, job, chunks: list[_ChunkPrice], rank: int) -> dict[str, float]:
+    """Bytes on one device of pipeline rank `rank`: model states, peak activations, buffers, reserve."""
     mine = [c for c in range(plan.num_chunks) if c % plan.pp == rank]
     num_params = sum(chunks[c].num_params for c in mine)
     states = model_state_bytes(num_params, param_shard=plan.param_shard, grad_shard=plan.grad_shard,
@@ -290,13 +298,8 @@ def _rank_memory(plan, cluster, *, model, job, chunks: list[_ChunkPrice], rank: 
             "total_bytes": states.total_bytes + activations + buffers + reserve}
 
 
-def estimate(plan, *, model, cluster, job) -> Estimate:
-    """Price one training step of `plan`: the pipeline timeline of its chunks (compute.py, comm.py,
-    timeline.py) and the worst rank's memory (memory.py)."""
-    check_plan(plan, model=model, num_devices=cluster.num_devices, job=job)
-    hw, m, pp = cluster.hardware, plan.num_micro_batches, plan.pp
-    costs = layer_costs(plan, model=model, cluster=cluster, job=job)
-    end_params = end_params_per_device(model, tp=plan.tp, pp=pp)
+def _chunk_prices(plan, costs: LayerCosts, cluster, *, model, job) -> list[_ChunkPrice]:
+    end_params = end_params_per_device(model, tp=plan.tp, pp=plan.pp)
     chunks, priced = [], {}
     for c, layers in enumerate(plan.chunk_layer_ranges(model.num_layers)):
         # Chunks with the same layer settings cost the same: price each kind once.
@@ -306,44 +309,73 @@ def estimate(plan, *, model, cluster, job) -> Estimate:
             priced[key] = _price_chunk(plan, costs, cluster, model=model, job=job, chunk=c, layers=layers,
                                        end_params=end_params)
         chunks.append(priced[key])
-    p2p_bytes = plan.micro_batch * job.seq_len * model.hidden_size * activation_bytes_per_element(job.precision)
-    p2p_bytes /= plan.tp if plan.sequence_parallel else 1
-    p2p_s = collective_time_s(cluster, collective="p2p", size_bytes=p2p_bytes, group_size=2,
-                              stride=plan.dp * plan.tp) if pp > 1 else 0.0
-    durations = ChunkDurations(
-        forward_s=tuple(c.forward_s for c in chunks), backward_s=tuple(c.backward_s for c in chunks), p2p_s=p2p_s,
-        reduce_s=tuple(c.reduce_s for c in chunks), last_bucket_s=tuple(c.last_bucket_s for c in chunks))
-    pipe = simulate(schedule=plan.schedule, pp=pp, virtual_stages=plan.virtual_stages, num_micro_batches=m,
-                    durations=durations, commshift=plan.commshift)
+    return chunks
+
+
+def _p2p_time_s(plan, cluster, *, model, job) -> float:
+    """One activation (b x s x h, sequence-sharded under SP) between adjacent stages, dp x tp ranks apart."""
+    if plan.pp == 1:
+        return 0.0
+    size = plan.micro_batch * job.seq_len * model.hidden_size * activation_bytes_per_element(job.precision)
+    size /= plan.tp if plan.sequence_parallel else 1
+    return collective_time_s(cluster, collective="p2p", size_bytes=size, group_size=2, stride=plan.dp * plan.tp)
+
+
+def _rank_tails(plan, cluster, *, chunks: list[_ChunkPrice], job) -> list[tuple[float, float]]:
+    """Per pipeline rank: (optimizer step, all-gather of updated shards when optim_shard > param_shard)."""
     param_bytes = state_bytes_per_param(job.precision)[0]
-    ends, tails = [], []
-    for r in range(pp):
-        num_params = sum(c.num_params for c in chunks[r::pp])
-        optimizer_s = memory_time_s(hw, num_params / plan.optim_shard * ADAM_BYTES_PER_PARAM)
-        # Optimizer states sharded wider than parameters: gather the updated parameter shards.
+    tails = []
+    for r in range(plan.pp):
+        num_params = sum(c.num_params for c in chunks[r::plan.pp])
+        optimizer_s = memory_time_s(cluster.hardware, num_params / plan.optim_shard * ADAM_BYTES_PER_PARAM)
         post_s = collective_time_s(cluster, collective="all_gather", size_bytes=num_params * param_bytes / plan.param_shard,
                                    group_size=plan.optim_shard // plan.param_shard, stride=plan.tp * plan.param_shard)
         tails.append((optimizer_s, post_s))
-        ends.append(max(pipe.compute_end_s[r], pipe.comm_end_s[r]) + optimizer_s + post_s)
-    step_time_s = max(ends)
-    crit = ends.index(step_time_s)
-    mine = chunks[crit::pp]
+    return tails
+
+
+def _time_breakdown(plan, *, chunks: list[_ChunkPrice], pipe, tails, p2p_s: float, rank: int,
+                    step_time_s: float) -> dict[str, float]:
+    """Seconds per step on the critical `rank`; compute + recompute + bubble + exposed comm + optimizer
+    adds up to the step time (exposed comm: TP, unhidden DP/ZeRO and the wait for the reduction)."""
+    m, mine = plan.num_micro_batches, chunks[rank::plan.pp]
     compute_s = m * sum(c.compute_s for c in mine)
     recompute_s = m * sum(c.recompute_s for c in mine)
-    optimizer_s, post_s = tails[crit]
-    num_sends = sum((c < plan.num_chunks - 1) + (c > 0) for c in range(crit, plan.num_chunks, pp))
-    breakdown = {
+    optimizer_s, post_s = tails[rank]
+    num_sends = sum((c < plan.num_chunks - 1) + (c > 0) for c in range(rank, plan.num_chunks, plan.pp))
+    return {
         "compute_s": compute_s, "recompute_s": recompute_s, "tp_comm_s": m * sum(c.tp_comm_s for c in mine),
         "pp_comm_s": m * num_sends * p2p_s,
         "dp_comm_s": m * sum(c.dp_comm_s for c in mine) + sum(c.reduce_s for c in mine) + post_s,
-        "exposed_comm_s": (pipe.busy_s[crit] - compute_s - recompute_s)
-        + (step_time_s - pipe.compute_end_s[crit] - optimizer_s),
-        "bubble_s": pipe.compute_end_s[crit] - pipe.busy_s[crit], "optimizer_s": optimizer_s,
-        "critical_rank": float(crit)}
-    memory = [_rank_memory(plan, cluster, model=model, job=job, chunks=chunks, rank=r, costs=costs) for r in range(pp)]
+        "exposed_comm_s": (pipe.busy_s[rank] - compute_s - recompute_s)
+        + (step_time_s - pipe.compute_end_s[rank] - optimizer_s),
+        "bubble_s": pipe.compute_end_s[rank] - pipe.busy_s[rank], "optimizer_s": optimizer_s,
+        "critical_rank": float(rank)}
+
+
+def estimate(plan, *, model, cluster, job) -> Estimate:
+    """Price one training step of `plan`: the pipeline timeline of its chunks (compute.py, comm.py,
+    timeline.py) and the worst rank's memory (memory.py). Raises PlannerError for a plan that does not
+    fit the model, cluster or batch."""
+    check_plan(plan, model=model, num_devices=cluster.num_devices, job=job)
+    hw, pp = cluster.hardware, plan.pp
+    costs = layer_costs(plan, model=model, cluster=cluster, job=job)
+    chunks = _chunk_prices(plan, costs, cluster, model=model, job=job)
+    p2p_s = _p2p_time_s(plan, cluster, model=model, job=job)
+    durations = ChunkDurations(
+        forward_s=tuple(c.forward_s for c in chunks), backward_s=tuple(c.backward_s for c in chunks), p2p_s=p2p_s,
+        reduce_s=tuple(c.reduce_s for c in chunks), last_bucket_s=tuple(c.last_bucket_s for c in chunks))
+    pipe = simulate(schedule=plan.schedule, pp=pp, virtual_stages=plan.virtual_stages,
+                    num_micro_batches=plan.num_micro_batches, durations=durations, commshift=plan.commshift)
+    tails = _rank_tails(plan, cluster, chunks=chunks, job=job)
+    ends = [max(pipe.compute_end_s[r], pipe.comm_end_s[r]) + sum(tails[r]) for r in range(pp)]
+    step_time_s = max(ends)
+    breakdown = _time_breakdown(plan, chunks=chunks, pipe=pipe, tails=tails, p2p_s=p2p_s,
+                                rank=ends.index(step_time_s), step_time_s=step_time_s)
+    memory = [_rank_memory(plan, cluster, model=model, job=job, chunks=chunks, rank=r) for r in range(pp)]
     worst = max(memory, key=lambda d: d["total_bytes"])
-    breakdown.update({k: v for k, v in worst.items() if k != "total_bytes"})
     # activations_bytes is the peak of activations in flight plus the MAZ3 caches live at that moment.
+    breakdown.update({k: v for k, v in worst.items() if k != "total_bytes"})
     breakdown["memory_worst_rank"] = float(memory.index(worst))
     policies = tuple(plan.layer_recompute(i) for i in range(model.num_layers))
     flops_no_rc = model_flops_per_step(model, global_batch=job.global_batch, seq_len=job.seq_len)

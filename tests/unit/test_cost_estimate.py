@@ -57,6 +57,23 @@ def test_estimate_prices_layers_exactly_as_layer_costs_says():
     assert costs.activation_bytes["none"] > costs.activation_bytes["selective"] > costs.activation_bytes["full"]
 
 
+def test_unequal_stages_are_priced_from_layer_costs():
+    # pp=2, one micro-batch, layers split 20/12 with per-layer policies: the step is chunk 0 forward,
+    # a send, chunk 1 forward and backward, a send back, chunk 0 backward, then rank 0's optimizer.
+    policies = tuple("full" if i < 10 else "none" for i in range(LLAMA8.num_layers))
+    plan = Plan(pp=2, num_micro_batches=1, stage_layers=(20, 12), recompute_layers=policies)
+    job = Job(global_batch=1, seq_len=2048)
+    cluster = _cluster(2, per_node=2)
+    costs = layer_costs(plan, model=LLAMA8, cluster=cluster, job=job)
+    est = estimate(plan, model=LLAMA8, cluster=cluster, job=job)
+    compute = sum(costs.time_s[p] for p in policies) + costs.first_extra_time_s + costs.last_extra_time_s
+    b = est.breakdown
+    assert b["critical_rank"] == 0
+    assert est.step_time_s == pytest.approx(compute + 2 * b["pp_comm_s"] + b["optimizer_s"])
+    # Rank 0 holds 20 layers' states, rank 1 only 12 plus the head: rank 0 is the memory's worst rank.
+    assert b["memory_worst_rank"] == 0
+
+
 def test_more_recomputation_costs_time_and_saves_memory():
     ests = [_price(Plan(dp=2, tp=4, pp=1, num_micro_batches=4, recompute=p)) for p in ("none", "selective", "full")]
     assert ests[0].step_time_s < ests[1].step_time_s < ests[2].step_time_s

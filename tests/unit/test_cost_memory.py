@@ -78,6 +78,17 @@ def test_more_recomputation_keeps_less():
     assert none > sel > full > 0
 
 
+@pytest.mark.parametrize("schedule,pp,v,m", [("1f1b", 4, 1, 3), ("1f1b", 4, 1, 16), ("gpipe", 3, 1, 5),
+                                             ("interleaved-1f1b", 4, 2, 8), ("interleaved-1f1b", 2, 3, 6)])
+def test_equal_chunks_peak_at_max_in_flight(schedule, pp, v, m):
+    from cost_models.schedule import max_in_flight
+
+    for actions in rank_actions(schedule=schedule, pp=pp, virtual_stages=v, num_micro_batches=m):
+        chunks = {a.chunk for a in actions}
+        assert peak_live_bytes(actions, chunk_bytes=dict.fromkeys(chunks, 3.0),
+                               chunk_cache_bytes=dict.fromkeys(chunks, 0.0)) == 3.0 * max_in_flight(actions)
+
+
 def test_peak_live_bytes_counts_in_flight_micro_batches_and_one_cache_per_chunk():
     actions = rank_actions(schedule="1f1b", pp=4, virtual_stages=1, num_micro_batches=8)[0]
     assert peak_live_bytes(actions, chunk_bytes={0: 10.0}, chunk_cache_bytes={0: 0.0}) == 40.0
