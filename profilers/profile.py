@@ -277,10 +277,12 @@ def build_hardware(*, device: torch.device, compute: ComputeResult, memory: Memo
 
 
 def run_profile(options: ProfileOptions, *, progress: Progress = _no_progress) -> Hardware:
-    """Measure compute, memory and collectives and return the fitted Hardware profile."""
+    """Measure collectives, compute and memory and return the fitted Hardware profile."""
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     world_size, _ranks_per_node = _topology(options)
     model = resolve_model(options.model)
+    # Collectives first: the multi-process part is what fails (a rank, the network), so fail fast.
+    comm = run_collectives(options, progress=progress)
     # Every rank runs on this host (locally, or in the emulated cluster's namespaces), so a training
     # process gets 1/world_size of its cores and memory; measure with exactly that share.
     host_procs = world_size
@@ -295,7 +297,6 @@ def run_profile(options: ProfileOptions, *, progress: Progress = _no_progress) -
         memory = measure_memory(device=device, local_procs=host_procs, quick=options.quick)
     finally:
         torch.set_num_threads(threads_before)
-    comm = run_collectives(options, progress=progress)
     base = PRESETS["cpu"] if device.type == "cpu" else PRESETS["h100"]
     return build_hardware(device=device, compute=compute, memory=memory, fits=fit_collectives(comm.curves), base=base)
 

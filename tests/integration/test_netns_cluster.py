@@ -171,3 +171,19 @@ def test_latency_is_emulated_where_the_kernel_has_netem(state_dir) -> None:
     echo.wait(timeout=10)
     # One-way delay on each node's egress: a round trip crosses it twice.
     assert 2 * 5e-3 <= float(out) < 2 * 5e-3 + 5e-3
+
+
+def test_profile_on_the_cluster_recovers_the_shaped_rate_and_names_a_failed_rank(state_dir, monkeypatch) -> None:
+    from profilers.profile import ProfileFailed, ProfileOptions, run_profile
+
+    nc.up(num_nodes=2, procs_per_node=1, inter_node_bandwidth="200mbit", inter_node_latency=None, prefix=PREFIX)
+    options = ProfileOptions(quick=True, cluster_prefix=PREFIX, collectives=("p2p", "all_reduce"),
+                             sizes_bytes=(4096, 65536, 1 << 20, 4 << 20, 8 << 20))
+    hw = run_profile(options)
+    # Gloo binds eth0 in each namespace, so the one-rank-per-node group crosses the shaped veth.
+    assert {(f.collective, f.link) for f in hw.collectives} == {("p2p", "inter_node"), ("all_reduce", "inter_node")}
+    assert hw.inter_node.bandwidth_bytes_per_s == pytest.approx(RATE_BITS / 8, rel=0.15)
+    monkeypatch.setenv("PLANNER_PROFILE_FAIL_RANK", "1")
+    with pytest.raises(ProfileFailed, match="rank 1 .*injected failure"):
+        run_profile(options)
+    assert nc.namespace_pids(f"{PREFIX}-n0") == [] and nc.namespace_pids(f"{PREFIX}-n1") == []

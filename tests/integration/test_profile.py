@@ -132,3 +132,22 @@ def test_bad_profile_options_are_one_line_errors(args: list[str], message: str, 
     result = runner.invoke(app, ["profile", *args, "--out", str(tmp_path / "p.json")])
     # CliRunner sees the raw exception; main() turns it into one line and exit code 2.
     assert isinstance(result.exception, PlannerError) and message in str(result.exception)
+
+
+def test_ctrl_c_leaves_no_worker_behind(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+
+    before = set(_comm_workers())
+    proc = subprocess.Popen(["planner", "profile", "--quick", "--nproc", "2", "--sizes", "1m,16m,64m",
+                             "--collectives", "all_reduce", "--out", str(tmp_path / "p.json"), "--format", "json"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while not set(_comm_workers()) - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert set(_comm_workers()) - before, "the collective workers never started"
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) != 0
+    time.sleep(0.5)
+    assert set(_comm_workers()) - before == set()
+    assert not (tmp_path / "p.json").exists()
