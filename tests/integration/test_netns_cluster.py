@@ -135,13 +135,18 @@ def test_down_after_a_crash_cleans_up_by_prefix(state_dir) -> None:
     assert orphan.wait(timeout=10) != 0 and _leftovers() == []
 
 
-def test_bad_cluster_input() -> None:
+def test_bad_cluster_input(monkeypatch) -> None:
     with pytest.raises(PlannerError, match="bad rate '1 gigabit'"):
         nc.parse_rate_bits_per_s("1 gigabit")
     with pytest.raises(PlannerError, match="bad time"):
         nc.parse_time_s("1 fortnight")
     assert nc.parse_rate_bits_per_s("125mbps") == pytest.approx(1e9)
     assert nc.parse_time_s("1ms") == pytest.approx(1e-3)
+    with pytest.raises(PlannerError, match="--nodes must be between 1 and 250"):
+        nc.up(num_nodes=0, procs_per_node=1, inter_node_bandwidth=None, inter_node_latency=None, prefix=PREFIX)
+    monkeypatch.setattr(nc.os, "geteuid", lambda: 1000)
+    with pytest.raises(PlannerError, match="needs root"):
+        nc.up(num_nodes=2, procs_per_node=1, inter_node_bandwidth=None, inter_node_latency=None, prefix=PREFIX)
 
 
 PING = """
@@ -187,3 +192,29 @@ def test_profile_on_the_cluster_recovers_the_shaped_rate_and_names_a_failed_rank
     with pytest.raises(ProfileFailed, match="rank 1 .*injected failure"):
         run_profile(options)
     assert nc.namespace_pids(f"{PREFIX}-n0") == [] and nc.namespace_pids(f"{PREFIX}-n1") == []
+
+
+def test_cluster_cli_up_status_exec_down(state_dir) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from planner.cli import app
+
+    cli = CliRunner()
+    up = cli.invoke(app, ["cluster", "up", "--nodes", "2", "--procs-per-node", "1", "--inter-node-bandwidth",
+                          "1gbit", "--prefix", PREFIX, "--format", "json"])
+    assert up.exit_code == 0, up.output
+    assert json.loads(up.output)["inter_node_bandwidth_bits_per_s"] == 1e9
+    status = json.loads(cli.invoke(app, ["cluster", "status", "--prefix", PREFIX, "--format", "json"]).output)
+    assert [n["address"] for n in status["nodes"]] == ["10.77.0.1", "10.77.0.2"]
+    # exec's exit code is the command's: the node's address is there, the other node's is not local.
+    assert cli.invoke(app, ["cluster", "exec", "--node", "1", "--prefix", PREFIX, "--", "sh", "-c",
+                            "ip -4 addr show dev eth0 | grep -q 10.77.0.2"]).exit_code == 0
+    assert cli.invoke(app, ["cluster", "exec", "--node", "1", "--prefix", PREFIX, "--", "sh", "-c",
+                            "exit 7"]).exit_code == 7
+    bad = cli.invoke(app, ["cluster", "exec", "--node", "5", "--prefix", PREFIX, "--", "true"])
+    assert isinstance(bad.exception, PlannerError) and "--node must be between 0 and 1" in str(bad.exception)
+    down = cli.invoke(app, ["cluster", "down", "--prefix", PREFIX])
+    assert down.exit_code == 0 and f"{PREFIX}-hub" in down.output and _leftovers() == []
+    assert "nothing to remove" in cli.invoke(app, ["cluster", "down", "--prefix", PREFIX]).output
