@@ -46,11 +46,11 @@ def _param(full_shape, *, name, seed, std, tp, split_dim=None, fill=None) -> nn.
     return param
 
 
-def canonical_names(chunks: list[nn.Module]) -> dict[str, tuple[str, int | None]]:
-    """'{chunk position}.{module parameter name}' -> (canonical name, TP split dim), taken before any
-    engine wraps the modules."""
-    return {f"{j}.{name}": (p.canonical_name, p.tp_split_dim)
-            for j, chunk in enumerate(chunks) for name, p in chunk.named_parameters()}
+def canonical_names(chunks: list[nn.Module], chunk_ids: list[int]) -> dict[str, tuple[str, int | None]]:
+    """'{global chunk index}.{module parameter name}' -> (canonical name, TP split dim), taken before
+    any engine wraps the modules."""
+    return {f"{c}.{name}": (p.canonical_name, p.tp_split_dim)
+            for c, chunk in zip(chunk_ids, chunks) for name, p in chunk.named_parameters()}
 
 
 class Norm(nn.Module):

@@ -126,7 +126,7 @@ class Trainer:
                        sequence_parallel=self.plan.sequence_parallel)
         self.chunk_ids, self.chunks = build_local_chunks(cfg, pp_rank=self.mesh.pp_rank, tp=tp, device=device)
         from runners.model import canonical_names
-        self.names = canonical_names(self.chunks)
+        self.names = canonical_names(self.chunks, self.chunk_ids)
         self.engine = ShardedDataParallel(self.chunks, plan=self.plan, mesh=self.mesh, comm=self.comm,
                                           num_micro_batches=self.plan.num_micro_batches, lr=cfg.lr,
                                           defer_grad_sync=self.plan.commshift and self.plan.pp > 1)

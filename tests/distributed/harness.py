@@ -34,7 +34,7 @@ def tiny_config(plan: Plan, *, steps: int = 8, seq_len: int = 32, lr: float = 3e
                      steps=steps, seed=1234, lr=lr, ranks_per_node=ranks_per_node, engine=engine, timeout_s=120)
 
 
-def _worker(rank: int, world: int, port: int, cfg: RunConfig, queue) -> None:
+def _worker(rank: int, world: int, port: int, cfgs: list[RunConfig], queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -44,45 +44,56 @@ def _worker(rank: int, world: int, port: int, cfg: RunConfig, queue) -> None:
         from runners.train import train
 
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-        metrics, trainer = train(cfg, device=torch.device("cpu"))
-        params = trainer.full_parameters()
-        if rank == 0:
-            queue.put(("ok", metrics, params))
+        for cfg in cfgs:  # one process group for several plans: start-up dominates tiny runs
+            metrics, trainer = train(cfg, device=torch.device("cpu"))
+            params = trainer.full_parameters()
+            if rank == 0:
+                # numpy, not tensors: torch would pass shared-memory handles that die with this process.
+                queue.put(("ok", metrics, {k: v.numpy() for k, v in params.items()}))
         dist.destroy_process_group()
     except Exception:
         queue.put(("error", f"rank {rank}: {traceback.format_exc()}", None))
         raise
 
 
-def run_plan(cfg: RunConfig) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Train `cfg` on plan.world_size local processes; returns rank 0's metrics and the full parameters."""
-    world = cfg.plan.world_size
+def run_plans(cfgs: list[RunConfig]) -> list[tuple[dict, dict[str, torch.Tensor]]]:
+    """Train each config in turn on one set of world_size local processes; rank 0's metrics and the
+    full parameters of each."""
+    world = cfgs[0].plan.world_size
+    assert all(c.plan.world_size == world for c in cfgs)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, cfg, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, cfgs, queue)) for r in range(world)]
     for p in procs:
         p.start()
+    results = []
     try:
-        status, metrics, params = queue.get(timeout=300)
+        for _ in cfgs:
+            status, metrics, params = queue.get(timeout=600)
+            if status != "ok":
+                raise AssertionError(metrics)
+            results.append((metrics, {k: torch.from_numpy(v) for k, v in params.items()}))
     finally:
         for p in procs:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
-    if status != "ok":
-        raise AssertionError(metrics)
-    return metrics, params
+    return results
 
 
-def assert_matches_reference(cfg: RunConfig, *, check_params: bool = True) -> dict:
-    """Run the plan and the one-process reference; losses within 1e-4, parameters within 1e-3."""
+def run_plan(cfg: RunConfig) -> tuple[dict, dict[str, torch.Tensor]]:
+    return run_plans([cfg])[0]
+
+
+def check_against_reference(cfg: RunConfig, metrics: dict, params: dict[str, torch.Tensor], *,
+                            check_params: bool = True) -> None:
+    """Losses within 1e-4 and parameters within 1e-3 of the one-process reference."""
     from runners.reference import train_reference
 
-    metrics, params = run_plan(cfg)
     ref_losses, ref_params = train_reference(cfg)
     losses = [s["loss"] for s in metrics["steps"]]
-    assert len(losses) == len(ref_losses) >= 8 or len(losses) == cfg.steps
+    assert len(losses) == len(ref_losses) == cfg.steps
     worst = max(abs(a - b) for a, b in zip(losses, ref_losses))
     assert worst <= LOSS_TOL, f"{cfg.plan.describe()}: loss differs by {worst:.2e}\n ours {losses}\n ref  {ref_losses}"
     if check_params:
@@ -90,4 +101,9 @@ def assert_matches_reference(cfg: RunConfig, *, check_params: bool = True) -> di
         for name, ref in ref_params.items():
             diff = (params[name] - ref).abs().max().item()
             assert diff <= PARAM_TOL, f"{cfg.plan.describe()}: parameter {name} differs by {diff:.2e}"
+
+
+def assert_matches_reference(cfg: RunConfig, *, check_params: bool = True) -> dict:
+    metrics, params = run_plan(cfg)
+    check_against_reference(cfg, metrics, params, check_params=check_params)
     return metrics
