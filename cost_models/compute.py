@@ -16,6 +16,13 @@ recomputed). Selective recomputation (Korthikanti et al., "Reducing Activation R
 Transformer Models", 2022) recomputes only the attention core: the scores, softmax, dropout and context,
 4 b s^2 h FLOPs plus the softmax's memory traffic.
 
+The attention core runs the way each architecture is trained: "gpt2" as Megatron-LM (SC21) runs it,
+scores materialised, a fused scale-mask-softmax and dropout over the full s x s square; "llama" as
+fused attention (PyTorch's scaled_dot_product_attention, the FlashAttention algorithm, which our
+engine calls): no s x s tensor in memory, the causal half of the square skipped, and a backward that
+recomputes the scores (5 GEMMs of the forward's 2, so 2.5x the forward). FLOP counts (MFU, TFLOP/s)
+count the full square either way, as the Megatron formula does, so figures stay comparable.
+
 Time: a GEMM of m x k by k x n runs at peak_flops(dtype) * efficiency(m, n, k) with
 efficiency = gemm_max_efficiency * prod_d d / (d + gemm_half_dim) (small dimensions starve the tensor
 cores), and never faster than kernel_overhead_s. With measured `gemm_points` in the profile, the
@@ -153,6 +160,16 @@ def activation_bytes_per_element(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
+def fused_attention(model: ModelSpec) -> bool:
+    """Whether the attention core is fused (flash-style, llama) rather than materialised (Megatron GPT)."""
+    return model.arch == "llama"
+
+
+# Fused causal attention skips the masked half of the score blocks; its backward recomputes the scores.
+FUSED_CAUSAL_FRACTION = 0.5
+FUSED_BACKWARD_RATIO = 2.5
+
+
 @dataclass(frozen=True)
 class LayerComputeTimes:
     """Seconds of one layer for one micro-batch on one device (compute only; TP comm is separate)."""
@@ -177,7 +194,12 @@ def _elementwise_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, tp: 
     dropout = model.arch == "gpt2"
     hidden = h * (4 * p + 2 * (3 * p + (1 if dropout else 0)))
     hidden_per_rank = hidden / tp if sequence_parallel else hidden
-    sharded = (5 * p * f if model.gated_mlp else 2 * p * f) + (4 * p * (h + model.kv_dim) if model.arch == "llama" else 0)
+    sharded = 5 * p * f if model.gated_mlp else 2 * p * f
+    if model.arch == "llama":
+        # RoPE reads and writes q and k; GQA's repeat of k and v to every query head reads kv, writes h.
+        sharded += 4 * p * (h + model.kv_dim) + (2 * p * (model.kv_dim + h) if model.kv_dim < h else 0)
+    if fused_attention(model):
+        return tokens * (hidden_per_rank + sharded / tp), 0.0
     score_bytes = (4 * p + 1) if dropout else 2 * p
     scores = micro_batch * model.num_heads * seq_len * seq_len / tp
     return tokens * (hidden_per_rank + sharded / tp), scores * score_bytes
@@ -186,12 +208,15 @@ def _elementwise_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, tp: 
 def layer_compute_times(model: ModelSpec, hw: Hardware, *, micro_batch: int, seq_len: int, tp: int,
                         sequence_parallel: bool, precision: str) -> LayerComputeTimes:
     """Forward, backward and attention-core seconds of one layer (backward = input + weight gradients,
-    elementwise backward moving twice the forward bytes)."""
+    elementwise backward moving twice the forward bytes; fused attention as in the module docstring)."""
     gemms = layer_gemms(model, micro_batch=micro_batch, seq_len=seq_len, tp=tp)
     dense_fwd = sum(gemm_time_s(hw, g, dtype=precision) for g in gemms["dense"])
     attn_fwd = sum(gemm_time_s(hw, g, dtype=precision) for g in gemms["attention"])
     dense_bwd = sum(gemm_time_s(hw, g2, dtype=precision) for g in gemms["dense"] for g2 in g.backward())
     attn_bwd = sum(gemm_time_s(hw, g2, dtype=precision) for g in gemms["attention"] for g2 in g.backward())
+    if fused_attention(model):
+        attn_fwd *= FUSED_CAUSAL_FRACTION
+        attn_bwd = FUSED_BACKWARD_RATIO * attn_fwd
     hidden_bytes, score_bytes = _elementwise_bytes(model, micro_batch=micro_batch, seq_len=seq_len, tp=tp,
                                                    sequence_parallel=sequence_parallel, precision=precision)
     # Kernel counts: ~8 elementwise kernels per layer forward (norms, adds, activation, rope), 2 for softmax.

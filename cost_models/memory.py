@@ -11,16 +11,16 @@ Activations (Korthikanti et al., "Reducing Activation Recomputation in Large Tra
 2022): a GPT layer saves s b h (34 + 5 a s / h) bytes in 16-bit, which is the sum of the tensors the
 backward pass needs (`_saved_tensors` lists them); TP divides what lives between the column- and
 row-parallel GEMMs (10 + 24/t), sequence parallelism the rest (34/t); selective recomputation drops the
-attention core (the 5 a s / h term); full recomputation keeps only the layer input. The same list,
-re-derived for llama (GQA keys/values of width kv, SwiGLU's gate/up/product, no dropout), gives its
-numbers.
+attention core (the 5 a s / h term); full recomputation keeps only the layer input. For llama the same
+method is applied to the tensors our engine's layer saves (`_saved_tensors_fused`: fp32 RMSNorm, fused
+attention without an s x s tensor, GQA key/value heads, SwiGLU's gate/up/product, no dropout).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cost_models.compute import activation_bytes_per_element
+from cost_models.compute import activation_bytes_per_element, fused_attention
 from planner.model import ModelSpec
 
 GIB = 1024**3
@@ -79,32 +79,57 @@ def _saved_tensors(model: ModelSpec, *, micro_batch: int, seq_len: int, precisio
     """Bytes each saved tensor of one layer takes (all TP ranks together), with how it is split:
     'replicated' (lives outside the TP region: split only by sequence parallelism), 'tp' (split by TP),
     'core' (attention core, split by TP, dropped by selective recomputation)."""
+    if fused_attention(model):
+        return _saved_tensors_fused(model, micro_batch=micro_batch, seq_len=seq_len, precision=precision)
     p, h, f, kv = activation_bytes_per_element(precision), model.hidden_size, model.ffn_hidden_size, model.kv_dim
     sbh = seq_len * micro_batch * h
     tokens = seq_len * micro_batch
     scores = model.num_heads * seq_len * seq_len * micro_batch
-    dropout = model.arch == "gpt2"
-    saved = {
+    # Megatron GPT (Korthikanti et al. Section 4.1): LayerNorm inputs, GEMM inputs, the softmax output,
+    # the attention dropout's mask and output, GELU's input, and the two residual dropout masks.
+    return {
         "norm1_input": (p * sbh, "replicated"),
         "qkv_input": (p * sbh, "replicated"),
         "query_key": (p * tokens * (h + kv), "tp"),
         "value": (p * tokens * kv, "tp"),
         "softmax_output": (p * scores, "core"),
+        "attention_dropout_mask": (scores, "core"),
+        "attention_dropout_output": (p * scores, "core"),
         "out_proj_input": (p * sbh, "tp"),
+        "attn_residual_dropout_mask": (sbh, "replicated"),
         "norm2_input": (p * sbh, "replicated"),
         "mlp_input": (p * sbh, "replicated"),
+        "mlp_intermediates": ((4 if model.gated_mlp else 2) * p * tokens * f, "tp"),
+        "mlp_residual_dropout_mask": (sbh, "replicated"),
     }
-    if dropout:
-        saved["attention_dropout_mask"] = (scores, "core")
-        saved["attention_dropout_output"] = (p * scores, "core")
-        saved["attn_residual_dropout_mask"] = (sbh, "replicated")
-        saved["mlp_residual_dropout_mask"] = (sbh, "replicated")
-    if model.gated_mlp:
-        # down(silu(gate) * up): silu saves gate, the product saves silu(gate) and up, down saves the product.
-        saved["mlp_intermediates"] = (4 * p * tokens * f, "tp")
-    else:
-        saved["mlp_intermediates"] = (2 * p * tokens * f, "tp")  # GELU input and output
-    return saved
+
+
+def _saved_tensors_fused(model: ModelSpec, *, micro_batch: int, seq_len: int, precision: str) -> dict[str, tuple[float, str]]:
+    """The llama layer as our engine runs it (runners/model.py), tensor by tensor:
+
+    RMSNorm computes in fp32 (keeps the fp32 input and the normalised value before the weight);
+    fused attention (scaled_dot_product_attention) keeps q, the key/value heads repeated to every query
+    head (GQA), its output and the fp32 log-sum-exp per head and token, and no s x s tensor; the output
+    projection keeps its (re-laid-out) input; SwiGLU keeps gate, silu(gate), up and their product.
+    Selective recomputation checkpoints the attention core, keeping only its inputs q, k, v (k and v
+    at the KV width). No dropout.
+    """
+    p, h, f, kv = activation_bytes_per_element(precision), model.hidden_size, model.ffn_hidden_size, model.kv_dim
+    tokens = seq_len * micro_batch
+    sbh = tokens * h
+    return {
+        "norm1_fp32_input": (4 * sbh, "replicated"),
+        "norm1_normalised": (p * sbh, "replicated"),
+        "qkv_input": (p * sbh, "replicated"),
+        "query_key_value": (p * tokens * (h + 2 * kv), "tp"),
+        "out_proj_input": (p * sbh, "tp"),
+        # Repeated key/value heads beyond the KV width, the attention output, the log-sum-exp.
+        "attention_core": (p * tokens * (2 * (h - kv) + h) + 4 * model.num_heads * tokens, "core"),
+        "norm2_fp32_input": (4 * sbh, "replicated"),
+        "norm2_normalised": (p * sbh, "replicated"),
+        "mlp_input": (p * sbh, "replicated"),
+        "mlp_intermediates": (4 * p * tokens * f, "tp"),
+    }
 
 
 def layer_activation_bytes(model: ModelSpec, *, policy: str, micro_batch: int, seq_len: int, tp: int,
@@ -124,12 +149,14 @@ def layer_activation_bytes(model: ModelSpec, *, policy: str, micro_batch: int, s
 
 def end_activation_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
                          precision: str) -> tuple[float, float]:
-    """Activations the first chunk (embedding dropout mask for GPT) and the last chunk (final-norm input,
-    and the gathered head input) keep per micro-batch."""
+    """Activations the first chunk (embedding dropout mask for GPT) and the last chunk (final-norm
+    input, fp32 with the normalised value for llama's RMSNorm, and the gathered head input) keep per
+    micro-batch."""
     p, sbh = activation_bytes_per_element(precision), seq_len * micro_batch * model.hidden_size
     sp = tp if sequence_parallel else 1
-    first = sbh / sp if model.arch == "gpt2" else 0.0
-    return first, p * sbh / sp + p * sbh
+    if model.arch == "gpt2":
+        return sbh / sp, p * sbh / sp + p * sbh
+    return 0.0, (4 + p) * sbh / sp + p * sbh
 
 
 def logits_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, tp: int) -> float:
