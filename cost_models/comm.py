@@ -59,11 +59,13 @@ def flat_collective_time_s(hw: Hardware, *, collective: str, size_bytes: float, 
     n = 2 if collective == "p2p" else group_size
     if n <= 1 or size_bytes <= 0:
         return 0.0
+    scale = hw.calibration.get("comm_time_scale", 1.0)
     fit = _fit(hw, collective, link)
     if fit is not None:
-        return fit.latency_s + _BUS_FACTOR[collective](n) * size_bytes / fit.bandwidth_bytes_per_s
+        return scale * (fit.latency_s + _BUS_FACTOR[collective](n) * size_bytes / fit.bandwidth_bytes_per_s)
     spec = hw.link(link)
-    return _LATENCY_STEPS[collective](n) * spec.latency_s + _BUS_FACTOR[collective](n) * size_bytes / spec.bandwidth_bytes_per_s
+    return scale * (_LATENCY_STEPS[collective](n) * spec.latency_s
+                    + _BUS_FACTOR[collective](n) * size_bytes / spec.bandwidth_bytes_per_s)
 
 
 def collective_time_s(cluster: Cluster, *, collective: str, size_bytes: float, group_size: int,

@@ -147,13 +147,15 @@ def gemm_efficiency(hw: Hardware, *, m: int, n: int, k: int, dtype: str) -> floa
 def gemm_time_s(hw: Hardware, gemm: Gemm, *, dtype: str) -> float:
     """Seconds for one (batched) GEMM: FLOPs at the shape's efficiency, floored at the kernel overhead."""
     eff = gemm_efficiency(hw, m=gemm.m, n=gemm.n, k=gemm.k, dtype=dtype)
-    return max(gemm.flops / (hw.peak_flops(dtype) * eff), hw.kernel_overhead_s)
+    scale = hw.calibration.get("compute_time_scale", 1.0)
+    return max(scale * gemm.flops / (hw.peak_flops(dtype) * eff), hw.kernel_overhead_s)
 
 
 def memory_time_s(hw: Hardware, num_bytes: float, *, num_kernels: int = 1) -> float:
     """Seconds for bandwidth-bound kernels moving `num_bytes`, floored at one overhead per kernel."""
     eff = hw.calibration.get("memory_bandwidth_efficiency", MEMORY_BANDWIDTH_EFFICIENCY)
-    return max(num_bytes / (hw.memory_bandwidth_bytes_per_s * eff), num_kernels * hw.kernel_overhead_s)
+    scale = hw.calibration.get("compute_time_scale", 1.0)
+    return max(scale * num_bytes / (hw.memory_bandwidth_bytes_per_s * eff), num_kernels * hw.kernel_overhead_s)
 
 
 def activation_bytes_per_element(precision: str) -> int:

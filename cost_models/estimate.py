@@ -10,6 +10,12 @@ actions then run through the pipeline schedule with the step-end gradient reduct
 without commshift (timeline.py), and each rank's memory peaks over its in-flight micro-batches
 (memory.py). `layer_costs` gives the same per-layer numbers to the search's ILP; `estimate` prices a
 chunk as their sum, so the two agree.
+
+Calibration keys read from `hardware.calibration` (free parameters `planner calibrate` may fit; all
+optional): compute_time_scale (multiplies every GEMM and elementwise time, default 1),
+memory_bandwidth_efficiency (fraction of the HBM datasheet bandwidth elementwise kernels reach,
+default 0.8), comm_time_scale (multiplies every collective and transfer time, default 1),
+framework_reserve_bytes (per-GPU memory no tensor accounts for, default 2 GiB; 0 on CPU).
 """
 
 from __future__ import annotations

@@ -181,3 +181,15 @@ def test_megatron_reference_runs_within_tolerance():
     for row in rows:
         assert abs(row.error) < 0.15, row
     assert sum(abs(r.error) for r in rows) / len(rows) < 0.08
+
+
+def test_calibration_scales_compute_and_communication():
+    from profilers.hardware import with_calibration
+
+    plan = Plan(dp=4, tp=2, num_micro_batches=2)
+    base = _price(plan)
+    slow = _price(plan, cluster=Cluster(num_nodes=1, devices_per_node=8,
+                                        hardware=with_calibration(HW["h100"], {"compute_time_scale": 2.0,
+                                                                               "comm_time_scale": 3.0})))
+    assert slow.breakdown["compute_s"] == pytest.approx(2 * base.breakdown["compute_s"], rel=0.02)
+    assert slow.breakdown["tp_comm_s"] == pytest.approx(3 * base.breakdown["tp_comm_s"])
