@@ -191,6 +191,9 @@ def _sharding_comm(plan, cluster, *, num_layers_by_tier: dict[str, int], layer_b
         fwd_rest += num_layers_by_tier.get("host", 0) * host_copy_s  # device-to-host copy in forward
         bwd = [backward_per_tier[t] for t, n in num_layers_by_tier.items() for _ in range(n)]
         bwd_first, bwd_rest = (bwd[0] if bwd else 0.0), sum(bwd[1:]) + end_s
+        if plan.prefetch_depth == 0:
+            # Nothing is gathered ahead of use: every gather waits in line before its layer computes.
+            fwd_first, fwd_rest, bwd_first, bwd_rest = fwd_first + fwd_rest, 0.0, bwd_first + bwd_rest, 0.0
     if s_g > 1:
         rs_s = collective_time_s(cluster, collective="reduce_scatter", size_bytes=grad_bytes, group_size=s_g, stride=tp)
         last = collective_time_s(cluster, collective="reduce_scatter", size_bytes=min(grad_bytes, plan.bucket_size_bytes),
@@ -261,12 +264,13 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
 
 @functools.lru_cache(maxsize=512)
 def _memory_profiles(schedule: str, pp: int, virtual_stages: int, num_micro_batches: int):
-    """Per rank, the in-flight profiles (memory.in_flight_profiles) of the schedule. Action lists of 4 pp
+    """Per rank, the in-flight profiles (memory.in_flight_profiles) of a 1F1B or interleaved schedule
+    (GPipe holds every micro-batch at once and needs none). Action lists of 4 pp
     micro-batches reach every rank's steady-state peak (1F1B saturates after pp micro-batches,
     interleaving after 2 pp: its warm-up is at most (v + 1) pp virtual micro-batches), so they stand for
     any longer count (a unit test checks it)."""
     cap = 4 * pp
-    m = num_micro_batches if num_micro_batches <= cap or schedule == "gpipe" else cap
+    m = min(num_micro_batches, cap)
     per_rank = rank_actions(schedule=schedule, pp=pp, virtual_stages=virtual_stages, num_micro_batches=m)
     return tuple(in_flight_profiles(actions) for actions in per_rank)
 

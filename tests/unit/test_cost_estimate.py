@@ -193,3 +193,12 @@ def test_calibration_scales_compute_and_communication():
                                                                                "comm_time_scale": 3.0})))
     assert slow.breakdown["compute_s"] == pytest.approx(2 * base.breakdown["compute_s"], rel=0.02)
     assert slow.breakdown["tp_comm_s"] == pytest.approx(3 * base.breakdown["tp_comm_s"])
+
+
+def test_prefetching_hides_parameter_gathers_at_the_cost_of_buffers():
+    plan = Plan(dp=8, num_micro_batches=2, param_shard=8, grad_shard=8, optim_shard=8)
+    cluster = _cluster(8, per_node=1)  # gathers cross the network
+    eager, lazy, deep = (_price(plan.replace(prefetch_depth=d), cluster=cluster) for d in (1, 0, 3))
+    assert lazy.step_time_s > eager.step_time_s
+    assert lazy.breakdown["gathered_params_bytes"] < eager.breakdown["gathered_params_bytes"] < \
+        deep.breakdown["gathered_params_bytes"]
