@@ -26,11 +26,13 @@ itself is not exact. What is exact:
 * 1F1B and interleaved 1F1B: every rank's steady phase is a sequence of identical blocks (one
   forward/backward pair, or pp x virtual_stages pairs for interleaving, which shift micro-batches by
   one period); block k of every rank depends only on blocks k and k - 1 (`_compiled` checks this), so
-  once the end times of block k equal those of block k - 1 plus one constant on every rank, every later
-  block repeats them (max-plus algebra is shift-invariant), and a step with n more periods is the
-  simulated one with the rest of its timeline shifted by n times that constant. `simulate` runs the
-  shortest pipeline that reaches this state and shifts; if the state does not repeat in time it
-  doubles the simulated count, up to the full simulation.
+  once the end times of block k equal those of block k - c plus one constant on every rank (c = 1
+  usually; transfer delays can make the steady state repeat every c > 1 blocks), every later block
+  repeats them (max-plus algebra is shift-invariant), and a step with n more cycles is the simulated
+  one with the rest of its timeline shifted by n times that constant. `simulate` runs the shortest
+  pipeline that reaches this state and shifts; if the state does not repeat in time it doubles the
+  simulated count, up to the full simulation. The check is on the whole state, not on the makespan,
+  so it cannot be fooled by a makespan that looks linear for a while.
 * GPipe is two open flow shops (all forwards, then all backwards), solved in closed form
   (`_gpipe_closed_form`): the longest path rides the slowest rank for all the repeated work.
 
