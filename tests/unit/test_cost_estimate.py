@@ -202,3 +202,23 @@ def test_prefetching_hides_parameter_gathers_at_the_cost_of_buffers():
     assert lazy.step_time_s > eager.step_time_s
     assert lazy.breakdown["gathered_params_bytes"] < eager.breakdown["gathered_params_bytes"] < \
         deep.breakdown["gathered_params_bytes"]
+
+
+def test_estimates_equal_those_of_the_full_simulation(monkeypatch):
+    import cost_models.estimate as est_module
+    from cost_models.timeline import simulate_full
+
+    model, cluster = PRESETS["llama3-70b"], _cluster(256)
+    job = Job(global_batch=2048, seq_len=4096)
+    plans = [Plan(dp=8, tp=8, pp=4, num_micro_batches=256, recompute="full", commshift=True),
+             Plan(dp=8, tp=8, pp=4, num_micro_batches=256, param_shard=8, grad_shard=8, optim_shard=8),
+             Plan(dp=4, tp=8, pp=8, virtual_stages=2, schedule="interleaved-1f1b", num_micro_batches=512,
+                  sequence_parallel=True, optim_shard=4),
+             Plan(dp=2, tp=8, pp=16, num_micro_batches=1024, recompute="selective", stage_layers=(4,) + (5,) * 14 + (6,)),
+             Plan(dp=8, tp=4, pp=8, num_micro_batches=128, micro_batch=2, schedule="gpipe", recompute="full")]
+    shortened = [est_module.estimate(p, model=model, cluster=cluster, job=job) for p in plans]
+    monkeypatch.setattr(est_module, "simulate", simulate_full)
+    for plan, short in zip(plans, shortened):
+        full = est_module.estimate(plan, model=model, cluster=cluster, job=job)
+        assert short.step_time_s == pytest.approx(full.step_time_s, rel=1e-9), plan.describe()
+        assert short.breakdown == pytest.approx(full.breakdown, rel=1e-9, abs=1e-9), plan.describe()
