@@ -80,6 +80,17 @@ class _Compiled:
     first_checkable: int  # smallest k whose blocks k and later depend only on blocks k and k - 1
     special: tuple[bool, ...]  # block k holds some chunk's last backward
 
+    @functools.cached_property
+    def columns(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """(rank, dependency, duration slot, index of each last backward): the order as columns, with
+        duration slot c for F of chunk c and num_chunks + c for B, for the simulation's inner loop."""
+        num_chunks = 1 + max(a[2] for a in self.order)
+        ranks = tuple(a[0] for a in self.order)
+        deps = tuple(a[3] for a in self.order)
+        slots = tuple(a[2] if a[1] else num_chunks + a[2] for a in self.order)
+        lasts = tuple(i for i, a in enumerate(self.order) if a[4])
+        return ranks, deps, slots, lasts
+
 
 def _topological(per_rank, num_chunks: int):
     """Interleave the ranks' lists into one order in which every action follows its dependency."""
@@ -156,26 +167,36 @@ def _compiled(schedule: str, pp: int, virtual_stages: int, num_micro_batches: in
     return _Compiled(tuple(order), blocks, first_checkable, special)
 
 
-def _run(order: tuple[tuple, ...], pp: int, d: ChunkDurations, commshift: bool) -> tuple[PipelineResult, list[float]]:
-    end = [0.0] * len(order)
+def _run(compiled: _Compiled, pp: int, d: ChunkDurations, commshift: bool) -> tuple[PipelineResult, list[float]]:
+    ranks, deps, slots, lasts = compiled.columns
+    num_chunks = len(d.forward_s)
+    # Without commshift a chunk's last backward also carries its reduction (all but the last bucket
+    # overlapping the backward); with it, the reduction goes to the communication stream afterwards.
+    last_duration = [b if commshift or r <= 0.0 else max(b, r - lb) + lb
+                     for b, r, lb in zip(d.backward_s, d.reduce_s, d.last_bucket_s)]
+    slot_duration = list(d.forward_s) + list(d.backward_s)
+    durations = [slot_duration[k] for k in slots]
+    for i in lasts:
+        durations[i] = last_duration[slots[i] - num_chunks]
+    end = [0.0] * len(ranks)
     rank_free = [0.0] * pp
-    comm_free = [0.0] * pp
-    busy = [0.0] * pp
-    fwd, bwd, p2p, reduce_s, last_bucket = d.forward_s, d.backward_s, d.p2p_s, d.reduce_s, d.last_bucket_s
-    for i, (rank, forward, chunk, dep, last) in enumerate(order):
+    p2p = d.p2p_s
+    for i, rank in enumerate(ranks):
         start = rank_free[rank]
+        dep = deps[i]
         if dep >= 0:
             arrive = end[dep] + p2p
             if arrive > start:
                 start = arrive
-        duration = fwd[chunk] if forward else bwd[chunk]
-        if last and reduce_s[chunk] > 0.0:
-            if commshift:
-                # Issued after this action's send, on the communication stream.
-                comm_free[rank] = max(comm_free[rank], start + duration) + reduce_s[chunk]
-            else:
-                duration = max(duration, reduce_s[chunk] - last_bucket[chunk]) + last_bucket[chunk]
-        end[i] = rank_free[rank] = start + duration
+        end[i] = rank_free[rank] = start + durations[i]
+    comm_free = [0.0] * pp
+    if commshift:
+        for i in lasts:  # in order, so each rank's reductions queue on its stream
+            chunk = slots[i] - num_chunks
+            if d.reduce_s[chunk] > 0.0:
+                comm_free[ranks[i]] = max(comm_free[ranks[i]], end[i]) + d.reduce_s[chunk]
+    busy = [0.0] * pp
+    for rank, duration in zip(ranks, durations):
         busy[rank] += duration
     return PipelineResult(tuple(rank_free), tuple(comm_free), tuple(busy)), end
 
@@ -184,7 +205,7 @@ def simulate_full(*, schedule: str, pp: int, virtual_stages: int, num_micro_batc
                   durations: ChunkDurations, commshift: bool) -> PipelineResult:
     """Simulate every action of the step."""
     compiled = _compiled(schedule, pp, virtual_stages, num_micro_batches)
-    return _run(compiled.order, pp, durations, commshift)[0]
+    return _run(compiled, pp, durations, commshift)[0]
 
 
 def _steady_shift(compiled: _Compiled, end: list[float]) -> tuple[int, float] | None:
@@ -259,7 +280,7 @@ def _extrapolated(schedule: str, pp: int, virtual_stages: int, m: int, d: ChunkD
     simulated = _shortest_checkable(schedule, pp, virtual_stages, period)
     while simulated < m:
         compiled = _compiled(schedule, pp, virtual_stages, simulated)
-        result, end = _run(compiled.order, pp, d, commshift)
+        result, end = _run(compiled, pp, d, commshift)
         found = _steady_shift(compiled, end)
         if found is None:
             simulated = 2 * simulated + (m - 2 * simulated) % period
