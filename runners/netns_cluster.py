@@ -12,6 +12,10 @@ hub-side egress (entering the node) by a token bucket. Processes of one node run
 gloo/NCCL bind to `eth0` (GLOO_SOCKET_IFNAME), and traffic to the node's own address goes over the
 namespace's loopback, so intra-node traffic is unshaped and inter-node traffic crosses the shaped veth.
 
+`--inter-node-bandwidth` is the node's NIC, shared by its processes: `planner profile` measures each
+group alone (one rank per node), so its inter_node link reads this rate; ranks of one node that cross
+nodes at the same time split it (real GPU nodes usually have a NIC rail per GPU instead).
+
 State lives in a JSON file; `down` deletes every namespace named with the prefix (and with them their
 veths, bridge and qdiscs) and the processes inside them, so it also cleans up after a crash.
 """
