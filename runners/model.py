@@ -180,49 +180,57 @@ class Block(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Vocab-parallel token embedding (+ learned positions for gpt2); out [s, b, h], sequence-sharded under SP."""
+    """Vocab-parallel token embedding: tokens [b, s] -> [s, b, h], sequence-sharded under SP.
+
+    It holds only the token weight, so that a tied output projection (LMHead) has the same flat layout
+    and the two copies' gradient shards line up element for element."""
 
     def __init__(self, spec: ModelSpec, *, seed: int, tp: TPContext) -> None:
         super().__init__()
-        self.tp, self.spec = tp, spec
+        self.tp = tp
         self.weight = _param((spec.vocab_size, spec.hidden_size), name="embed.weight", seed=seed, std=INIT_STD,
                              tp=tp, split_dim=0)
         self.vocab_start = tp.rank * (spec.vocab_size // tp.size)
-        self.pos = (_param((spec.max_seq_len, spec.hidden_size), name="embed.pos", seed=seed, std=INIT_STD, tp=tp)
-                    if spec.learned_positions else None)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         ids = tokens.t()  # [s, b]
         if self.tp.size == 1:
-            x = F.embedding(ids, self.weight)
-        else:
-            local = ids - self.vocab_start
-            outside = (local < 0) | (local >= self.weight.shape[0])
-            x = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * (~outside).unsqueeze(-1)
-            x = exit_tp_region(x, self.tp)
-        if self.pos is not None:
-            s_local = x.shape[0]
-            start = self.tp.rank * s_local if self.tp.sequence_parallel else 0
-            x = x + sequence_parallel_param(self.pos, self.tp)[start:start + s_local].unsqueeze(1)
-        return x
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * (~outside).unsqueeze(-1)
+        return exit_tp_region(x, self.tp)
 
 
-class Head(nn.Module):
-    """Final norm, vocab-parallel output projection, and the summed cross entropy times loss_scale."""
+class Positions(nn.Module):
+    """Learned position embedding (gpt2), replicated over TP; this rank's sequence slice under SP."""
+
+    def __init__(self, spec: ModelSpec, *, seed: int, tp: TPContext) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = _param((spec.max_seq_len, spec.hidden_size), name="embed.pos", seed=seed, std=INIT_STD, tp=tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s_local = x.shape[0]
+        start = self.tp.rank * s_local if self.tp.sequence_parallel else 0
+        return x + sequence_parallel_param(self.weight, self.tp)[start:start + s_local].unsqueeze(1)
+
+
+class LMHead(nn.Module):
+    """Vocab-parallel output projection and the summed cross entropy times loss_scale.
+
+    For tied models it starts from the embedding's draw (same canonical name); the trainer keeps the
+    two copies' gradients summed, so they stay equal, as Megatron does across pipeline stages."""
 
     def __init__(self, spec: ModelSpec, *, seed: int, tp: TPContext, loss_scale: float) -> None:
         super().__init__()
         self.tp, self.loss_scale = tp, loss_scale
-        self.norm = Norm(spec, name="final_norm", tp=tp)
-        # Tied models start the output projection from the embedding's draw; the engine keeps the two
-        # copies' gradients summed (see runners/train.py).
         name = "embed.weight" if spec.tied_embeddings else "lm_head.weight"
         self.weight = _param((spec.vocab_size, spec.hidden_size), name=name, seed=seed, std=INIT_STD, tp=tp, split_dim=0)
         self.vocab_start = tp.rank * (spec.vocab_size // tp.size)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = enter_tp_region(self.norm(x), self.tp)
-        logits = F.linear(x, self.weight)  # [s, b, V / tp]
+        logits = F.linear(enter_tp_region(x, self.tp), self.weight)  # [s, b, V / tp]
         return cross_entropy_sum(logits, targets.t(), vocab_start=self.vocab_start, tp=self.tp) * self.loss_scale
 
 
@@ -235,23 +243,30 @@ class Chunk(nn.Module):
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         for unit in self.units:
-            x = unit(x, targets) if isinstance(unit, Head) else unit(x)
+            x = unit(x, targets) if isinstance(unit, LMHead) else unit(x)
         return x
 
 
 def build_chunk(spec: ModelSpec, *, layers: range, first: bool, last: bool, seed: int, tp: TPContext,
-                recompute: list[str] | str, loss_scale: float) -> Chunk:
-    """One pipeline chunk: the embedding if `first`, blocks `layers`, the head if `last`.
+                recompute: list[str] | str, loss_scale: float, share_tied: bool = False) -> Chunk:
+    """One pipeline chunk: the embedding if `first`, blocks `layers`, the final norm and head if `last`.
 
-    `recompute` is one policy or a list indexed by global layer number."""
+    `recompute` is one policy or a list indexed by global layer number. `share_tied` makes a tied
+    head use the embedding's very Parameter (the one-process reference); engines keep two copies."""
     units: list[nn.Module] = []
     if first:
         units.append(Embedding(spec, seed=seed, tp=tp))
+        if spec.learned_positions:
+            units.append(Positions(spec, seed=seed, tp=tp))
     for i in layers:
         policy = recompute if isinstance(recompute, str) else recompute[i]
         units.append(Block(spec, index=i, seed=seed, tp=tp, recompute=policy))
     if last:
-        units.append(Head(spec, seed=seed, tp=tp, loss_scale=loss_scale))
+        units.append(Norm(spec, name="final_norm", tp=tp))
+        head = LMHead(spec, seed=seed, tp=tp, loss_scale=loss_scale)
+        if share_tied and first and spec.tied_embeddings:
+            head.weight = units[0].weight
+        units.append(head)
     return Chunk(units)
 
 

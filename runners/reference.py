@@ -16,7 +16,8 @@ def train_reference(cfg) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(cfg.seed)
     recompute = list(plan.recompute_layers) if plan.recompute_layers is not None else plan.recompute
     chunk = build_chunk(spec, layers=range(spec.num_layers), first=True, last=True, seed=cfg.seed,
-                        tp=TPContext.single(), recompute=recompute, loss_scale=1.0 / (job.global_batch * job.seq_len))
+                        tp=TPContext.single(), recompute=recompute, loss_scale=1.0 / (job.global_batch * job.seq_len),
+                        share_tied=True)
     optimizer = torch.optim.Adam(chunk.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8)
     data = make_data(cfg.data, vocab_size=spec.vocab_size, seq_len=job.seq_len, seed=cfg.seed)
     losses = []
