@@ -15,7 +15,10 @@ Calibration keys read from `hardware.calibration` (free parameters `planner cali
 optional): compute_time_scale (multiplies every GEMM and elementwise time, default 1),
 memory_bandwidth_efficiency (fraction of the HBM datasheet bandwidth elementwise kernels reach,
 default 0.8), comm_time_scale (multiplies every collective and transfer time, default 1),
-framework_reserve_bytes (per-GPU memory no tensor accounts for, default 2 GiB; 0 on CPU).
+framework_reserve_bytes (memory no tensor accounts for: 2 GiB per GPU for the CUDA context and
+workspaces; on CPU the runtime's resident set, 228 MiB). Note that the runner measures
+torch.cuda.max_memory_allocated on GPUs (tensors only: subtract the reserve to compare) and the
+resident set on CPU (runtime included).
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ from dataclasses import dataclass, field
 from cost_models.comm import collective_time_s
 from cost_models.compute import (activation_bytes_per_element, end_compute_times, layer_compute_times,
                                  memory_time_s, model_flops_per_step)
-from cost_models.memory import (GPU_FRAMEWORK_RESERVE_BYTES, end_activation_bytes, end_params_per_device,
-                                layer_activation_bytes, layer_params_per_device, logits_bytes,
-                                model_state_bytes, in_flight_profiles, peak_from_profiles,
+from cost_models.memory import (CPU_FRAMEWORK_RESERVE_BYTES, GPU_FRAMEWORK_RESERVE_BYTES, end_activation_bytes,
+                                end_params_per_device, in_flight_profiles, layer_activation_bytes,
+                                layer_params_per_device, logits_bytes, model_state_bytes, peak_from_profiles,
                                 state_bytes_per_param)
 from cost_models.schedule import rank_actions
 from cost_models.timeline import ChunkDurations, simulate
@@ -297,7 +300,8 @@ def _rank_memory(plan, cluster, *, model, job, chunks: list[_ChunkPrice], rank: 
               if plan.num_chunks - 1 in mine else 0.0)
     working = max(chunks[c].recompute_working_bytes for c in mine)
     hw = cluster.hardware
-    reserve = hw.calibration.get("framework_reserve_bytes", GPU_FRAMEWORK_RESERVE_BYTES) if hw.device_type == "cuda" else 0.0
+    default_reserve = GPU_FRAMEWORK_RESERVE_BYTES if hw.device_type == "cuda" else CPU_FRAMEWORK_RESERVE_BYTES
+    reserve = hw.calibration.get("framework_reserve_bytes", default_reserve)
     buffers = gathered + bucket + logits + working
     return {"weights_bytes": states.weights_bytes, "grads_bytes": states.grads_bytes,
             "optimizer_bytes": states.optimizer_bytes, "activations_bytes": activations,

@@ -26,6 +26,9 @@ from planner.model import ModelSpec
 GIB = 1024**3
 # CUDA context, cuBLAS/NCCL workspaces and allocator slack that no tensor accounts for.
 GPU_FRAMEWORK_RESERVE_BYTES = 2 * GIB
+# On CPU the device memory is the process's resident set, which starts with the Python + torch + gloo
+# runtime: 228 MiB measured for an idle torch 2.13 process with a gloo group (VmHWM).
+CPU_FRAMEWORK_RESERVE_BYTES = 228 * 1024**2
 
 
 def state_bytes_per_param(precision: str) -> tuple[int, int, int]:

@@ -135,7 +135,8 @@ def test_cpu_tiny_fp32_is_priced():
                  Plan(pp=2, tp=2, virtual_stages=2, schedule="interleaved-1f1b", num_micro_batches=8)):
         est = estimate(plan, model=model, cluster=cluster, job=job)
         assert 0 < est.step_time_s < 10 and 0 < est.mfu < 1 and est.fits
-        assert est.breakdown["framework_reserve_bytes"] == 0
+        # The process's resident set starts with the runtime: the reserve is most of a tiny model's memory.
+        assert est.breakdown["framework_reserve_bytes"] > est.peak_memory_bytes / 2
     est = estimate(Plan(num_micro_batches=8, dp=1), model=model,
                    cluster=Cluster(num_nodes=1, devices_per_node=1, hardware=HW["cpu"]), job=job)
     # fp32 Adam: 4 + 4 + 8 bytes per parameter, all on the one device.
