@@ -76,11 +76,15 @@ def layer_gemms(model: ModelSpec, *, micro_batch: int, seq_len: int, tp: int = 1
     b, s, h, f = micro_batch, seq_len, model.hidden_size, model.ffn_hidden_size
     tokens, kv, d = b * s, model.kv_dim, model.head_dim
     heads = b * model.num_heads // tp
-    dense = [Gemm(tokens, (h + 2 * kv) // tp, h), Gemm(tokens, h, h // tp)]
-    if model.gated_mlp:
-        dense += [Gemm(tokens, 2 * f // tp, h), Gemm(tokens, h, f // tp)]
+    if model.arch == "llama":
+        # Our engine's llama layer: separate q, k, v, gate and up projections (runners/model.py).
+        dense = [Gemm(tokens, h // tp, h), Gemm(tokens, kv // tp, h), Gemm(tokens, kv // tp, h),
+                 Gemm(tokens, h, h // tp), Gemm(tokens, f // tp, h), Gemm(tokens, f // tp, h),
+                 Gemm(tokens, h, f // tp)]
     else:
-        dense += [Gemm(tokens, f // tp, h), Gemm(tokens, h, f // tp)]
+        # Megatron GPT: fused QKV projection, GELU MLP.
+        dense = [Gemm(tokens, (h + 2 * kv) // tp, h), Gemm(tokens, h, h // tp), Gemm(tokens, f // tp, h),
+                 Gemm(tokens, h, f // tp)]
     attention = [Gemm(s, s, d, heads), Gemm(s, d, s, heads)]
     return {"dense": dense, "attention": attention}
 
@@ -207,6 +211,17 @@ def _elementwise_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, tp: 
     return tokens * (hidden_per_rank + sharded / tp), scores * score_bytes
 
 
+def _elementwise_kernels(model: ModelSpec) -> int:
+    """Elementwise kernels one layer's forward launches (what small models pay in launch overhead).
+
+    Megatron GPT fuses them: two LayerNorms, bias-GELU, two bias-dropout-adds, ~8. Our engine's llama
+    layer runs eager PyTorch: each fp32 RMSNorm ~7 (cast, square, mean, add, rsqrt, scale, weight),
+    RoPE 7 per q and k, the GQA repeats 2, SiLU and the product 2, the attention output re-layout 1,
+    two residual adds: ~35.
+    """
+    return 35 if model.arch == "llama" else 8
+
+
 def layer_compute_times(model: ModelSpec, hw: Hardware, *, micro_batch: int, seq_len: int, tp: int,
                         sequence_parallel: bool, precision: str) -> LayerComputeTimes:
     """Forward, backward and attention-core seconds of one layer (backward = input + weight gradients,
@@ -221,8 +236,7 @@ def layer_compute_times(model: ModelSpec, hw: Hardware, *, micro_batch: int, seq
         attn_bwd = FUSED_BACKWARD_RATIO * attn_fwd
     hidden_bytes, score_bytes = _elementwise_bytes(model, micro_batch=micro_batch, seq_len=seq_len, tp=tp,
                                                    sequence_parallel=sequence_parallel, precision=precision)
-    # Kernel counts: ~8 elementwise kernels per layer forward (norms, adds, activation, rope), 2 for softmax.
-    elem_fwd = memory_time_s(hw, hidden_bytes, num_kernels=8)
+    elem_fwd = memory_time_s(hw, hidden_bytes, num_kernels=_elementwise_kernels(model))
     softmax_fwd = memory_time_s(hw, score_bytes, num_kernels=2)
     return LayerComputeTimes(
         forward_s=dense_fwd + attn_fwd + elem_fwd + softmax_fwd,
