@@ -222,7 +222,7 @@ def _steady_shift(compiled: _Compiled, end: list[float]) -> tuple[int, float] | 
     latest = ends[compiled.blocks[:, k, :]]
     for cycle in range(1, k + 1):
         # The recurrence must hold from block k - cycle + 1 on, with no last backward in the repeated blocks.
-        if k - cycle + 1 < compiled.first_checkable or compiled.special[k - cycle]:
+        if k - cycle + 1 < compiled.first_checkable or any(compiled.special[k - cycle:k + 1]):
             return None
         shift = latest - ends[compiled.blocks[:, k - cycle, :]]
         lo, hi = float(shift.min()), float(shift.max())
