@@ -172,7 +172,6 @@ class ShardedDataParallel:
         self._rs_bucket: list[tuple[_Unit, torch.Tensor, bool]] = []
         self._boundary_bucket: list[_Unit] = []
         self._released: set[int] = set()
-        self.live_param_bytes = 0
         self.peak_param_bytes = 0
         self._build_units(param_dtype)
         self._register_hooks()
@@ -184,7 +183,7 @@ class ShardedDataParallel:
         seen: dict[int, str] = {}
         s_p = self.degrees[0]
         for v, chunk in enumerate(self.chunks):
-            c = v * self.mesh.pp + self.mesh.pp_rank
+            c = v * self.mesh.pp + self.mesh.pp_rank  # the global chunk id, as the pipeline names chunks
             for name, p in chunk.named_parameters():
                 self.names[id(p)] = f"{c}.{name}"
             units = []
@@ -193,8 +192,8 @@ class ShardedDataParallel:
                 for p in params:
                     if id(p) in seen:
                         raise PlannerError(f"parameter {self.names.get(id(p))} is in two units ({seen[id(p)]} and "
-                                           f"chunk {c} unit {i}); flat-parameter sharding needs each in one unit")
-                    seen[id(p)] = f"chunk {c} unit {i}"
+                                           f"chunk {v} unit {i}); flat-parameter sharding needs each in one unit")
+                    seen[id(p)] = f"chunk {v} unit {i}"
                 if not params:
                     continue
                 dtype = param_dtype or params[0].dtype
@@ -205,9 +204,7 @@ class ShardedDataParallel:
         for u in self.units:
             if s_p > 1:
                 u.flat.untyped_storage().resize_(0)
-            self.live_param_bytes += u.flat.untyped_storage().nbytes() + (u.param_shard.untyped_storage().nbytes()
-                                                                         if s_p > 1 else 0)
-        self.peak_param_bytes = self.live_param_bytes
+        self._measure_live()
 
     def _register_hooks(self) -> None:
         for u in self.units:
@@ -222,7 +219,7 @@ class ShardedDataParallel:
         if u.gathered or u.gather_work is not None:
             return
         u.flat.untyped_storage().resize_(u.flat_bytes)
-        self._add_live(u.flat_bytes)
+        self._measure_live()
         work = self.comm.all_gather(u.flat, u.param_shard, self.mesh.param_group, async_op=True)
         u.gather_work = work if work is not None else _DONE
 
@@ -238,12 +235,13 @@ class ShardedDataParallel:
         if self.degrees[0] == 1 or not u.gathered:
             return
         u.flat.untyped_storage().resize_(0)
-        self._add_live(-u.flat_bytes)
         u.gathered = False
 
-    def _add_live(self, num_bytes: int) -> None:
-        self.live_param_bytes += num_bytes
-        self.peak_param_bytes = max(self.peak_param_bytes, self.live_param_bytes)
+    def _measure_live(self) -> None:
+        """Track the peak bytes of parameter storage (gathered buffers and shards) this rank holds."""
+        live = sum(u.flat.untyped_storage().nbytes() + (u.param_shard.untyped_storage().nbytes()
+                                                        if u.param_shard is not u.flat else 0) for u in self.units)
+        self.peak_param_bytes = max(self.peak_param_bytes, live)
 
     def _prefetch(self, u: _Unit, *, step: int) -> None:
         units = self.units_by_chunk[u.chunk]
@@ -340,14 +338,18 @@ class ShardedDataParallel:
         self._pump()
 
     def start_grad_sync(self, chunk: int) -> None:
-        """Issue the boundary gradient reduction of local chunk `chunk` (defer_grad_sync mode)."""
-        if chunk in self._released:
+        """Issue the boundary gradient reduction of global chunk id `chunk` (c = v * pp + pp_rank, as the
+        pipeline schedule names chunks), for defer_grad_sync mode; a second call in a step is a no-op."""
+        v, rest = divmod(chunk - self.mesh.pp_rank, self.mesh.pp)
+        if rest or not 0 <= v < len(self.chunks):
+            raise RuntimeError(f"start_grad_sync({chunk}): chunk {chunk} is not on pipeline rank {self.mesh.pp_rank}")
+        if v in self._released:
             return
-        units = self.units_by_chunk[chunk]
+        units = self.units_by_chunk[v]
         for u in reversed(units):
             if not u.boundary_done:
                 raise RuntimeError(f"start_grad_sync({chunk}) before unit {u.position}'s last backward of the step")
-        self._released.add(chunk)
+        self._released.add(v)
         for u in reversed(units):
             self._queue_boundary(u)
 
@@ -417,7 +419,7 @@ class ShardedDataParallel:
                                    f"step, expected num_micro_batches = {self.num_micro_batches}")
         if self.defer_grad_sync:  # chunks the pipeline did not release yet
             for v in reversed(range(len(self.chunks))):
-                self.start_grad_sync(v)
+                self.start_grad_sync(v * self.mesh.pp + self.mesh.pp_rank)
         self._drain()
         self.num_steps += 1
         with torch.no_grad():
@@ -490,7 +492,8 @@ class ShardedDataParallel:
 
     # --- state ----------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full parameters (gathered, compute dtype) named '<global chunk>.<name in the chunk>'."""
+        """Full parameters (gathered, compute dtype) named '<global chunk id>.<name in the chunk>' (as
+        runners.model.canonical_names keys them); a collective over the parameter group."""
         out: dict[str, torch.Tensor] = {}
         s_p = self.degrees[0]
         for u in self.units:

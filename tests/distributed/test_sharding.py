@@ -386,3 +386,18 @@ def test_mesh_groups_follow_megatron_order_and_nest():
     assert (0, 4) in by_kind["redistribute"] and (2, 6) in by_kind["redistribute"]
     # With 2 ranks per node, every TP group is inside one node.
     assert all(ranks[-1] // 2 == ranks[0] // 2 for ranks in by_kind["tp"])
+
+
+def test_real_tiny_model_pipelined_sharding_with_commshift_matches_one_process():
+    """dp2 x pp2 on the tiny transformer: ZeRO-3 under 1F1B and ZeRO-1 under interleaved 1F1B (two chunks
+    per rank finishing at different times), both with deferred (Commshift) boundary reductions."""
+    from harness import check_against_reference, run_plans, tiny_config
+
+    plans = [Plan(dp=2, pp=2, num_micro_batches=4, micro_batch=1, schedule="1f1b", param_shard=2, grad_shard=2,
+                  optim_shard=2, recompute="full", commshift=True),
+             Plan(dp=2, pp=2, virtual_stages=2, num_micro_batches=4, micro_batch=1, schedule="interleaved-1f1b",
+                  param_shard=1, grad_shard=1, optim_shard=2, recompute="selective", commshift=True,
+                  bucket_size_bytes=32 * 1024)]
+    cfgs = [tiny_config(plan, steps=4) for plan in plans]
+    for cfg, (metrics, params) in zip(cfgs, run_plans(cfgs)):
+        check_against_reference(cfg, metrics, params)
