@@ -27,13 +27,20 @@ from planner.errors import PlannerError
 POLICIES = ("none", "selective", "full")
 
 
-def _solve(problem) -> None:
-    """Solve with the bundled CBC, quietly; raise PlannerError unless an optimum was proven."""
+def _solve(problem, *, time_limit_s: float | None = None) -> None:
+    """Solve with the bundled CBC, quietly; raise PlannerError unless a solution was found.
+
+    Without a time limit the optimum is proven. With one (the search's use: min-max programs over many
+    near-symmetric chunks can take CBC minutes to close the last gap) the best solution found in time
+    is accepted; the caller re-prices it with the full cost model anyway.
+    """
     import pulp
 
-    status = problem.solve(pulp.PULP_CBC_CMD(msg=False))
-    if pulp.LpStatus[status] != "Optimal":
-        raise PlannerError(f"ILP {problem.name}: {pulp.LpStatus[status].lower()} (no placement fits the memory cap)")
+    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=1e-5 if time_limit_s else None)
+    problem.solve(solver)
+    if problem.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        status = pulp.LpStatus[problem.status].lower()
+        raise PlannerError(f"ILP {problem.name}: {status} (no placement fits the memory cap in time)")
 
 
 def _value(var) -> float:
@@ -199,7 +206,8 @@ def layout_memory_bytes(costs: StageCosts, counts: list[dict[str, int]]) -> list
     return rank_bytes
 
 
-def balance_stages(costs: StageCosts, *, policies: tuple[str, ...] = POLICIES) -> StageLayout:
+def balance_stages(costs: StageCosts, *, policies: tuple[str, ...] = POLICIES,
+                   time_limit_s: float | None = None) -> StageLayout:
     """Layers per chunk and recomputation per layer minimising the slowest rank under the memory cap.
 
     Integer count[c][p] = layers of chunk c that use policy p. Since layers are identical, which
@@ -239,7 +247,7 @@ def balance_stages(costs: StageCosts, *, policies: tuple[str, ...] = POLICIES) -
         prob += (pulp.lpSum((costs.state_bytes + costs.in_flight[c] * costs.activation_bytes[p]) / mem_scale
                             * count[c][p] for c in chunks for p in policies)
                  + extra_b / mem_scale <= costs.memory_cap_bytes / mem_scale), f"memory_rank_{rank}"
-    _solve(prob)
+    _solve(prob, time_limit_s=time_limit_s)
     counts = [{p: round(_value(count[c][p])) for p in policies} for c in c_range]
     order = sorted(policies, key=lambda p: costs.activation_bytes[p], reverse=True)
     recompute = tuple(p for c in c_range for p in order for _ in range(counts[c][p]))

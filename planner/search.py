@@ -61,6 +61,8 @@ class SearchOptions:
     recompute: tuple[str, ...] = RECOMPUTE
     use_ilp: bool = True
     ilp_candidates: int = 3
+    # Wall-clock cap per ILP solve; the best layout found by then is re-priced like any other plan.
+    ilp_time_limit_s: float = 0.5
     # Price every candidate without bounds or pruning: the brute force the tests compare against.
     exhaustive: bool = False
     # Called with the number of plans priced so far (for a progress display).
@@ -434,7 +436,7 @@ def _refine_with_ilp(ranked: list[Candidate], pricer: _Pricer, problem: Problem,
         if plan.pp == 1 and plan.recompute == "none":
             continue  # one stage and nothing recomputed: no layout or policy to improve
         seen.add(plan)
-        refined = _ilp_layout(cand, pricer, problem)
+        refined = _ilp_layout(cand, pricer, problem, time_limit_s=options.ilp_time_limit_s)
         if refined is not None:
             out.append(refined)
     return out
@@ -452,7 +454,7 @@ def _stage_costs(plan: Plan, costs, problem: Problem, *, memory_cap_bytes: float
         first_extra_bytes=costs.first_extra_bytes, last_extra_bytes=costs.last_extra_bytes)
 
 
-def _ilp_layout(cand: Candidate, pricer: _Pricer, problem: Problem) -> Candidate | None:
+def _ilp_layout(cand: Candidate, pricer: _Pricer, problem: Problem, *, time_limit_s: float) -> Candidate | None:
     """One ILP refinement of `cand`; None when it cannot improve or its result does not fit.
 
     The ILP sees only layer states, activations and the ends; everything else the cost model counts
@@ -470,7 +472,7 @@ def _ilp_layout(cand: Candidate, pricer: _Pricer, problem: Problem) -> Candidate
     cap = cand.estimate.memory_limit_bytes - other_bytes
     for _ in range(2):
         try:
-            layout = balance_stages(_stage_costs(plan, costs, problem, memory_cap_bytes=cap))
+            layout = balance_stages(_stage_costs(plan, costs, problem, memory_cap_bytes=cap), time_limit_s=time_limit_s)
         except PlannerError:
             return None
         if layout.bottleneck_time_s >= layout_bottleneck_s(probe, current) * (1 - 1e-6):
