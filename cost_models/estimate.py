@@ -120,13 +120,12 @@ def layer_costs(plan, *, model, cluster, job) -> LayerCosts:
     ends = end_compute_times(model, hw, **dims)
     act_bytes = b * s * model.hidden_size * activation_bytes_per_element(job.precision)
     # Megatron: two all-reduces of the b x s x h activations per layer forward, two backward; with
-    # sequence parallelism an all-gather + reduce-scatter pair instead (the same ring volume).
-    if sp:
-        one_s = (collective_time_s(cluster, collective="all_gather", size_bytes=act_bytes, group_size=tp, stride=1)
-                 + collective_time_s(cluster, collective="reduce_scatter", size_bytes=act_bytes, group_size=tp,
-                                     stride=1)) / 2
-    else:
-        one_s = collective_time_s(cluster, collective="all_reduce", size_bytes=act_bytes, group_size=tp, stride=1)
+    # sequence parallelism each becomes an all-gather + reduce-scatter pair (the same ring volume).
+    gather_s = collective_time_s(cluster, collective="all_gather", size_bytes=act_bytes, group_size=tp, stride=1)
+    scatter_s = collective_time_s(cluster, collective="reduce_scatter", size_bytes=act_bytes, group_size=tp, stride=1)
+    reduce_s = collective_time_s(cluster, collective="all_reduce", size_bytes=act_bytes, group_size=tp, stride=1)
+    one_s = gather_s + scatter_s if sp else reduce_s
+    embed_comm_s = scatter_s if sp else reduce_s
     tp_fwd_s = 2 * one_s
     recompute_s = {"none": 0.0, "selective": times.attention_core_forward_s, "full": times.forward_s}
     tp_comm = {"none": 2 * tp_fwd_s, "selective": 2 * tp_fwd_s, "full": 3 * tp_fwd_s}
@@ -140,16 +139,18 @@ def layer_costs(plan, *, model, cluster, job) -> LayerCosts:
     first_act, last_act = end_activation_bytes(model, **dims)
     return LayerCosts(
         time_s=time_s, activation_bytes=activation, state_bytes=state.total_bytes,
-        first_extra_time_s=ends.embed_forward_s + ends.embed_backward_s + one_s,
+        # The vocabulary-parallel embedding sums its partial lookups (all-reduce; reduce-scatter under
+        # SP); the head's input is all-reduced in backward (under SP: gathered forward, scattered back).
+        first_extra_time_s=ends.embed_forward_s + ends.embed_backward_s + embed_comm_s,
         last_extra_time_s=ends.head_forward_s + ends.head_backward_s + one_s,
         first_extra_bytes=model_state_bytes(first_params, **shards).total_bytes,
         last_extra_bytes=model_state_bytes(last_params, **shards).total_bytes
         + logits_bytes(model, micro_batch=b, seq_len=s, tp=tp),
         first_extra_activation_bytes=first_act, last_extra_activation_bytes=last_act,
         forward_time_s={p: times.forward_s + tp_fwd_s for p in POLICIES},
-        first_extra_forward_s=ends.embed_forward_s + one_s,
-        last_extra_forward_s=ends.head_forward_s + (one_s / 2 if sp else 0.0),
-        first_extra_tp_comm_s=one_s, last_extra_tp_comm_s=one_s,
+        first_extra_forward_s=ends.embed_forward_s + embed_comm_s,
+        last_extra_forward_s=ends.head_forward_s + (gather_s if sp else 0.0),
+        first_extra_tp_comm_s=embed_comm_s, last_extra_tp_comm_s=one_s,
         tp_comm_s=tp_comm, recompute_time_s=recompute_s)
 
 
