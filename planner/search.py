@@ -183,10 +183,19 @@ def sharding_variants(slot: Slot, *, devices_per_node: int) -> list[tuple[tuple[
 
 
 # --- bounds --------------------------------------------------------------------------------------------
+def _saturated_micro_batches(schedule: str, pp: int, m: int) -> int:
+    """Micro-batches enough to reach every rank's peak in flight: 1F1B's warm-up holds at most pp,
+    interleaving's at most (v + 1) pp virtual micro-batches, reached within 4 pp micro-batches (as
+    cost_models/estimate.py's memory timeline assumes); more only repeat the steady state. GPipe holds
+    them all. Fewer actions can never raise the peak, so the memory bound stays a lower bound."""
+    return m if schedule == "gpipe" else min(m, 4 * pp)
+
+
 @lru_cache(maxsize=4096)
 def rank_in_flight(schedule: str, pp: int, v: int, m: int) -> tuple[int, ...]:
     """Most micro-batch chunk activations each pipeline rank holds at once under the schedule."""
     out = []
+    m = _saturated_micro_batches(schedule, pp, m)
     for actions in rank_actions(schedule=schedule, pp=pp, virtual_stages=v, num_micro_batches=m):
         live = peak = 0
         for a in actions:
@@ -201,6 +210,7 @@ def chunk_in_flight(schedule: str, pp: int, v: int, m: int) -> tuple[int, ...]:
     """Per chunk: the most micro-batches whose activations it holds at once (for the ILP, which prices
     each chunk's layers separately; summing these over a rank's chunks over-counts, never under)."""
     peaks = [0] * (pp * v)
+    m = _saturated_micro_batches(schedule, pp, m)
     for actions in rank_actions(schedule=schedule, pp=pp, virtual_stages=v, num_micro_batches=m):
         live = [0] * (pp * v)
         for a in actions:

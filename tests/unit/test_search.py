@@ -222,3 +222,12 @@ def test_chunk_counts_match_plan():
     assert chunk_counts(10, 4, 1) == Plan(pp=4, num_micro_batches=4).chunk_layer_counts(10)
     assert sum(chunk_counts(80, 8, 2)) == 80 and len(chunk_counts(80, 8, 2)) == 16
     assert list(itertools.accumulate(chunk_counts(8, 2, 2)))[-1] == 8
+
+
+@pytest.mark.parametrize("schedule,pp,v", [("1f1b", 4, 1), ("interleaved-1f1b", 4, 2), ("interleaved-1f1b", 3, 4)])
+def test_in_flight_counts_saturate_within_four_pp_micro_batches(schedule, pp, v):
+    from cost_models.schedule import max_in_flight, rank_actions
+
+    # The cached counts use at most 4 pp micro-batches; the full schedule of 12 pp must agree.
+    full = [max_in_flight(a) for a in rank_actions(schedule=schedule, pp=pp, virtual_stages=v, num_micro_batches=12 * pp)]
+    assert list(rank_in_flight(schedule, pp, v, 12 * pp)) == full
