@@ -134,6 +134,8 @@ def _train_case(rank: int, world_size: int, case: dict) -> dict:
                                      defer_grad_sync=case.get("defer", False), param_dtype=case.get("dtype"))
         return chunks, engine, comm
 
+    issued_in_backward = {}
+
     def train(chunks, engine, steps):
         losses = []
         for step in steps:
@@ -143,6 +145,8 @@ def _train_case(rank: int, world_size: int, case: dict) -> dict:
                 loss = run_chunks(chunks, *micro_batch(x, y, mesh.dp_rank * m + i))
                 loss.backward()
                 local += loss.detach().float()
+            if step == 0:  # what the backward hooks issued before the pipeline or the step asks for more
+                issued_in_backward.update(engine.comm.counters.snapshot())
             if case.get("defer"):
                 for v in reversed(range(len(chunks))):
                     engine.start_grad_sync(v)
@@ -157,6 +161,7 @@ def _train_case(rank: int, world_size: int, case: dict) -> dict:
     saved = engine.local_state() if case.get("checkpoint") else None
     losses += train(chunks, engine, range(half, NUM_STEPS))
     result = {"losses": losses, "counters": comm.counters.snapshot(), "state_bytes": engine.state_bytes(),
+              "issued_in_backward": dict(issued_in_backward),
               "peak_param_bytes": engine.peak_param_bytes, "unit_numels": [u.padded for u in engine.units]}
     full = {k: v.float() for k, v in engine.full_state_dict().items()}
     result["params"] = full if rank == 0 else None
@@ -316,6 +321,23 @@ def test_comm_bytes_match_ring_formulas(dp4_results):
     assert hsdp["inter_node"] == hsdp["all_reduce"]  # only the replica all-reduce crosses nodes
     for rank_result in dp4_results[1:]:
         assert rank_result["hsdp"]["counters"] == hsdp
+
+
+def test_reductions_issued_from_backward_hooks_unless_deferred(dp4_results):
+    """By the end of the last micro-batch's backward, the hooks have issued every reduce-scatter and, unless
+    the boundary is deferred to start_grad_sync (Commshift), the s_g == 1 boundary all-reduce too. (An
+    s_g < dp replica all-reduce waits for its reduce-scatter, so the last bucket's is issued at the step.)"""
+    P, n, fp32 = num_params(), 4, 4
+    issued = {name: dp4_results[0][name]["issued_in_backward"] for name in CASES_DP4}
+    assert issued["zero0"]["all_reduce"] == 2 * (n - 1) * P * fp32 // n
+    m = CASES_DP4["zero3"]["m"]
+    assert issued["zero3"]["reduce_scatter"] == m * (n - 1) * P * fp32 // n
+    assert issued["zero3"]["all_gather"] == 2 * m * (n - 1) * P * fp32 // n
+    assert issued["hsdp"]["reduce_scatter"] == CASES_DP4["hsdp"]["m"] * (1 / 2) * P * fp32
+    assert issued["zero1_defer"]["all_reduce"] == 0
+    m = CASES_DP4["hsdp_defer"]["m"]
+    assert issued["hsdp_defer"]["reduce_scatter"] == m * (1 / 2) * P * fp32
+    assert issued["hsdp_defer"]["all_reduce"] == 0
 
 
 @pytest.mark.parametrize("name,formula_bytes_per_param", [
