@@ -299,7 +299,8 @@ def run_pipeline(*, actions: list[Action], chunks: dict[int, nn.Module], micro_b
     """
     pp = len(pp_ranks)
     assert pp > 1, "run_pipeline needs at least two pipeline ranks"
-    if schedule_table is None and dist.get_backend() == "nccl":
+    # CUDA tensors go over NCCL (alone or as the cuda half of a "cpu:gloo,cuda:nccl" group).
+    if schedule_table is None and device.type == "cuda" and "nccl" in str(dist.get_backend()):
         raise ValueError("NCCL matches point-to-point messages by order, not tag: pass schedule_table "
                          "(rank_actions(...) for all pipeline ranks) to run_pipeline")
     pp_rank = pp_ranks.index(dist.get_rank())
