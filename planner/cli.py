@@ -300,6 +300,12 @@ def search_command(
                   f"in {search_time_s:.2f} s", highlight=False)
     if len(shown) > 1:
         console.print(_why_winner(shown[0], shown[1]), highlight=False)
+    unfit = [c for c in ranked if not c.estimate.fits and c.estimate.step_time_s < winner.estimate.step_time_s]
+    if unfit:
+        # The faster plan that comes closest to fitting: what a little more memory would buy.
+        near = min(unfit, key=lambda c: c.estimate.memory_shortfall_bytes)
+        console.print(f"faster but does not fit: {_plan_label(near.plan)} ({near.estimate.step_time_s:.4g} s) "
+                      f"needs {near.estimate.memory_shortfall_bytes / 2**30:.2f} GiB more per device", highlight=False)
 
 
 def _plan_label(plan) -> str:
@@ -323,7 +329,7 @@ def _why_winner(winner, runner_up) -> str:
     differs = [f for f in winner.plan.__dataclass_fields__ if getattr(winner.plan, f) != getattr(runner_up.plan, f)]
     gain = r.step_time_s - w.step_time_s
     if gain <= 0:
-        return "#1 and #2 tie on predicted step time"
+        return f"#1 and #2 tie on predicted step time (they differ in {', '.join(differs)})"
     line = f"#1 beats #2 by {gain * 1e3:.3g} ms/step ({gain / r.step_time_s:.2%})"
     if saved is not None and terms[saved] > 0:
         line += f": {terms[saved] * 1e3:.3g} ms less {saved.removesuffix('_s').replace('_', ' ')}"

@@ -346,8 +346,12 @@ def search(problem: Problem, *, options: SearchOptions = SearchOptions(), cost: 
                         search_time_s=time.perf_counter() - start, bound_violations=state.violations)
 
 
-def _speed(c: Candidate) -> tuple[float, float]:
-    return (c.estimate.step_time_s, c.estimate.peak_memory_bytes)
+def _speed(c: Candidate) -> tuple:
+    """Rank by step time, then memory, then, on a tie, the plan with fewer knobs turned on (a knob the
+    cost model says buys nothing is one less thing to run)."""
+    p = c.plan
+    extras = (p.commshift, p.param_cache != "none", p.recompute_layers is not None, p.stage_layers is not None)
+    return (c.estimate.step_time_s, c.estimate.peak_memory_bytes, sum(extras))
 
 
 class _BranchAndBound:
