@@ -308,6 +308,10 @@ def search_command(
                       f"needs {near.estimate.memory_shortfall_bytes / 2**30:.2f} GiB more per device", highlight=False)
 
 
+def _seconds(value_s: float) -> str:
+    return f"{value_s:.3g} s" if value_s >= 0.1 else f"{value_s * 1e3:.3g} ms"
+
+
 def _plan_label(plan) -> str:
     """Plan.describe() plus what it leaves out: unequal stages and the per-layer recomputation mix."""
     label = plan.describe()
@@ -323,16 +327,18 @@ def _why_winner(winner, runner_up) -> str:
     """One line: by how much the winner beats the runner-up, the breakdown term it saves most on, and
     the knobs in which the two plans differ."""
     w, r = winner.estimate, runner_up.estimate
-    terms = {k: r.breakdown.get(k, 0.0) - v for k, v in w.breakdown.items()
-             if k.endswith("_s") and k not in ("exposed_comm_s",)}
+    # These add up to the step time (compute, recomputation, exposed communication, bubble, optimizer);
+    # totals such as dp_comm_s include communication hidden under compute, so they would mislead.
+    additive = ("compute_s", "recompute_s", "exposed_comm_s", "bubble_s", "optimizer_s")
+    terms = {k: r.breakdown.get(k, 0.0) - w.breakdown[k] for k in additive if k in w.breakdown}
     saved = max(terms, key=terms.get) if terms else None
     differs = [f for f in winner.plan.__dataclass_fields__ if getattr(winner.plan, f) != getattr(runner_up.plan, f)]
     gain = r.step_time_s - w.step_time_s
     if gain <= 0:
         return f"#1 and #2 tie on predicted step time (they differ in {', '.join(differs)})"
-    line = f"#1 beats #2 by {gain * 1e3:.3g} ms/step ({gain / r.step_time_s:.2%})"
+    line = f"#1 beats #2 by {_seconds(gain)}/step ({gain / r.step_time_s:.2%})"
     if saved is not None and terms[saved] > 0:
-        line += f": {terms[saved] * 1e3:.3g} ms less {saved.removesuffix('_s').replace('_', ' ')}"
+        line += f": {_seconds(terms[saved])} less {saved.removesuffix('_s').replace('_', ' ')}"
     if differs:
         line += f" (they differ in {', '.join(differs)})"
     return line

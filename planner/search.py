@@ -465,7 +465,9 @@ def _stage_costs(plan: Plan, costs, problem: Problem, *, memory_cap_bytes: float
         time_s=dict(costs.time_s), activation_bytes=dict(costs.activation_bytes),
         state_bytes=float(costs.state_bytes), in_flight=in_flight, memory_cap_bytes=memory_cap_bytes,
         first_extra_time_s=costs.first_extra_time_s, last_extra_time_s=costs.last_extra_time_s,
-        first_extra_bytes=costs.first_extra_bytes, last_extra_bytes=costs.last_extra_bytes)
+        # The embedding's and head's states and buffers, plus what they keep per micro-batch in flight.
+        first_extra_bytes=costs.first_extra_bytes + in_flight[0] * getattr(costs, "first_extra_activation_bytes", 0.0),
+        last_extra_bytes=costs.last_extra_bytes + in_flight[-1] * getattr(costs, "last_extra_activation_bytes", 0.0))
 
 
 def _ilp_layout(cand: Candidate, pricer: _Pricer, problem: Problem, *, time_limit_s: float) -> Candidate | None:
