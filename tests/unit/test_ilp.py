@@ -148,3 +148,27 @@ def test_infeasible_cap_is_a_planner_error():
                        memory_cap_bytes=3.0)
     with pytest.raises(PlannerError, match="infeasible"):
         balance_stages(costs)
+
+
+def test_time_limited_solve_still_returns_a_feasible_layout():
+    # 96 chunks (pp 12 x v 8) of a 96-layer model with an uneven head: large and near-symmetric, the
+    # case where CBC may not prove optimality quickly. Under a time limit the answer must still fit
+    # and be no slower than the even split, which is feasible here.
+    pp, v = 12, 8
+    costs = StageCosts(num_layers=96 + 12, pp=pp, num_chunks=pp * v, time_s={"none": 1.0, "selective": 1.05, "full": 1.33},
+                       activation_bytes={"none": 10.0, "selective": 6.0, "full": 1.0}, state_bytes=4.0,
+                       in_flight=tuple([3] * (pp * v)), memory_cap_bytes=400.0, first_extra_time_s=0.5,
+                       last_extra_time_s=3.0, first_extra_bytes=20.0, last_extra_bytes=40.0)
+    got = balance_stages(costs, time_limit_s=1.0)
+    counts, start = [], 0
+    for n in got.stage_layers:
+        chunk = got.recompute_layers[start:start + n]
+        counts.append({p: chunk.count(p) for p in POLICIES})
+        start += n
+    assert sum(got.stage_layers) == costs.num_layers and min(got.stage_layers) >= 1
+    assert max(layout_memory_bytes(costs, counts)) <= costs.memory_cap_bytes * (1 + 1e-6)
+    even = [{"none": 1} for _ in range(pp * v)]
+    for c in range(12):  # the 12 extra layers go one each to the middle chunks, all without recomputation
+        even[1 + c]["none"] += 1
+    assert max(layout_memory_bytes(costs, even)) <= costs.memory_cap_bytes
+    assert got.bottleneck_time_s <= layout_bottleneck_s(costs, even) + 1e-9
