@@ -9,12 +9,14 @@ pipeline width runs in one spawn (process start-up dominates on two cores), 8 Ad
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cost_models.schedule import rank_actions
+from cost_models.schedule import max_in_flight, rank_actions
 from planner.plan import Plan
 from runners.comm import Comm
 from runners.pipeline import GRADIENT, Message, message_tag, run_pipeline
@@ -49,16 +51,34 @@ class ToyChunk(nn.Module):
         super().__init__()
         self.embedding, self.units, self.head = embedding, nn.ModuleList(units), head
         self.num_tokens = num_tokens
+        self.live: LiveCount | None = None
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.embedding is not None:
             x = self.embedding(x)
         for unit in self.units:
             x = torch.tanh(unit(x))
-        if self.head is None:
-            return x
-        logits = self.head(x)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / self.num_tokens
+        if self.head is not None:
+            x = F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten(), reduction="sum") / self.num_tokens
+        if self.live is not None:
+            self.live.track(x)
+        return x
+
+
+class LiveCount:
+    """Chunk outputs not yet garbage: the micro-batch activations a rank holds (its peak is what
+    max_in_flight predicts if the executor frees each micro-batch right after its backward)."""
+
+    def __init__(self) -> None:
+        self.live = self.peak = 0
+
+    def track(self, output: torch.Tensor) -> None:
+        self.live += 1
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(output, self._release)
+
+    def _release(self) -> None:
+        self.live -= 1
 
 
 def build_chunks(plan: Plan, num_layers: int) -> list[ToyChunk]:
@@ -126,8 +146,11 @@ def train_pipelined(name: str, rank: int, pp: int) -> dict:
     opt = torch.optim.Adam([p for c in mine.values() for p in c.parameters()], lr=LR)
     table = rank_actions(schedule=schedule, pp=pp, virtual_stages=v, num_micro_batches=m)
     comm = RecordingComm(ranks_per_node=pp)
-    losses, hook_checks, first_grads = [], [], {}
+    losses, hook_checks, first_grads, live_counts = [], [], {}, []
     for step in range(STEPS):
+        live = LiveCount()
+        for chunk in mine.values():
+            chunk.live = live
         at_hook: dict[int, list[torch.Tensor]] = {}
 
         def after_last_backward(chunk: int) -> None:
@@ -152,10 +175,11 @@ def train_pipelined(name: str, rank: int, pp: int) -> dict:
             assert len(out) == m
         if step == 0:
             first_grads = {c: grads_of(ch) for c, ch in mine.items()}
+        live_counts.append((live.peak, live.live, max_in_flight(table[rank])))
         opt.step()
         opt.zero_grad()
     return {"losses": losses, "hook_checks": hook_checks, "p2p_bytes": comm.counters.bytes_by_kind["p2p"],
-            "first_grads": first_grads,
+            "first_grads": first_grads, "live_counts": live_counts,
             "params": {c: {k: v.detach().clone() for k, v in ch.state_dict().items()} for c, ch in mine.items()}}
 
 
@@ -203,6 +227,13 @@ def test_hook_once_per_chunk_after_its_last_backward_and_gradient_send(name, pip
     for r in pipelined(pp):
         checks = r[name]["hook_checks"]
         assert checks and all(checks)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_activations_are_freed_right_after_their_backward(name, pipelined):
+    for rank, r in enumerate(pipelined(CONFIGS[name][1])):
+        for peak, left, expected in r[name]["live_counts"]:
+            assert (peak, left) == (expected, 0), f"rank {rank}: peak {peak} live activations, schedule holds {expected}"
 
 
 def test_p2p_bytes_are_counted_per_message(pipelined):
