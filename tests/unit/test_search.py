@@ -231,3 +231,40 @@ def test_in_flight_counts_saturate_within_four_pp_micro_batches(schedule, pp, v)
     # The cached counts use at most 4 pp micro-batches; the full schedule of 12 pp must agree.
     full = [max_in_flight(a) for a in rank_actions(schedule=schedule, pp=pp, virtual_stages=v, num_micro_batches=12 * pp)]
     assert list(rank_in_flight(schedule, pp, v, 12 * pp)) == full
+
+
+def test_enumeration_equals_an_independent_filter_over_all_knob_combinations():
+    """Every combination of knob values that the rules allow, built the slow way, and nothing else."""
+    from planner.plan import CACHE_TIERS, RECOMPUTE, SCHEDULES
+
+    problem = small_problem(num_devices=8, per_node=4, global_batch=8)
+    model, job = problem.model, problem.job
+    want = set()
+    for dp, tp, pp, v, mb in itertools.product([1, 2, 4, 8], [1, 2, 4, 8], [1, 2, 4, 8], [1, 2, 4, 8], [1, 2, 4, 8]):
+        if dp * tp * pp != 8 or tp > 4 or job.global_batch % (dp * mb):
+            continue
+        m = job.global_batch // (dp * mb)
+        points = {(1, 1, 1), (1, 1, dp), (1, dp, dp), (dp, dp, dp)}
+        if 1 < 4 // tp < dp:
+            points.add((4 // tp, 4 // tp, 4 // tp))
+        for schedule, rc, sp, shards, cache, shift in itertools.product(
+                SCHEDULES, RECOMPUTE, [False, True], points, CACHE_TIERS, [False, True]):
+            if (pp == 1 and (schedule != "1f1b" or v > 1)) or (schedule == "gpipe" and m > pp):
+                continue
+            if schedule == "interleaved-1f1b" and (v == 1 or m % pp or model.num_layers % (pp * v)):
+                continue
+            if schedule != "interleaved-1f1b" and v > 1:
+                continue
+            if (sp and tp == 1) or (cache != "none" and shards[0] == 1) or (shift and (pp == 1 or dp == 1)):
+                continue
+            try:
+                plan = Plan(dp=dp, tp=tp, pp=pp, virtual_stages=v, micro_batch=mb, num_micro_batches=m,
+                            schedule=schedule, recompute=rc, sequence_parallel=sp, param_shard=shards[0],
+                            grad_shard=shards[1], optim_shard=shards[2], param_cache=cache, commshift=shift)
+                check_plan(plan, model=model, num_devices=8, job=job)
+            except (ValueError, PlannerError):
+                continue
+            want.add(plan)
+    got = {slot.plan(shards=s, cache=c, commshift=x) for slot in enumerate_slots(problem, SearchOptions())
+           for s, c, x in sharding_variants(slot, devices_per_node=4)}
+    assert got == want
