@@ -119,7 +119,7 @@ class _Issuer:
         self.issued: set[Message] = set()
         self.queues: dict[int, list[Message]] = defaultdict(list)
         self.cursor: dict[int, int] = defaultdict(int)
-        for message in sorted(order or {}, key=order.get if order else None):
+        for message in sorted(order, key=order.get) if order else ():
             src, dst = message.src_chunk % pp, message.dst_chunk % pp
             if pp_rank in (src, dst):
                 self.queues[dst if src == pp_rank else src].append(message)
