@@ -68,6 +68,14 @@ class SearchOptions:
     # Called with the number of plans priced so far (for a progress display).
     on_progress: Callable[[int], None] | None = None
 
+    def __post_init__(self) -> None:
+        if self.top_k < 1 or self.max_virtual_stages < 1 or self.ilp_candidates < 0:
+            raise ValueError(f"top_k and max_virtual_stages must be at least 1 and ilp_candidates at least 0, got "
+                             f"{self.top_k}, {self.max_virtual_stages}, {self.ilp_candidates}")
+        bad = [p for p in self.recompute if p not in RECOMPUTE]
+        if bad or not self.recompute:
+            raise ValueError(f"recompute policies must be a non-empty subset of {', '.join(RECOMPUTE)}, got {bad}")
+
 
 @dataclass(frozen=True)
 class Candidate:

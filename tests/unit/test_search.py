@@ -268,3 +268,10 @@ def test_enumeration_equals_an_independent_filter_over_all_knob_combinations():
     got = {slot.plan(shards=s, cache=c, commshift=x) for slot in enumerate_slots(problem, SearchOptions())
            for s, c, x in sharding_variants(slot, devices_per_node=4)}
     assert got == want
+
+
+def test_search_options_are_checked():
+    with pytest.raises(ValueError, match="top_k"):
+        SearchOptions(top_k=0)
+    with pytest.raises(ValueError, match="recompute policies"):
+        SearchOptions(recompute=("sometimes",))
