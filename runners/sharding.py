@@ -111,6 +111,7 @@ class _Unit:
             p.data = self.flat[off:off + p.numel()].view(p.shape)
         if s_p > 1:
             self.param_shard = self.flat.view(s_p, -1)[self.p_chunk].clone()
+            self.flat.untyped_storage().resize_(0)  # one unit at a time is ever whole while building
         else:
             self.param_shard = self.flat
         # The optimizer's slice of my parameter shard, and its fp32 master (the slice itself if fp32).
@@ -181,7 +182,6 @@ class ShardedDataParallel:
         self.units_by_chunk: list[list[_Unit]] = []
         self.names: dict[int, str] = {}
         seen: dict[int, str] = {}
-        s_p = self.degrees[0]
         for v, chunk in enumerate(self.chunks):
             c = v * self.mesh.pp + self.mesh.pp_rank  # the global chunk id, as the pipeline names chunks
             for name, p in chunk.named_parameters():
@@ -201,9 +201,6 @@ class ShardedDataParallel:
                                    degrees=self.degrees, dtype=dtype))
             self.units_by_chunk.append(units)
         self.units = [u for units in self.units_by_chunk for u in units]
-        for u in self.units:
-            if s_p > 1:
-                u.flat.untyped_storage().resize_(0)
         self._measure_live()
 
     def _register_hooks(self) -> None:
@@ -411,8 +408,20 @@ class ShardedDataParallel:
         assert not self._boundary_bucket
 
     # --- optimizer ----------------------------------------------------------------------------
-    def optimizer_step(self) -> None:
-        """Wait for the gradient reductions, Adam-step my shard, redistribute, and zero the gradients."""
+    def unit_grad(self, module: nn.Module) -> torch.Tensor:
+        """The fp32 gradient this rank holds for unit `module`: the whole flat buffer when s_g == 1, else
+        its gradient chunk g(q); final (reduced over DP) inside optimizer_step's `before_update`. Two
+        units of equal size (a tied embedding and output projection) have chunks that line up."""
+        for u in self.units:
+            if u.module is module:
+                return u.grad
+        raise KeyError(f"{type(module).__name__} is not a unit with trainable parameters")
+
+    def optimizer_step(self, *, before_update: Callable[[], None] | None = None) -> None:
+        """Wait for the gradient reductions, Adam-step my shard, redistribute, and zero the gradients.
+
+        `before_update` runs once the gradients are reduced and before Adam reads them (e.g. to sum the
+        gradients of tied copies through unit_grad)."""
         for u in self.units:
             if u.num_backward != self.num_micro_batches:
                 raise RuntimeError(f"unit {u.position} of chunk {u.chunk} ran backward {u.num_backward} times this "
@@ -421,6 +430,8 @@ class ShardedDataParallel:
             for v in reversed(range(len(self.chunks))):
                 self.start_grad_sync(v * self.mesh.pp + self.mesh.pp_rank)
         self._drain()
+        if before_update is not None:
+            before_update()
         self.num_steps += 1
         with torch.no_grad():
             for u in self.units:

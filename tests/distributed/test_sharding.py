@@ -67,11 +67,18 @@ class Chunk(nn.Module):
         return x
 
 
-def make_chunks(*, num_chunks: int, global_count: int) -> list[Chunk]:
-    """Input projection, three blocks (the second recomputed), head; split into 1 or 2 chunks."""
+def make_chunks(*, num_chunks: int, global_count: int, tied: str | None = None) -> list[Chunk]:
+    """Input projection, three blocks (the second recomputed), head; split into 1 or 2 chunks.
+
+    `tied` makes the head's projection start equal to a D_MODEL -> D_MODEL input projection: "copies"
+    (two parameters, the engine keeps their gradients summed) or "shared" (one module, the reference)."""
     torch.manual_seed(0)
-    units = [nn.Sequential(nn.Linear(D_IN, D_MODEL)), Block(), Block(recompute=True), Block(),
-             Head(global_count=global_count)]
+    first = nn.Sequential(nn.Linear(D_MODEL if tied else D_IN, D_MODEL))
+    units = [first, Block(), Block(recompute=True), Block(), Head(global_count=global_count)]
+    if tied == "shared":
+        units[-1].proj = first[0]
+    elif tied == "copies":
+        units[-1].proj.load_state_dict(first[0].state_dict())
     if num_chunks == 1:
         return [Chunk(units)]
     return [Chunk(units[:3]), Chunk(units[3:])]
@@ -84,7 +91,7 @@ def num_params() -> int:
 def global_batch(step: int, *, dp: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1000 + step)
     n = dp * m * MICRO_BATCH
-    return torch.randn(n, D_IN, generator=gen), torch.randn(n, D_MODEL, generator=gen)
+    return torch.randn(n, D_MODEL, generator=gen), torch.randn(n, D_MODEL, generator=gen)
 
 
 def micro_batch(x: torch.Tensor, y: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,8 +100,8 @@ def micro_batch(x: torch.Tensor, y: torch.Tensor, index: int) -> tuple[torch.Ten
 
 
 def run_chunks(chunks: list[Chunk], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    dtype = next(chunks[0].parameters()).dtype
-    x, y = x.to(dtype), y.to(dtype)
+    first = next(chunks[0].parameters())
+    x, y = x[:, :first.shape[1]].to(first.dtype), y.to(first.dtype)
     for chunk in chunks[:-1]:
         x = chunk(x)
     return chunks[-1](x, y)
@@ -103,7 +110,8 @@ def run_chunks(chunks: list[Chunk], x: torch.Tensor, y: torch.Tensor) -> torch.T
 def reference(case: dict, *, dp: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, the whole global batch, torch.optim.Adam (its default single-tensor path)."""
     m = case["m"]
-    chunks = make_chunks(num_chunks=case.get("chunks", 1), global_count=dp * m * MICRO_BATCH * D_MODEL)
+    chunks = make_chunks(num_chunks=case.get("chunks", 1), global_count=dp * m * MICRO_BATCH * D_MODEL,
+                         tied="shared" if case.get("tied") else None)
     params = [p for c in chunks for p in c.parameters()]
     opt = torch.optim.Adam(params, lr=LR, foreach=False)
     losses = []
@@ -120,6 +128,17 @@ def reference(case: dict, *, dp: int) -> tuple[list[float], dict[str, torch.Tens
     return losses, {f"{v}.{n}": p.detach().clone() for v, c in enumerate(chunks) for n, p in c.named_parameters()}
 
 
+def sum_tied_gradients(chunks: list[Chunk], engine: ShardedDataParallel):
+    """Keep the tied copies equal: both take the sum of their (DP-reduced) gradient chunks."""
+    first, head = engine.unit_grad(chunks[0].units[0]), engine.unit_grad(chunks[-1].units[-1])
+
+    def before_update() -> None:
+        first.add_(head)
+        head.copy_(first)
+
+    return before_update
+
+
 def _train_case(rank: int, world_size: int, case: dict) -> dict:
     dp, m = world_size, case["m"]
     s_p, s_g, s_os = case["degrees"]
@@ -129,7 +148,8 @@ def _train_case(rank: int, world_size: int, case: dict) -> dict:
 
     def new_engine():
         comm = Comm(ranks_per_node=mesh.ranks_per_node)
-        chunks = make_chunks(num_chunks=case.get("chunks", 1), global_count=dp * m * MICRO_BATCH * D_MODEL)
+        chunks = make_chunks(num_chunks=case.get("chunks", 1), global_count=dp * m * MICRO_BATCH * D_MODEL,
+                             tied="copies" if case.get("tied") else None)
         engine = ShardedDataParallel(chunks, plan=plan, mesh=mesh, comm=comm, num_micro_batches=m, lr=LR,
                                      defer_grad_sync=case.get("defer", False), param_dtype=case.get("dtype"))
         return chunks, engine, comm
@@ -150,7 +170,7 @@ def _train_case(rank: int, world_size: int, case: dict) -> dict:
             if case.get("defer"):
                 for v in reversed(range(len(chunks))):
                     engine.start_grad_sync(v)
-            engine.optimizer_step()
+            engine.optimizer_step(before_update=sum_tied_gradients(chunks, engine) if case.get("tied") else None)
             dist.all_reduce(local)  # not through comm: test bookkeeping, not engine traffic
             losses.append(local.item())
         return losses
@@ -195,6 +215,8 @@ CASES_DP2 = {
     "zero2": {"degrees": (1, 2, 2), "m": 2},
     "zero3_prefetch2": {"degrees": (2, 2, 2), "m": 2, "prefetch": 2, "checkpoint": True},
     "zero3_noprefetch": {"degrees": (2, 2, 2), "m": 1, "prefetch": 0},
+    # Tied input and output projections kept as two equal copies whose gradients the step sums.
+    "tied_zero2": {"degrees": (1, 2, 2), "m": 2, "tied": True},
 }
 # Mixed precision: bf16 parameters, fp32 master weights and fp32 gradient reduction.
 CASES_BF16 = {
@@ -218,10 +240,14 @@ def _check_against_reference(results: list[dict], case: dict, *, dp: int) -> Non
     ref_losses, ref_params = reference(case, dp=dp)
     got = results[0]
     assert got["losses"] == pytest.approx(ref_losses, abs=1e-4)
-    initial = {f"{v}.{n}": p for v, c in enumerate(make_chunks(num_chunks=case.get("chunks", 1), global_count=1))
+    initial = {f"{v}.{n}": p for v, c in enumerate(make_chunks(num_chunks=case.get("chunks", 1), global_count=1,
+                                                               tied="shared" if case.get("tied") else None))
                for n, p in c.named_parameters()}
     # The parameters moved far beyond the tolerance, so the comparison is not between two frozen models.
     assert max((ref_params[k] - initial[k]).abs().max().item() for k in initial) > 2e-2
+    if case.get("tied"):  # the engine's head copy must equal the one shared reference parameter
+        ref_params = {**ref_params, "0.units.4.proj.weight": ref_params["0.units.0.0.weight"],
+                      "0.units.4.proj.bias": ref_params["0.units.0.0.bias"]}
     assert set(got["params"]) == set(ref_params)
     for name, want in ref_params.items():
         diff = (got["params"][name] - want).abs().max().item()
