@@ -201,7 +201,11 @@ class ShardedDataParallel:
                                    degrees=self.degrees, dtype=dtype))
             self.units_by_chunk.append(units)
         self.units = [u for units in self.units_by_chunk for u in units]
-        self._measure_live()
+        # Parameter storage held now: gathered buffers plus (under s_p > 1) the persistent shards.
+        self.live_param_bytes = sum(u.flat.untyped_storage().nbytes() + (u.param_shard.untyped_storage().nbytes()
+                                                                         if u.param_shard is not u.flat else 0)
+                                    for u in self.units)
+        self.peak_param_bytes = self.live_param_bytes
 
     def _register_hooks(self) -> None:
         for u in self.units:
@@ -215,8 +219,7 @@ class ShardedDataParallel:
     def _issue_gather(self, u: _Unit) -> None:
         if u.gathered or u.gather_work is not None:
             return
-        u.flat.untyped_storage().resize_(u.flat_bytes)
-        self._measure_live()
+        self._resize(u, u.flat_bytes)
         work = self.comm.all_gather(u.flat, u.param_shard, self.mesh.param_group, async_op=True)
         u.gather_work = work if work is not None else _DONE
 
@@ -231,14 +234,17 @@ class ShardedDataParallel:
     def _free(self, u: _Unit) -> None:
         if self.degrees[0] == 1 or not u.gathered:
             return
-        u.flat.untyped_storage().resize_(0)
+        self._resize(u, 0)
         u.gathered = False
 
-    def _measure_live(self) -> None:
-        """Track the peak bytes of parameter storage (gathered buffers and shards) this rank holds."""
-        live = sum(u.flat.untyped_storage().nbytes() + (u.param_shard.untyped_storage().nbytes()
-                                                        if u.param_shard is not u.flat else 0) for u in self.units)
-        self.peak_param_bytes = max(self.peak_param_bytes, live)
+    def _resize(self, u: _Unit, num_bytes: int) -> None:
+        """Allocate or release a unit's gathered buffer, tracking the live and peak parameter bytes from
+        the storage sizes before and after."""
+        storage = u.flat.untyped_storage()
+        before = storage.nbytes()
+        storage.resize_(num_bytes)
+        self.live_param_bytes += storage.nbytes() - before
+        self.peak_param_bytes = max(self.peak_param_bytes, self.live_param_bytes)
 
     def _prefetch(self, u: _Unit, *, step: int) -> None:
         units = self.units_by_chunk[u.chunk]
