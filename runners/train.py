@@ -143,10 +143,13 @@ class Trainer:
         from cost_models.schedule import rank_actions
         from runners.pipeline import run_pipeline
 
-        actions = rank_actions(schedule=self.plan.schedule, pp=self.plan.pp, virtual_stages=self.plan.virtual_stages,
-                               num_micro_batches=self.plan.num_micro_batches)[self.mesh.pp_rank]
+        # Every rank's list, not only ours: NCCL matches sends to receives by order, not tag, so each
+        # rank derives the order of its peers' messages from the whole table.
+        table = rank_actions(schedule=self.plan.schedule, pp=self.plan.pp, virtual_stages=self.plan.virtual_stages,
+                             num_micro_batches=self.plan.num_micro_batches)
         seq = self.cfg.job.seq_len // (self.plan.tp if self.plan.sequence_parallel else 1)
-        return run_pipeline(actions=actions, chunks=dict(zip(self.chunk_ids, self.chunks)), micro_batches=micro_batches,
+        return run_pipeline(actions=table[self.mesh.pp_rank], schedule_table=table,
+                            chunks=dict(zip(self.chunk_ids, self.chunks)), micro_batches=micro_batches,
                             pp_ranks=self.mesh.pp_ranks, num_chunks=self.plan.num_chunks, comm=self.comm,
                             activation_shape=(seq, self.plan.micro_batch, self.cfg.model.hidden_size),
                             dtype=next(self.chunks[0].parameters()).dtype, device=self.device,
@@ -230,6 +233,9 @@ def _summary(cfg: RunConfig, trainer, steps: list[dict], step_times: list[float]
         "comm_wait_s": totals[len(keys)].item() / num_measured / world,
         "world_size": world,
         "device": device.type,
+        "engine": cfg.engine,
+        # False under --engine torch: torch's collectives bypass runners.comm, so comm_bytes stay zero.
+        "comm_counted": getattr(trainer, "comm_counted", True),
     }
     return {"plan": cfg.plan.to_dict(), "steps": steps, "summary": summary, "predicted": predicted(cfg, world)}
 
