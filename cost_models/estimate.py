@@ -19,16 +19,26 @@ framework_reserve_bytes (memory no tensor accounts for: 2 GiB per GPU for the CU
 workspaces; on CPU the runtime's resident set, 228 MiB). Note that the runner measures
 torch.cuda.max_memory_allocated on GPUs (tensors only: subtract the reserve to compare) and the
 resident set on CPU (runtime included).
+
+CPU-side costs the datasheet model leaves out, also calibration keys (default 0; `planner calibrate`
+fits them to measured runs, see planner/calibrate.py): op_overhead_s (seconds every op our eager engine
+launches pays in Python dispatch and allocation, on top of its kernel time; counted per layer, embedding,
+head and optimizer unit by `_num_ops`), collective_overhead_s (seconds every collective call pays on top
+of its latency-bandwidth time: gloo's per-call setup under a busy host) and step_overhead_s (seconds per
+optimizer step outside any op: the step loop's bookkeeping). On small models on CPUs these dominate the
+step; on GPUs they are hidden behind the kernel queue and stay 0.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
-from cost_models.comm import collective_time_s
-from cost_models.compute import (activation_bytes_per_element, end_compute_times, layer_compute_times,
-                                 memory_time_s, model_flops_per_step)
+from cost_models.comm import collective_time_s as _collective_time_s
+from cost_models.compute import (_elementwise_kernels, activation_bytes_per_element, end_compute_times,
+                                 fused_attention, layer_compute_times, layer_gemms, memory_time_s,
+                                 model_flops_per_step)
 from cost_models.memory import (CPU_FRAMEWORK_RESERVE_BYTES, GPU_FRAMEWORK_RESERVE_BYTES, end_activation_bytes,
                                 end_params_per_device, in_flight_profiles, layer_activation_bytes,
                                 layer_params_per_device, logits_bytes, model_state_bytes, peak_from_profiles,
@@ -75,6 +85,29 @@ class Estimate:
 
 # --- pricing --------------------------------------------------------------------------------------
 POLICIES = ("none", "selective", "full")
+# Ops Adam launches per flat unit (runners/sharding.py `_adam`: lerp, mul, addcmul, sqrt, div, add,
+# addcdiv, the copy, the gradient zeroing) and a backward's ops per forward op (autograd runs an
+# input-gradient and, for GEMMs, a weight-gradient kernel for most forward ops).
+ADAM_OPS_PER_UNIT = 10
+BACKWARD_OPS_PER_FORWARD_OP = 2
+
+
+def collective_time_s(cluster, **kwargs) -> float:
+    """cost_models.comm.collective_time_s plus the calibrated per-call overhead for a call that moves data."""
+    time_s = _collective_time_s(cluster, **kwargs)
+    return time_s + cluster.hardware.calibration.get("collective_overhead_s", 0.0) if time_s > 0 else 0.0
+
+
+def _num_ops(model) -> dict[str, int]:
+    """Forward ops our engine launches: one layer ('layer'), its attention core ('core', what selective
+    recomputation repeats), the embedding ('embed') and final norm + head + loss ('head'). The layer's
+    GEMMs and elementwise kernels are compute.py's; fused attention is one op, the materialised core two
+    GEMMs and a softmax with its dropout; the head is the norm's elementwise ops, one GEMM, ~4 for the loss."""
+    gemms = layer_gemms(model, micro_batch=1, seq_len=1)
+    core = 1 if fused_attention(model) else len(gemms["attention"]) + 2
+    norm = 7 if model.arch == "llama" else 1
+    return {"layer": len(gemms["dense"]) + core + _elementwise_kernels(model), "core": core, "embed": 1,
+            "head": norm + 1 + 4}
 # Adam touches per parameter of its shard: the gradient (read), fp32 master, m and v (read + write) and
 # the compute-dtype parameter (write): 2 + 24 + 2 bytes mixed precision, 4 + 8 + 16 for fp32.
 ADAM_BYTES_PER_PARAM = 28
@@ -112,12 +145,31 @@ class LayerCosts:
     recompute_time_s: dict[str, float] = field(default_factory=dict)
 
 
+def _with_op_overhead(model, times, ends, *, op_overhead_s: float):
+    """Layer and end compute times plus `op_overhead_s` per launched op (`_num_ops`; backward
+    BACKWARD_OPS_PER_FORWARD_OP times the forward's ops)."""
+    if op_overhead_s <= 0:
+        return times, ends
+    ops, k = _num_ops(model), BACKWARD_OPS_PER_FORWARD_OP
+    times = dataclasses.replace(
+        times, forward_s=times.forward_s + ops["layer"] * op_overhead_s,
+        backward_s=times.backward_s + k * ops["layer"] * op_overhead_s,
+        attention_core_forward_s=times.attention_core_forward_s + ops["core"] * op_overhead_s)
+    ends = dataclasses.replace(
+        ends, embed_forward_s=ends.embed_forward_s + ops["embed"] * op_overhead_s,
+        embed_backward_s=ends.embed_backward_s + k * ops["embed"] * op_overhead_s,
+        head_forward_s=ends.head_forward_s + ops["head"] * op_overhead_s,
+        head_backward_s=ends.head_backward_s + k * ops["head"] * op_overhead_s)
+    return times, ends
+
+
 def layer_costs(plan, *, model, cluster, job) -> LayerCosts:
     """Per-layer time and memory of `plan` (see LayerCosts); estimate() prices chunks as sums of these."""
     hw, b, s, tp, sp = cluster.hardware, plan.micro_batch, job.seq_len, plan.tp, plan.sequence_parallel
     dims = dict(micro_batch=b, seq_len=s, tp=tp, sequence_parallel=sp, precision=job.precision)
     times = layer_compute_times(model, hw, **dims)
     ends = end_compute_times(model, hw, **dims)
+    times, ends = _with_op_overhead(model, times, ends, op_overhead_s=hw.calibration.get("op_overhead_s", 0.0))
     act_bytes = b * s * model.hidden_size * activation_bytes_per_element(job.precision)
     # Megatron: two all-reduces of the b x s x h activations per layer forward, two backward; with
     # sequence parallelism each becomes an all-gather + reduce-scatter pair (the same ring volume).
@@ -336,13 +388,20 @@ def _p2p_time_s(plan, cluster, *, model, job) -> float:
     return collective_time_s(cluster, collective="p2p", size_bytes=size, group_size=2, stride=plan.dp * plan.tp)
 
 
-def _rank_tails(plan, cluster, *, chunks: list[_ChunkPrice], job) -> list[tuple[float, float]]:
-    """Per pipeline rank: (optimizer step, all-gather of updated shards when optim_shard > param_shard)."""
+def _rank_tails(plan, cluster, *, chunks: list[_ChunkPrice], job, model=None) -> list[tuple[float, float]]:
+    """Per pipeline rank: (optimizer step, all-gather of updated shards when optim_shard > param_shard).
+    The optimizer step carries the calibrated per-step overhead and its ops' overhead (one flat unit per
+    layer, embedding and head: ADAM_OPS_PER_UNIT each)."""
     param_bytes = state_bytes_per_param(job.precision)[0]
+    calibration = cluster.hardware.calibration
+    op_overhead_s, step_overhead_s = calibration.get("op_overhead_s", 0.0), calibration.get("step_overhead_s", 0.0)
+    counts = plan.chunk_layer_counts(model.num_layers) if model is not None else (0,) * plan.num_chunks
     tails = []
     for r in range(plan.pp):
         num_params = sum(c.num_params for c in chunks[r::plan.pp])
+        num_units = sum(counts[c] + (c == 0) + (c == plan.num_chunks - 1) for c in range(r, plan.num_chunks, plan.pp))
         optimizer_s = memory_time_s(cluster.hardware, num_params / plan.optim_shard * ADAM_BYTES_PER_PARAM)
+        optimizer_s += step_overhead_s + op_overhead_s * ADAM_OPS_PER_UNIT * num_units
         post_s = collective_time_s(cluster, collective="all_gather", size_bytes=num_params * param_bytes / plan.param_shard,
                                    group_size=plan.optim_shard // plan.param_shard, stride=plan.tp * plan.param_shard)
         tails.append((optimizer_s, post_s))
@@ -382,7 +441,7 @@ def estimate(plan, *, model, cluster, job) -> Estimate:
         reduce_s=tuple(c.reduce_s for c in chunks), last_bucket_s=tuple(c.last_bucket_s for c in chunks))
     pipe = simulate(schedule=plan.schedule, pp=pp, virtual_stages=plan.virtual_stages,
                     num_micro_batches=plan.num_micro_batches, durations=durations, commshift=plan.commshift)
-    tails = _rank_tails(plan, cluster, chunks=chunks, job=job)
+    tails = _rank_tails(plan, cluster, chunks=chunks, job=job, model=model)
     ends = [max(pipe.compute_end_s[r], pipe.comm_end_s[r]) + sum(tails[r]) for r in range(pp)]
     step_time_s = max(ends)
     breakdown = _time_breakdown(plan, chunks=chunks, pipe=pipe, tails=tails, p2p_s=p2p_s,
