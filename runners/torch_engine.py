@@ -1,0 +1,223 @@
+"""The same plan on torch's own data-parallel components, the baseline our engine is measured against.
+
+    planner run --engine torch ...        (or RunConfig(engine="torch") under runners.train)
+
+Same model code (runners/model.py, seeded by parameter name), same data, same loss (the head scales the
+summed cross entropy by 1 / tokens in the global batch), same Adam (torch.optim.Adam, betas (0.9, 0.999),
+eps 1e-8); only the engine differs. The mapping, and how each point differs from ours:
+
+- ZeRO-0 (1, 1, 1): DistributedDataParallel; gradient accumulation under no_sync() until the last
+  micro-batch, so one bucketed all-reduce per step, as ours.
+- ZeRO-1 (1, 1, dp): DDP + ZeroRedundancyOptimizer. Torch partitions whole parameters greedily by size
+  (ours cuts each unit's flat buffer evenly) and broadcasts every updated parameter from its owner after
+  the step (ours all-gathers the shards): the same bytes, other collectives.
+- ZeRO-2 (1, dp, dp): FSDP2 fully_shard per unit with reshard_after_forward=False, and the parameters
+  kept unsharded between the micro-batches of a step (set_reshard_after_backward only on the last).
+  Unlike ours, FSDP2 cannot keep full parameters across steps: it reshards after the last backward and
+  all-gathers again before the next forward. That is the same all-gather volume as our post-step
+  redistribution, but between the last backward and the next forward a rank holds only the shard.
+- ZeRO-3 (dp, dp, dp): fully_shard per unit, resharding after forward and backward (all-gathers in
+  forward and again in backward of every micro-batch, as ours).
+- HSDP (g, g, g): fully_shard on a 2-D DeviceMesh (replicate dp/g, shard g), the shard groups consecutive
+  DP ranks as in runners/mesh.py; the replica all-reduce is skipped until the last micro-batch
+  (set_requires_all_reduce), as ours.
+Under ZeRO-2/3 and HSDP the gradient is reduce-scattered after every micro-batch (gradient sync stays on)
+so that a rank never holds a full unsharded gradient, as the plan's s_g promises and as ours does.
+FSDP2 under bf16/fp16 uses MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=fp32): fp32 master
+weights and fp32 gradient reduction, as ours.
+
+Gradient scale: the head already divides by the global token count, so gradients must be *summed* over
+DP ranks. DDP and FSDP average by default. DDP gets a comm hook that all-reduces with SUM and no
+division; FSDP2 gets set_gradient_divide_factor(1.0) with set_force_sum_reduction_for_comms(True)
+(plain SUM collectives, and a division by 1 that FSDP skips). Both are exact: no rescaling happens.
+
+Not expressible here, each rejected with a PlannerError naming the knob: tp > 1 (DTensor's
+parallelize_module needs nn.Linear modules; our units call F.linear on raw parameters and a torch-native
+twin of the block is not built), pp > 1, sharding points other than ZeRO-0..3 and HSDP, param_cache
+(MAZ3), commshift, and bf16/fp16 under DDP (DDP has no fp32-master mode without autocast, whose
+numerics differ from ours). Recomputation (full, selective, per layer) lives in the model code and runs
+unchanged.
+
+Mesh: torch's own init_device_mesh, not runners.mesh.build_mesh, so that the baseline shares no process
+group code with the engine it checks; FSDP2 needs a DeviceMesh anyway. Collectives go through torch, not
+runners.comm, so `comm`'s counters stay zero and the summary says comm_counted false.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from planner.errors import PlannerError
+from runners.comm import Comm
+
+ADAM_BETAS = (0.9, 0.999)
+ADAM_EPS = 1e-8
+
+
+@dataclass
+class TorchMesh:
+    """This rank's coordinates (train() reads dp_rank) and torch's DeviceMesh over the DP ranks."""
+
+    rank: int
+    dp: int
+    dp_rank: int
+    device_mesh: object
+    tp_rank: int = 0
+    pp_rank: int = 0
+
+
+def torch_strategy(plan) -> str:
+    """'ddp', 'zero1', 'zero2', 'zero3' or 'hsdp' for a plan torch can run; PlannerError naming the knob otherwise."""
+    if plan.tp > 1:
+        raise PlannerError(f"--engine torch does not run tensor parallelism (tp {plan.tp}): our units use F.linear "
+                           "on raw parameters, which DTensor's parallelize_module cannot shard; use tp 1")
+    if plan.pp > 1:
+        raise PlannerError(f"--engine torch does not run pipeline parallelism (pp {plan.pp}); use pp 1")
+    if plan.param_cache != "none":
+        raise PlannerError(f"--engine torch has no MAZ3 parameter cache (param_cache {plan.param_cache!r}); "
+                           "use param_cache none")
+    if plan.commshift:
+        raise PlannerError("--engine torch has no commshift (it needs pipeline parallelism); drop commshift")
+    s_p, s_g, s_os = plan.shard_degrees
+    dp = plan.dp
+    table = {(1, 1, 1): "ddp", (1, 1, dp): "zero1", (1, dp, dp): "zero2", (dp, dp, dp): "zero3"}
+    if (s_p, s_g, s_os) in table:
+        return table[(s_p, s_g, s_os)]
+    if s_p == s_g == s_os:
+        return "hsdp"
+    raise PlannerError(f"--engine torch cannot express sharding (param_shard, grad_shard, optim_shard) = "
+                       f"({s_p}, {s_g}, {s_os}) over dp {dp}: torch has ZeRO-0..3 and HSDP (g, g, g) only")
+
+
+def _sum_all_reduce_hook(group, bucket):
+    """DDP comm hook: all-reduce the bucket with SUM and no division (the loss is already globally scaled)."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+class TorchTrainer:
+    """One rank of a plan run on torch's DDP / ZeroRedundancyOptimizer / FSDP2 (see the module docstring)."""
+
+    comm_counted = False  # torch's collectives do not go through runners.comm
+
+    def __init__(self, cfg, *, device: torch.device) -> None:
+        from runners.tensor_parallel import TPContext
+        from runners.train import build_local_chunks, compute_dtype
+
+        self.cfg, self.plan, self.device = cfg, cfg.plan, device
+        self.strategy = torch_strategy(self.plan)
+        self.dtype = compute_dtype(cfg)
+        if self.strategy in ("ddp", "zero1") and self.dtype != torch.float32:
+            raise PlannerError(f"--engine torch runs {cfg.job.precision} only with sharded parameters or gradients "
+                               f"(FSDP2's mixed precision); DDP ({self.strategy}) needs precision fp32")
+        ranks_per_node = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        self.comm = Comm(ranks_per_node=ranks_per_node)
+        self.mesh = self._build_mesh()
+        _, (chunk,) = build_local_chunks(cfg, pp_rank=0, tp=TPContext.single(), device=device)
+        # fully_shard swaps parameters for new DTensor ones, dropping our attributes: take names first.
+        self.names = {name: p.canonical_name for name, p in chunk.named_parameters()}
+        self.chunk = chunk
+        self.holds_loss = True  # pp 1, tp 1: every rank computes its micro-batches' loss
+        if self.strategy in ("ddp", "zero1"):
+            self.model, self.optimizer = self._wrap_ddp(chunk)
+        else:
+            self.model, self.optimizer = self._wrap_fsdp(chunk)
+
+    def _build_mesh(self) -> TorchMesh:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        plan = self.plan
+        if self.strategy == "hsdp":
+            # Row-major (replicate, shard): shard groups are consecutive ranks, runners/mesh.py's layout.
+            mesh = init_device_mesh(self.device.type, (plan.dp // plan.param_shard, plan.param_shard),
+                                    mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh(self.device.type, (plan.dp,), mesh_dim_names=("dp",))
+        rank = dist.get_rank()
+        return TorchMesh(rank=rank, dp=plan.dp, dp_rank=rank, device_mesh=mesh)
+
+    def _adam(self, params):
+        return torch.optim.Adam(params, lr=self.cfg.lr, betas=ADAM_BETAS, eps=ADAM_EPS)
+
+    def _wrap_ddp(self, chunk: nn.Module):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # The plan's bucket size, and gradients as views into the buckets (no second gradient copy, like
+        # our flat buffers).
+        model = DDP(chunk, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                    bucket_cap_mb=self.plan.bucket_size_bytes / 2**20, gradient_as_bucket_view=True)
+        model.register_comm_hook(state=None, hook=_sum_all_reduce_hook)
+        if self.strategy == "ddp":
+            return model, self._adam(chunk.parameters())
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer = ZeroRedundancyOptimizer(chunk.parameters(), optimizer_class=torch.optim.Adam, lr=self.cfg.lr,
+                                            betas=ADAM_BETAS, eps=ADAM_EPS)
+        return model, optimizer
+
+    def _wrap_fsdp(self, chunk: nn.Module):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp_policy = MixedPrecisionPolicy(param_dtype=None if self.dtype == torch.float32 else self.dtype,
+                                         reduce_dtype=torch.float32)
+        reshard = self.strategy != "zero2"
+        mesh = self.mesh.device_mesh
+        for unit in chunk.units:  # one FSDP group per unit: our engine's sharding granularity
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+        fully_shard(chunk, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+        for module in chunk.modules():  # both setters act on one module's FSDP state only
+            if hasattr(module, "set_gradient_divide_factor"):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+        return chunk, self._adam(chunk.parameters())
+
+    # --- the step ------------------------------------------------------------------------------
+    def _micro_batch_context(self, index: int, count: int):
+        last = index == count - 1
+        if self.strategy in ("ddp", "zero1"):
+            return contextlib.nullcontext() if last else self.model.no_sync()
+        if self.strategy == "hsdp":
+            self.model.set_requires_all_reduce(last)
+        if self.strategy == "zero2":
+            self.model.set_reshard_after_backward(last)
+        return contextlib.nullcontext()
+
+    def forward_backward(self, micro_batches) -> float:
+        """Accumulate the step's gradients (reduced over DP after the last micro-batch); the sum of the losses."""
+        total = 0.0
+        for i, (tokens, targets) in enumerate(micro_batches):
+            with self._micro_batch_context(i, len(micro_batches)):
+                loss = self.model(tokens, targets)
+                loss.backward()
+            total += loss.item()
+        return total
+
+    def step(self, micro_batches) -> float:
+        """One optimizer step; returns the sum of this rank's micro-batch losses (its share of the global mean)."""
+        total = self.forward_backward(micro_batches)
+        self.optimizer.step()
+        self.chunk.zero_grad(set_to_none=True)
+        return total if self.holds_loss else 0.0
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """The reduced gradients after forward_backward, by one-process name (for tests: Adam hides scale errors)."""
+        grads: dict[str, torch.Tensor] = {}
+        for name, param in self.chunk.named_parameters():
+            grad = param.grad
+            full = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+            grads.setdefault(self.names[name], full.detach().float().cpu().clone())
+        return grads
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter under its one-process name (every rank participates: FSDP gathers its shards)."""
+        merged: dict[str, torch.Tensor] = {}
+        for name, param in self.chunk.named_parameters():
+            full = param.full_tensor() if hasattr(param, "full_tensor") else param
+            merged.setdefault(self.names[name], full.detach().float().cpu().clone())
+        return merged
