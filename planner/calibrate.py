@@ -1,0 +1,205 @@
+"""`planner calibrate`: fit the cost model's free parameters to measured runs, check them on runs held
+out of the fit, and write them into the hardware profile so the next search uses them.
+
+    planner validate --nproc 4 --hardware profile.json --out validate.json
+    planner calibrate --measurements validate.json --hardware profile.json --out profile.json
+
+Free parameters (calibration keys, documented in cost_models/estimate.py):
+  compute_time_scale     multiplies every GEMM and elementwise kernel time
+  comm_time_scale        multiplies every collective and transfer time
+  op_overhead_s          seconds every launched op pays (eager dispatch, allocation)
+  collective_overhead_s  seconds every collective call pays (gloo's per-call cost on a busy host)
+  step_overhead_s        seconds per optimizer step outside any op
+  framework_reserve_bytes  memory no tensor accounts for (the runtime's resident set on CPU)
+
+The step-time parameters minimise the sum of squared relative errors (predicted - measured) / measured
+over the fitted plans (relative, so a 30 ms plan counts as much as a 300 ms one: what MAPE measures).
+The model is not linear in them (overlaps and pipeline bubbles are maxima), so the fit is
+Levenberg-Marquardt (Marquardt 1963) on the real cost model with forward-difference Jacobians, over the
+logarithms of the parameters (keeping them positive), from the best of a few starting points.
+The memory reserve is additive, so its least-absolute-deviation fit is closed form: the median of
+measured - predicted added to the reserve the prediction used.
+
+The plans are split into a fitted half and a held-out half by measured step time (alternate plans in
+sorted order, so both halves span the range); the report gives the agreement (planner/validate.py's
+MAPE, max error, Kendall tau, regret) on the held-out plans before and after, which is the honest number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.errors import PlannerError
+from planner.inputs import Problem
+from planner.plan import Plan
+from planner.validate import agreement, repredict
+from profilers.hardware import Hardware, with_calibration
+
+# Parameter -> (unit the logarithm is taken against, default when the hardware has none).
+TIME_PARAMETERS: dict[str, tuple[float, float]] = {
+    "compute_time_scale": (1.0, 1.0),
+    "comm_time_scale": (1.0, 1.0),
+    "op_overhead_s": (1e-5, 1e-5),
+    "collective_overhead_s": (1e-4, 1e-4),
+    "step_overhead_s": (1e-3, 1e-3),
+}
+# A parameter below unit x exp(LOG_FLOOR) is zero for every purpose; the floor keeps the fit finite.
+LOG_FLOOR = -12.0
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    calibration: dict[str, float]
+    fit_labels: tuple[str, ...]
+    held_out_labels: tuple[str, ...]
+    fit_before: dict
+    fit_after: dict
+    held_out_before: dict
+    held_out_after: dict
+    rms_relative_error: float  # of the fitted plans after the fit
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def ok_rows(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r["status"] == "ok" and r["measured_step_time_s"] is not None]
+
+
+def split_held_out(rows: list[dict], *, held_out_every: int = 2) -> tuple[list[dict], list[dict]]:
+    """(fit, held out): the plans that ran, sorted by measured step time, every `held_out_every`-th
+    (starting with the second) held out, so both halves cover the fast and the slow plans."""
+    if held_out_every < 2:
+        raise PlannerError(f"--held-out-every must be at least 2, got {held_out_every}")
+    ranked = sorted(ok_rows(rows), key=lambda r: r["measured_step_time_s"])
+    held = [r for i, r in enumerate(ranked) if i % held_out_every == 1]
+    fit = [r for i, r in enumerate(ranked) if i % held_out_every != 1]
+    return fit, held
+
+
+def _problem_with(problem: Problem, hardware: Hardware) -> Problem:
+    return dataclasses.replace(problem, cluster=dataclasses.replace(problem.cluster, hardware=hardware))
+
+
+def _predict_step_times(plans: list[Plan], problem: Problem, hardware: Hardware) -> np.ndarray:
+    from cost_models.estimate import estimate
+
+    cluster = dataclasses.replace(problem.cluster, hardware=hardware)
+    return np.array([estimate(p, model=problem.model, cluster=cluster, job=problem.job).step_time_s for p in plans])
+
+
+def fit_time_parameters(rows: list[dict], problem: Problem, *, parameters: tuple[str, ...] = tuple(TIME_PARAMETERS),
+                        max_iterations: int = 60) -> tuple[dict[str, float], float]:
+    """(calibration, rms relative error) of the step-time parameters fitted to `rows` (module docstring)."""
+    unknown = [p for p in parameters if p not in TIME_PARAMETERS]
+    if unknown:
+        raise PlannerError(f"unknown calibration parameter {unknown[0]!r}; choose from {', '.join(TIME_PARAMETERS)}")
+    rows = ok_rows(rows)
+    if len(rows) < len(parameters):
+        raise PlannerError(f"fitting {len(parameters)} parameters needs at least as many measured plans, got {len(rows)}")
+    base = problem.cluster.hardware
+    plans = [Plan.from_dict(r["plan"]) for r in rows]
+    measured = np.array([r["measured_step_time_s"] for r in rows])
+    units = np.array([TIME_PARAMETERS[p][0] for p in parameters])
+
+    def calibration_of(u: np.ndarray) -> dict[str, float]:
+        return {p: float(unit * math.exp(max(x, LOG_FLOOR))) for p, unit, x in zip(parameters, units, u)}
+
+    def residuals(u: np.ndarray) -> np.ndarray:
+        return (_predict_step_times(plans, problem, with_calibration(base, calibration_of(u))) - measured) / measured
+
+    starts = _starting_points(base, parameters, units)
+    best_u, best_r = None, None
+    for u0 in starts:
+        u, r = _levenberg_marquardt(residuals, u0, max_iterations=max_iterations)
+        if best_r is None or float(r @ r) < float(best_r @ best_r):
+            best_u, best_r = u, r
+    assert best_u is not None and best_r is not None
+    return calibration_of(best_u), float(np.sqrt(np.mean(best_r**2)))
+
+
+def _starting_points(base: Hardware, parameters: tuple[str, ...], units: np.ndarray) -> list[np.ndarray]:
+    """The hardware's current values (or the defaults), and the same with the overheads 10x larger and
+    smaller: the overheads and the scales trade off, and LM only finds the nearest minimum."""
+    current = np.array([math.log(max(base.calibration.get(p, TIME_PARAMETERS[p][1]), 1e-30) / unit)
+                        for p, unit in zip(parameters, units)])
+    current = np.maximum(current, LOG_FLOOR)
+    overhead = np.array([p.endswith("_overhead_s") for p in parameters])
+    return [current, current + math.log(10) * overhead, current - math.log(10) * overhead]
+
+
+def _levenberg_marquardt(residuals, u0: np.ndarray, *, max_iterations: int) -> tuple[np.ndarray, np.ndarray]:
+    """Minimise ||residuals(u)||^2 from u0; forward-difference Jacobian, multiplicative damping."""
+    u, r = u0.astype(float), residuals(u0)
+    damping, step = 1e-2, 1e-4
+    for _ in range(max_iterations):
+        jac = np.empty((r.size, u.size))
+        for j in range(u.size):
+            du = np.zeros_like(u)
+            du[j] = step
+            jac[:, j] = (residuals(u + du) - r) / step
+        gradient, normal = jac.T @ r, jac.T @ jac
+        improved = False
+        while damping < 1e8:
+            delta = np.linalg.solve(normal + damping * np.diag(np.diag(normal) + 1e-12), -gradient)
+            candidate = np.maximum(u + delta, LOG_FLOOR)
+            r_new = residuals(candidate)
+            if float(r_new @ r_new) < float(r @ r):
+                gain = float(r @ r) - float(r_new @ r_new)
+                u, r, damping, improved = candidate, r_new, max(damping / 3, 1e-9), True
+                break
+            damping *= 4
+        if not improved or gain < 1e-12 * max(1.0, float(r @ r)):
+            break
+    return u, r
+
+
+def fit_memory_reserve(rows: list[dict], problem: Problem) -> float:
+    """framework_reserve_bytes that makes the median memory error of `rows` zero (module docstring)."""
+    from cost_models.estimate import estimate
+
+    rows = ok_rows(rows)
+    if not rows:
+        raise PlannerError("no measured plan to fit the memory reserve to")
+    gaps, reserves = [], []
+    for r in rows:
+        est = estimate(Plan.from_dict(r["plan"]), model=problem.model, cluster=problem.cluster, job=problem.job)
+        gaps.append(r["measured_peak_memory_bytes"] - est.peak_memory_bytes)
+        reserves.append(est.breakdown["framework_reserve_bytes"])
+    return float(max(0.0, statistics.median(reserves) + statistics.median(gaps)))
+
+
+def calibrate(rows: list[dict], problem: Problem, *, parameters: tuple[str, ...] = tuple(TIME_PARAMETERS),
+              held_out_every: int = 2, fit_memory: bool = True) -> CalibrationResult:
+    """Fit on part of the measured plans and score on the rest (module docstring). `problem` carries the
+    hardware the fit starts from; the result's calibration is what to merge into it."""
+    fit, held = split_held_out(rows, held_out_every=held_out_every)
+    if not fit:
+        raise PlannerError("no plan ran successfully in the measurements; nothing to calibrate against")
+    calibration, rms = fit_time_parameters(fit, problem, parameters=parameters)
+    if fit_memory:
+        calibration["framework_reserve_bytes"] = fit_memory_reserve(fit, problem)
+    calibrated = _problem_with(problem, with_calibration(problem.cluster.hardware, calibration))
+    empty = agreement([])
+    return CalibrationResult(
+        calibration=calibration, fit_labels=tuple(r["label"] for r in fit), held_out_labels=tuple(r["label"] for r in held),
+        fit_before=agreement(repredict(fit, problem)), fit_after=agreement(repredict(fit, calibrated)),
+        held_out_before=agreement(repredict(held, problem)) if held else empty,
+        held_out_after=agreement(repredict(held, calibrated)) if held else empty, rms_relative_error=rms)
+
+
+def problem_from_report(report: dict, *, hardware: str | None = None) -> Problem:
+    """The problem a validate report was measured on, priced on `hardware` (default: the report's)."""
+    from planner.inputs import make_problem
+
+    for key in ("model", "hardware", "nproc", "global_batch", "seq_len", "precision", "plans"):
+        if key not in report:
+            raise PlannerError(f"measurements file: missing key {key!r} (expected a `planner validate --out` report)")
+    return make_problem(model=report["model"], hardware=hardware or report["hardware"], gpus=report["nproc"],
+                        gpus_per_node=report["nproc"], global_batch=report["global_batch"], seq_len=report["seq_len"],
+                        precision=report["precision"])

@@ -1,0 +1,100 @@
+"""planner validate's library: plan selection, agreement metrics, failure handling, the report and PNG."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from planner.errors import PlannerError
+from planner.validate import (ValidateSettings, agreement, build_report, candidate_plans, kendall_tau,
+                              measure, write_scatter_png)
+from runners.launch import RunFailed
+
+
+def _brute_tau_b(x, y):
+    pairs = list(itertools.combinations(range(len(x)), 2))
+    num = sum(((x[i] > x[j]) - (x[i] < x[j])) * ((y[i] > y[j]) - (y[i] < y[j])) for i, j in pairs)
+    n0 = len(pairs)
+    tx = sum(x[i] == x[j] for i, j in pairs)
+    ty = sum(y[i] == y[j] for i, j in pairs)
+    return num / ((n0 - tx) * (n0 - ty)) ** 0.5
+
+
+def test_kendall_tau_known_values_and_ties():
+    assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert kendall_tau([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # One swapped pair of 6: (5 - 1) / 6.
+    assert kendall_tau([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(4 / 6)
+    for x, y in (([1, 1, 2, 3], [1, 2, 2, 5]), ([3, 1, 2, 2, 5], [1, 1, 4, 2, 3])):
+        assert kendall_tau(x, y) == pytest.approx(_brute_tau_b(x, y))
+    assert kendall_tau([1], [2]) is None and kendall_tau([1, 1], [2, 3]) is None
+
+
+def _row(label, predicted, measured, *, status="ok"):
+    return {"label": label, "source": "spread", "status": status, "predicted_step_time_s": predicted,
+            "measured_step_time_s": measured if status == "ok" else None,
+            "step_time_error": (predicted - measured) / measured if status == "ok" else None,
+            "predicted_peak_memory_bytes": 100, "measured_peak_memory_bytes": 110 if status == "ok" else None,
+            "memory_error": -10 / 110 if status == "ok" else None}
+
+
+def test_agreement_by_hand():
+    rows = [_row("a", 1.0, 1.25), _row("b", 2.0, 1.0), _row("c", 3.0, 3.0), _row("d", 0.1, 9.0, status="failed")]
+    got = agreement(rows)
+    assert got["num_ok"] == 3
+    assert got["mape"] == pytest.approx((0.2 + 1.0 + 0.0) / 3)
+    assert got["max_error"] == pytest.approx(1.0)
+    # The model's pick is a (1.0 predicted), measured 1.25 against b's 1.0 best: 25% regret.
+    assert got["top_pick"] == "a" and got["best_measured"] == "b" and got["regret"] == pytest.approx(0.25)
+    assert got["kendall_tau"] == pytest.approx(1 / 3)
+    assert agreement([])["mape"] is None
+
+
+def test_candidates_span_the_knobs_without_duplicates():
+    problem = ValidateSettings(nproc=4).problem()
+    entries = candidate_plans(problem, top_k=2)
+    plans = [e.plan for e in entries]
+    assert len(set(plans)) == len(plans) >= 24
+    assert [e.source for e in entries[:2]] == ["search", "search"]
+    assert {p.zero_level for p in plans if p.dp == 4} >= {0, 1, 2, 3}
+    assert {p.tp for p in plans} >= {1, 2, 4} and {p.pp for p in plans} >= {1, 2, 4}
+    assert {p.micro_batch for p in plans} >= {1, 2, 4}
+    assert {p.schedule for p in plans if p.pp > 1} >= {"1f1b", "gpipe", "interleaved-1f1b"}
+    assert len(candidate_plans(problem, top_k=1, max_plans=3)) == 3
+    with pytest.raises(PlannerError, match="no plan to validate"):
+        candidate_plans(problem, top_k=0, spread=False)
+
+
+def test_failed_run_is_reported_and_the_others_continue(tmp_path):
+    settings = ValidateSettings(nproc=4, steps=3, rounds=2, top_k=0, max_plans=3)
+    calls = []
+
+    def fake_runner(cfg, nproc):
+        calls.append(cfg.plan)
+        if cfg.plan.tp == 2:
+            raise RunFailed("rank 1 failed: RuntimeError: boom")
+        step = 0.1 * cfg.plan.pp + 0.01 * len(calls)
+        return {"summary": {"median_step_time_s": step, "peak_memory_bytes": 300 * 2**20}}
+
+    report = build_report(measure(candidate_plans(settings.problem(), top_k=0, max_plans=3), settings,
+                                  runner=fake_runner), settings)
+    # The failed plan ran once (not retried in round 2); the other two ran twice.
+    assert len(calls) == 5
+    assert report["num_plans"] == 3 and report["num_failed"] == 1 and report["num_ok"] == 2
+    failed = [r for r in report["plans"] if r["status"] == "failed"]
+    assert failed[0]["label"] == "tp2" and "rank 1 failed" in failed[0]["error"]
+    dp = next(r for r in report["plans"] if r["label"] == "dp mb1")
+    assert dp["rounds_step_time_s"] == pytest.approx([0.11, 0.14])
+    assert dp["measured_step_time_s"] == pytest.approx(0.125)
+    assert dp["step_time_error"] == pytest.approx((dp["predicted_step_time_s"] - 0.125) / 0.125)
+    png = tmp_path / "scatter.png"
+    write_scatter_png(report, str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_settings_refuse_bad_values():
+    with pytest.raises(PlannerError, match="--steps must be at least 2"):
+        ValidateSettings(steps=1)
+    with pytest.raises(PlannerError, match="--max-plans"):
+        ValidateSettings(max_plans=0)
