@@ -312,3 +312,46 @@ def simulate(*, schedule: str, pp: int, virtual_stages: int, num_micro_batches: 
         return result
     return simulate_full(schedule=schedule, pp=pp, virtual_stages=virtual_stages,
                          num_micro_batches=num_micro_batches, durations=durations, commshift=commshift)
+
+
+@dataclass(frozen=True)
+class Span:
+    """One action of the simulated step on its pipeline rank: kind "F" or "B" on the compute stream, or
+    "R" (the step-end DP reduction of `chunk` on the communication stream, under commshift)."""
+
+    rank: int
+    kind: str
+    chunk: int
+    micro_batch: int
+    start_s: float
+    end_s: float
+    last_backward: bool = False  # the chunk's last backward: without commshift it carries the reduction
+
+
+def action_spans(*, schedule: str, pp: int, virtual_stages: int, num_micro_batches: int,
+                 durations: ChunkDurations, commshift: bool) -> list[Span]:
+    """Every action's start and end in the full simulation (`simulate_full`'s timeline, for pictures;
+    estimate() prices with `simulate`, which agrees with it). Starts follow the module docstring's rule:
+    an action starts when its rank is free and its input has arrived (the dependency's end plus one
+    transfer); under commshift each chunk's reduction queues on the rank's communication stream after
+    its last backward."""
+    compiled = _compiled(schedule, pp, virtual_stages, num_micro_batches)
+    per_rank = rank_actions(schedule=schedule, pp=pp, virtual_stages=virtual_stages,
+                            num_micro_batches=num_micro_batches)
+    _order, position = _topological(per_rank, pp * virtual_stages)
+    _, end = _run(compiled, pp, durations, commshift)
+    ranks, deps, _slots, _lasts = compiled.columns
+    rank_free = [0.0] * pp
+    comm_free = [0.0] * pp
+    spans: list[Span] = []
+    for i, (rank, dep) in enumerate(zip(ranks, deps)):
+        start = rank_free[rank] if dep < 0 else max(rank_free[rank], end[dep] + durations.p2p_s)
+        rank_free[rank] = end[i]
+        action = per_rank[rank][position[i][1]]
+        is_last = compiled.order[i][4]
+        spans.append(Span(rank, action.kind, action.chunk, action.micro_batch, start, end[i], is_last))
+        if is_last and commshift and durations.reduce_s[action.chunk] > 0.0:
+            begin = max(comm_free[rank], end[i])
+            comm_free[rank] = begin + durations.reduce_s[action.chunk]
+            spans.append(Span(rank, "R", action.chunk, action.micro_batch, begin, comm_free[rank]))
+    return spans
