@@ -148,6 +148,11 @@ class _Unit:
 class ShardedDataParallel:
     """Trains a rank's model chunks under the plan's DP sharding (see the module docstring).
 
+    Use: run forward/backward of every micro-batch through the chunks as usual (the hooks gather, free
+    and reduce), then `optimizer_step()`; under defer_grad_sync the pipeline calls `start_grad_sync(c)`
+    after chunk c's last backward. `full_state_dict()` gathers the parameters for tests;
+    `local_state()` / `load_local_state()` save and restore this rank's shards.
+
     Args:
         chunks: this rank's model chunks, each with `units: nn.ModuleList` run in order by its forward.
         plan: the plan (dp, shard degrees, prefetch_depth, bucket_size_bytes, pp).
