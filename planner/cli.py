@@ -485,6 +485,286 @@ def _print_profile(info: dict, *, out: str) -> None:
         console.print(f"{link}: {spec['bandwidth_bytes_per_s'] / 1e9:.3f} GB/s, {spec['latency_s'] * 1e6:.1f} us")
 
 
+# --- planner validate, calibrate, explain, export, tune (the library sides are planner/<command>.py) ------
+OutFileOpt = Annotated[Optional[str], typer.Option("--out", help="Write the result here.")]
+
+
+def _stage_progress(quiet: bool):
+    """A rich progress bar for a long command, and the callback (stage, done, total, label) that drives it."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("[bold]{task.fields[stage]}[/]"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[label]}"), TimeElapsedColumn(), console=err_console, disable=quiet)
+    task = bar.add_task("work", total=None, stage="", label="")
+
+    def update(stage: str, done: int, total: int | None, label: str) -> None:
+        bar.update(task, completed=done, total=total, stage=stage, label=label)
+
+    return bar, update
+
+
+def _pct(value) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _agreement_table(title: str, columns: dict[str, dict]) -> Table:
+    table = Table(title=title)
+    table.add_column("")
+    for name in columns:
+        table.add_column(name, justify="right")
+    for key, label in (("num_ok", "plans"), ("mape", "step time MAPE"), ("max_error", "max error"),
+                       ("kendall_tau", "Kendall tau"), ("regret", "regret of top pick"), ("memory_mape", "memory MAPE")):
+        cells = []
+        for stats in columns.values():
+            value = stats.get(key)
+            cells.append("-" if value is None else str(value) if key == "num_ok" else
+                         f"{value:.3f}" if key == "kendall_tau" else _pct(value))
+        table.add_row(label, *cells)
+    return table
+
+
+@app.command("validate")
+def validate_command(
+    model: ModelOpt = "tiny", hardware: HardwareOpt = "cpu",
+    nproc: Annotated[int, typer.Option("--nproc", help="Local processes every plan runs on.")] = 4,
+    global_batch: GlobalBatchOpt = 16, seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")] = 64,
+    precision: Annotated[str, typer.Option("--precision", help="Compute precision of the runs.")] = "fp32",
+    steps: Annotated[int, typer.Option("--steps", help="Steps per run (the first is a warm-up).")] = 8,
+    rounds: Annotated[int, typer.Option("--rounds", help="Runs per plan, interleaved across plans; medians.")] = 1,
+    top: Annotated[int, typer.Option("--top", help="The search's top plans to include.")] = 3,
+    max_plans: Annotated[Optional[int], typer.Option("--max-plans", help="Run at most this many plans.")] = None,
+    spread: Annotated[bool, typer.Option("--spread/--no-spread", help="Add the deliberate spread (DP, ZeRO-1/2/3, TP, PP, micro-batches).")] = True,
+    out: Annotated[str, typer.Option("--out", help="The JSON report.")] = "validate.json",
+    png: Annotated[Optional[str], typer.Option("--png", help="Predicted-vs-measured scatter (default: next to --out).")] = None,
+    fmt: FormatOpt = OutputFormat.table,
+) -> None:
+    """Run a spread of plans for real and compare measured with predicted step time and memory.
+
+    Reports MAPE, max error, Kendall tau and the regret of the model's top pick; failed runs are listed.
+
+    Examples:
+      planner validate --nproc 4 --hardware profile.json --out validate.json
+      planner validate --nproc 2 --top 1 --max-plans 3 --steps 4 --format json
+      planner validate --nproc 4 --rounds 3 --png scatter.png
+    """
+    from planner.jsonio import write_json_atomic
+    from planner.validate import ValidateSettings, validate, write_scatter_png
+
+    with _BadInput():
+        settings = ValidateSettings(model=model, hardware=hardware, nproc=nproc, global_batch=global_batch,
+                                    seq_len=seq_len, precision=precision, steps=steps, rounds=rounds, top_k=top,
+                                    spread=spread, max_plans=max_plans)
+        bar, update = _stage_progress(fmt is OutputFormat.json)
+        with bar:
+            report = validate(settings, progress=lambda done, total, label: update("validate", done, total, label))
+    write_json_atomic(out, report)
+    png = png or os.path.splitext(out)[0] + ".png"
+    write_scatter_png(report, png)
+    if fmt is OutputFormat.json:
+        print_json(report)
+        return
+    table = Table(title=f"Measured against predicted ({report['hardware_name']}, {nproc} processes)")
+    for col in ("plan", "", "predicted", "measured", "error", "memory error"):
+        table.add_column(col, justify="left" if col in ("plan", "") else "right")
+    for r in report["plans"]:
+        if r["status"] != "ok":
+            table.add_row(r["label"], r["describe"], f"{r['predicted_step_time_s'] * 1e3:.1f} ms", "failed",
+                          r["error"] or "", "")
+            continue
+        table.add_row(r["label"], r["describe"], f"{r['predicted_step_time_s'] * 1e3:.1f} ms",
+                      f"{r['measured_step_time_s'] * 1e3:.1f} ms", f"{r['step_time_error']:+.1%}", f"{r['memory_error']:+.1%}")
+    console.print(table)
+    console.print(_agreement_table("Agreement", {"all plans": report}))
+    console.print(f"top pick {report['top_pick']}, best measured {report['best_measured']}; report {out}, scatter {png}",
+                  highlight=False)
+
+
+@app.command("calibrate")
+def calibrate_command(
+    measurements: Annotated[str, typer.Option("--measurements", help="A `planner validate --out` report.")],
+    hardware: Annotated[Optional[str], typer.Option("--hardware", help="Profile to start from (default: the report's).")] = None,
+    out: Annotated[Optional[str], typer.Option("--out", help="Calibrated profile (default: overwrite --hardware's file).")] = None,
+    held_out_every: Annotated[int, typer.Option("--held-out-every", help="Hold out every k-th plan by measured time.")] = 2,
+    parameters: Annotated[Optional[str], typer.Option("--parameters", help="Comma list of step-time parameters to fit (default: all).")] = None,
+    memory: Annotated[bool, typer.Option("--memory/--no-memory", help="Also fit framework_reserve_bytes.")] = True,
+    fmt: FormatOpt = OutputFormat.table,
+) -> None:
+    """Fit the cost model's free parameters to measured runs and write them into the hardware profile.
+
+    The fit uses part of the plans; the agreement is reported on the plans held out of it.
+
+    Examples:
+      planner calibrate --measurements validate.json --hardware profile.json
+      planner calibrate --measurements validate.json --hardware cpu --out calibrated.json --format json
+      planner calibrate --measurements validate.json --parameters op_overhead_s,collective_overhead_s --held-out-every 3
+    """
+    from planner.calibrate import TIME_PARAMETERS, calibrate, problem_from_report
+    from planner.jsonio import read_json_file
+    from profilers.hardware import PRESETS, with_calibration
+
+    with _BadInput():
+        report = read_json_file(measurements, what="measurements")
+        if not isinstance(report, dict):
+            raise PlannerError(f"measurements file {measurements}: expected a `planner validate --out` report")
+        problem = problem_from_report(report, hardware=hardware)
+        source = hardware or report["hardware"]
+        target = out or (None if source in PRESETS else source)
+        if target is None:
+            raise PlannerError(f"--hardware {source} is a preset; give --out for the calibrated profile")
+        names = tuple(p.strip() for p in parameters.split(",")) if parameters else tuple(TIME_PARAMETERS)
+        with err_console.status("fitting"):
+            result = calibrate(report["plans"], problem, parameters=names, held_out_every=held_out_every,
+                               fit_memory=memory)
+        with_calibration(problem.cluster.hardware, result.calibration).save(target)
+    if fmt is OutputFormat.json:
+        print_json({"out": target, **result.to_dict()})
+        return
+    console.print(_agreement_table("Held-out plans (not used by the fit)",
+                                   {"before": result.held_out_before, "after": result.held_out_after}))
+    console.print(_agreement_table("Fitted plans", {"before": result.fit_before, "after": result.fit_after}))
+    console.print("calibration: " + ", ".join(f"{k} {v:.4g}" for k, v in result.calibration.items())
+                  + f"; written to {target}", highlight=False)
+
+
+def _plan_problem(plan_file: str, *, model: str, hardware: str, gpus: Optional[int], gpus_per_node: Optional[int],
+                  global_batch: Optional[int], seq_len: Optional[int], precision: Optional[str]):
+    """The plan of a plan file and the problem around it: the devices and batch default to the plan's,
+    the sequence length and precision to the file's job (search --out writes one)."""
+    from planner.inputs import load_plan, make_problem
+    from planner.jsonio import read_json_file
+
+    data = read_json_file(plan_file, what="plan")
+    job = data.get("job") if isinstance(data, dict) and isinstance(data.get("job"), dict) else {}
+    plan = load_plan(plan_file)
+    problem = make_problem(model=model, hardware=hardware, gpus=gpus or plan.world_size, gpus_per_node=gpus_per_node,
+                           global_batch=global_batch or plan.global_batch, seq_len=seq_len or job.get("seq_len"),
+                           precision=precision or job.get("precision"))
+    from planner.plan import check_plan
+
+    check_plan(plan, model=problem.model, num_devices=problem.cluster.num_devices, job=problem.job)
+    return plan, problem
+
+
+@app.command("explain")
+def explain_command(
+    plan_file: Annotated[str, typer.Option("--plan", help="Plan JSON (search --out, or a bare plan).")],
+    model: ModelOpt = "tiny", hardware: HardwareOpt = "cpu",
+    gpus: Annotated[Optional[int], typer.Option("--gpus", help="Devices (default: the plan's dp x tp x pp).")] = None,
+    gpus_per_node: GpusPerNodeOpt = None,
+    global_batch: Annotated[Optional[int], typer.Option("--global-batch", help="Default: the plan's.")] = None,
+    seq_len: SeqLenOpt = None, precision: PrecisionOpt = None,
+    measured: Annotated[Optional[str], typer.Option("--measured", help="`planner run --metrics-out` file of the same plan.")] = None,
+    png: Annotated[str, typer.Option("--png", help="The timeline picture.")] = "explain.png",
+    fmt: FormatOpt = OutputFormat.table,
+) -> None:
+    """Draw one training step per pipeline rank as the cost model sees it, with a text breakdown.
+
+    Examples:
+      planner explain --plan plan.json --model tiny --hardware profile.json --seq-len 64
+      planner explain --plan plan.json --model llama3-70b --hardware h100 --gpus-per-node 8 --png step.png
+      planner run --nproc 4 --pp 2 --metrics-out m.json && planner explain --plan m.json --seq-len 64 --measured m.json
+    """
+    from planner.explain import breakdown_lines, explain, load_measured, write_timeline_png
+
+    with _BadInput():
+        plan, problem = _plan_problem(plan_file, model=model, hardware=hardware, gpus=gpus, gpus_per_node=gpus_per_node,
+                                      global_batch=global_batch, seq_len=seq_len, precision=precision)
+        metrics = load_measured(measured, plan) if measured else None
+        ex = explain(plan, problem)
+    write_timeline_png(ex, png, metrics=metrics)
+    if fmt is OutputFormat.json:
+        print_json({"plan": plan.to_dict(), "estimate": ex.estimate.to_dict(), "png": png,
+                    "measured_step_time_s": metrics["summary"]["median_step_time_s"] if metrics else None,
+                    "spans": [{"rank": s.rank, "kind": s.kind, "chunk": s.chunk, "micro_batch": s.micro_batch,
+                               "start_s": s.start_s, "end_s": s.end_s} for s in ex.spans]})
+        return
+    for line in breakdown_lines(ex, metrics=metrics):
+        console.print(line, highlight=False, soft_wrap=True)
+    console.print(f"timeline: {png}", highlight=False)
+
+
+@app.command("export")
+def export_command(
+    plan_file: Annotated[str, typer.Option("--plan", help="Plan JSON (search --out, or a bare plan).")],
+    to: Annotated[str, typer.Option("--to", help="torchtitan, megatron or deepspeed.")],
+    model: ModelOpt = "tiny",
+    global_batch: Annotated[Optional[int], typer.Option("--global-batch", help="Default: the plan's.")] = None,
+    seq_len: SeqLenOpt = None,
+    precision: Annotated[Optional[str], typer.Option("--precision", help="Default: the plan file's job, else bf16.")] = None,
+    out: OutFileOpt = None,
+    fmt: FormatOpt = OutputFormat.table,
+) -> None:
+    """Write the flags or config that run the same plan in torchtitan, Megatron-LM or DeepSpeed.
+
+    Knobs the target cannot express are listed with the nearest setting used.
+
+    Examples:
+      planner export --plan plan.json --to torchtitan --out llama.toml
+      planner export --plan plan.json --to megatron --model llama3-70b
+      planner export --plan plan.json --to deepspeed --format json
+    """
+    from planner.export import export_plan
+
+    with _BadInput():
+        plan, problem = _plan_problem(plan_file, model=model, hardware="h100", gpus=None, gpus_per_node=None,
+                                      global_batch=global_batch, seq_len=seq_len, precision=precision)
+        result = export_plan(plan, model=problem.model, job=problem.job, target=to)
+    if out:
+        with open(out, "w") as f:
+            f.write(result.text)
+    if fmt is OutputFormat.json:
+        print_json(result.to_dict())
+        return
+    if not out:
+        sys.stdout.write(result.text)
+    for line in result.unsupported:
+        err_console.print(f"cannot express: {line}", markup=False, highlight=False, soft_wrap=True)
+    for line in result.notes:
+        err_console.print(f"note: {line}", markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command("tune")
+def tune_command(
+    model: ModelOpt = "tiny",
+    nproc: Annotated[int, typer.Option("--nproc", help="Local processes to profile and train on.")] = 2,
+    global_batch: GlobalBatchOpt = 8,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")] = 64,
+    precision: PrecisionOpt = None,
+    steps: Annotated[int, typer.Option("--steps", help="Steps to train the best plan.")] = 8,
+    profile_file: Annotated[Optional[str], typer.Option("--profile", help="Use this profile instead of the cache.")] = None,
+    refresh_profile: Annotated[bool, typer.Option("--refresh-profile", help="Measure the profile again.")] = False,
+    fmt: FormatOpt = OutputFormat.table,
+) -> None:
+    """Profile (or reuse the cached profile), search, train the best plan, report measured against predicted.
+
+    With no arguments: the tiny model on 2 local CPU processes.
+
+    Examples:
+      planner tune
+      planner tune --nproc 4 --global-batch 16 --steps 10
+      planner tune --profile calibrated.json --format json
+    """
+    from planner.tune import TuneSettings, report_lines, tune
+    from runners.launch import RunFailed
+
+    with _BadInput():
+        settings = TuneSettings(model=model, nproc=nproc, global_batch=global_batch, seq_len=seq_len,
+                                precision=precision, steps=steps, profile=profile_file, refresh_profile=refresh_profile)
+        bar, update = _stage_progress(fmt is OutputFormat.json)
+        try:
+            with bar:
+                report = tune(settings, progress=update,
+                              on_step=lambda r: update("train", r["step"] + 1, steps, f"loss {r['loss']:.4f}"))
+        except RunFailed as exc:
+            err_console.print(f"error: {exc}", markup=False, highlight=False)
+            raise typer.Exit(1)
+    if fmt is OutputFormat.json:
+        print_json(report)
+        return
+    for line in report_lines(report):
+        console.print(line, highlight=False, soft_wrap=True)
+
+
 cluster_app = typer.Typer(no_args_is_help=True, help="An emulated multi-node cluster (network namespaces + tc; needs root).")
 app.add_typer(cluster_app, name="cluster")
 PrefixOpt = Annotated[str, typer.Option("--prefix", help="Name prefix of the namespaces (several clusters can coexist).")]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -119,8 +120,12 @@ def candidate_plans(problem: Problem, *, top_k: int, spread: bool = True, max_pl
             seen.add(c.plan)
     for label, flags in SPREAD if spread else ():
         try:
-            plan = plan_from_flags(PlanFlags(**flags), problem)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a knob without effect here is skipped below, not warned about
+                plan = plan_from_flags(PlanFlags(**flags), problem)
         except (PlannerError, ValueError):
+            continue
+        if plan.commshift and not (plan.pp > 1 and plan.dp > 1):
             continue
         if plan in seen or (problem.model.tied_embeddings and plan.pp > 1):
             continue

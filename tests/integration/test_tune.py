@@ -1,0 +1,35 @@
+"""planner tune end to end: profile into an empty cache, search, train, report; the cache is reused."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from planner.cli import app
+from planner.tune import TuneSettings, cached_profile_path, ensure_profile
+
+runner = CliRunner()
+
+
+def test_tune_profiles_searches_runs_and_reuses_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path / "cache"))
+    result = runner.invoke(app, ["tune", "--steps", "3", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["profile_reused"] is False
+    cached = cached_profile_path(TuneSettings())
+    assert report["profile"] == str(cached) and cached.exists()
+    assert len(report["losses"]) == 3 and report["measured"]["median_step_time_s"] > 0
+    assert report["step_time_ratio"] == report["measured"]["median_step_time_s"] / report["predicted"]["step_time_s"]
+    assert report["total_time_s"] < 300
+    # The next tune finds the profile in the cache instead of measuring again.
+    path, reused = ensure_profile(TuneSettings())
+    assert reused and path == str(cached)
+
+
+def test_tune_refuses_bad_settings(tmp_path):
+    result = runner.invoke(app, ["tune", "--nproc", "1"])
+    assert result.exit_code == 2 and "--nproc must be at least 2" in result.output
+    result = runner.invoke(app, ["tune", "--profile", str(tmp_path / "missing.json")])
+    assert result.exit_code == 2 and "not found" in result.output

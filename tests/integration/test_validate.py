@@ -1,0 +1,59 @@
+"""planner validate -> calibrate -> explain end to end on the tiny model with 2 local processes (few plans, few steps)."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from planner.cli import app
+from profilers.hardware import resolve_hardware
+
+runner = CliRunner()
+
+
+def test_validate_then_calibrate_then_explain(tmp_path):
+    report_path, png = tmp_path / "v.json", tmp_path / "v.png"
+    result = runner.invoke(app, ["validate", "--nproc", "2", "--global-batch", "4", "--top", "1", "--max-plans", "2",
+                                 "--steps", "3", "--out", str(report_path), "--png", str(png), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(report_path.read_text())
+    assert report["num_plans"] == 2 and report["plans"][0]["source"] == "search"
+    ok = [r for r in report["plans"] if r["status"] == "ok"]
+    assert len(ok) == 2 and report["num_failed"] == 0
+    for r in ok:
+        assert r["measured_step_time_s"] > 0 and r["measured_peak_memory_bytes"] > 100 * 2**20
+        assert abs(r["step_time_error"] - (r["predicted_step_time_s"] / r["measured_step_time_s"] - 1)) < 1e-9
+    assert report["kendall_tau"] is not None and report["regret"] >= 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+    # Calibrate one parameter on the plans not held out; the profile it writes prices the plans closer.
+    calibrated = tmp_path / "cal.json"
+    result = runner.invoke(app, ["calibrate", "--measurements", str(report_path), "--out", str(calibrated),
+                                 "--parameters", "op_overhead_s", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    fit = json.loads(result.stdout)
+    assert fit["fit_after"]["mape"] < fit["fit_before"]["mape"]
+    hw = resolve_hardware(str(calibrated))
+    assert hw.calibration["op_overhead_s"] > 0 and hw.calibration["framework_reserve_bytes"] > 0
+
+    # A preset cannot be overwritten in place.
+    result = runner.invoke(app, ["calibrate", "--measurements", str(report_path)])
+    assert result.exit_code == 2 and "is a preset; give --out" in result.output
+
+    # Explain a plan that ran, with its measured metrics beside the prediction.
+    metrics = tmp_path / "m.json"
+    result = runner.invoke(app, ["run", "--nproc", "2", "--global-batch", "4", "--steps", "3", "--pp", "2",
+                                 "--metrics-out", str(metrics), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    step_png = tmp_path / "step.png"
+    result = runner.invoke(app, ["explain", "--plan", str(metrics), "--hardware", str(calibrated), "--seq-len", "64",
+                                 "--measured", str(metrics), "--png", str(step_png)])
+    assert result.exit_code == 0, result.output
+    assert "measured step" in result.output and "pipeline rank 1" in result.output
+    assert step_png.read_bytes()[:4] == b"\x89PNG"
+    # The same metrics against another plan are refused by field.
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"dp": 2, "num_micro_batches": 2}))
+    result = runner.invoke(app, ["explain", "--plan", str(other), "--seq-len", "64", "--measured", str(metrics)])
+    assert result.exit_code == 2 and "is for another plan" in result.output
