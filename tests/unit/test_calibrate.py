@@ -79,3 +79,30 @@ def test_failed_rows_are_ignored_and_too_few_plans_refused():
         fit_time_parameters(rows, _problem())
     with pytest.raises(PlannerError, match="unknown calibration parameter 'speed'"):
         fit_time_parameters(rows, _problem(), parameters=("speed",))
+
+
+def test_op_and_step_overheads_add_per_launched_op_by_hand():
+    """tiny llama layer: 7 GEMMs + 1 fused attention + 35 elementwise = 43 forward ops, backward twice as
+    many; embedding 1 op, norm + head + loss 12; Adam 10 ops per unit (8 layers + 2 ends)."""
+    from planner.plan import Plan
+
+    plan, o, step = Plan(dp=4, num_micro_batches=4), 1e-4, 3e-3
+    base = _problem()
+    with_overheads = _problem({"op_overhead_s": o, "step_overhead_s": step})
+    t0 = estimate(plan, model=base.model, cluster=base.cluster, job=base.job).step_time_s
+    t1 = estimate(plan, model=base.model, cluster=with_overheads.cluster, job=base.job).step_time_s
+    per_micro_batch_ops = 8 * 3 * 43 + 3 * 1 + 3 * 12
+    assert t1 - t0 == pytest.approx(o * (4 * per_micro_batch_ops + 10 * 10) + step, rel=1e-9)
+
+
+def test_collective_overhead_is_paid_per_call():
+    from planner.plan import Plan
+
+    plan, c = Plan(dp=1, tp=4, num_micro_batches=16), 1e-3
+    base, slow = _problem(), _problem({"collective_overhead_s": c})
+    t0 = estimate(plan, model=base.model, cluster=base.cluster, job=base.job)
+    t1 = estimate(plan, model=base.model, cluster=slow.cluster, job=base.job)
+    # Per layer and micro-batch: 2 all-reduces forward, 2 backward (Megatron); the embedding's all-reduce
+    # and the head's input all-reduce once each per micro-batch; no DP.
+    calls = 16 * (8 * 4 + 2)
+    assert t1.breakdown["tp_comm_s"] - t0.breakdown["tp_comm_s"] == pytest.approx(c * calls, rel=1e-9)

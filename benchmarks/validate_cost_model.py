@@ -1,0 +1,152 @@
+"""How well the cost model predicts real runs, before and after calibration, against the targets.
+
+    python benchmarks/validate_cost_model.py --nproc 4 --out-dir out/validate
+    python benchmarks/validate_cost_model.py --profile p.json --measurements out/validate/measured.json   # re-score only
+
+1. profile this node (`planner profile --quick`), unless --profile is given;
+2. measure the search's top plans and the spread (planner/validate.py) with --rounds interleaved runs each,
+   unless --measurements is given (a `planner validate` report);
+3. calibrate on half of the plans (planner/calibrate.py) and score the other half;
+4. search again with the calibrated profile and measure its winner if it was not measured yet: the
+   regret of the top pick is its measured step time over the best measured one;
+5. issue 4's check: DP and ZeRO plans (tp = pp = 1) priced with the calibrated profile against their
+   measured median step time.
+
+Targets: on >= 24 plans, held-out MAPE <= 10%, held-out Kendall tau >= 0.8, regret <= 5%, DP/ZeRO
+plans within 20%. Prints one line per target and writes summary.json and before/after scatters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from planner.calibrate import calibrate, ok_rows  # noqa: E402
+from planner.jsonio import read_json_file, write_json_atomic  # noqa: E402
+from planner.validate import (Measurement, PlanEntry, ValidateSettings, agreement, build_report, measure,  # noqa: E402
+                              repredict, validate, write_scatter_png)
+from profilers.hardware import with_calibration  # noqa: E402
+
+TARGETS = {"num_plans": 24, "held_out_mape": 0.10, "held_out_kendall_tau": 0.8, "regret": 0.05, "dp_zero_max_error": 0.20}
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--top", type=int, default=3)
+    parser.add_argument("--profile", help="Use this profile instead of measuring one.")
+    parser.add_argument("--measurements", help="Re-score a `planner validate` report instead of measuring.")
+    parser.add_argument("--out-dir", default="out/validate")
+    args = parser.parse_args()
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    profile = args.profile
+    if profile is None:
+        from profilers.profile import ProfileOptions, run_profile
+
+        log(f"profiling {args.nproc} processes (quick)")
+        profile = str(out / "profile.json")
+        run_profile(ProfileOptions(nproc=args.nproc, quick=True)).save(profile)
+    settings = ValidateSettings(hardware=profile, nproc=args.nproc, global_batch=args.global_batch, seq_len=args.seq_len,
+                                steps=args.steps, rounds=args.rounds, top_k=args.top)
+    if args.measurements:
+        report = read_json_file(args.measurements, what="measurements")
+    else:
+        log(f"measuring plans: {args.rounds} interleaved rounds of {args.steps} steps")
+        report = validate(settings, progress=lambda d, n, label: log(f"  run {d}/{n}: {label}"))
+        write_json_atomic(out / "measured.json", report)
+    problem = settings.problem()
+    rows = repredict(report["plans"], problem)
+    datasheet = repredict(report["plans"], dataclasses.replace(settings, hardware="cpu").problem())
+    log(f"{len(rows)} plans, {len(ok_rows(rows))} ran")
+
+    result = calibrate(rows, problem)
+    calibrated_hw = with_calibration(problem.cluster.hardware, result.calibration)
+    calibrated_path = out / "profile-calibrated.json"
+    calibrated_hw.save(calibrated_path)
+    calibrated = dataclasses.replace(settings, hardware=str(calibrated_path))
+    after = repredict(rows, calibrated.problem())
+
+    # The calibrated search's winner, measured if it is new, against the best measured plan.
+    from planner.search import SearchOptions, search
+
+    winner = search(calibrated.problem(), options=SearchOptions(top_k=3)).winner.plan
+    measured = {json.dumps(r["plan"], sort_keys=True): r for r in after}
+    key = json.dumps(winner.to_dict(), sort_keys=True)
+    if key not in measured or measured[key]["status"] != "ok":
+        log(f"measuring the calibrated search's winner {winner.describe()}")
+        new = measure([PlanEntry("calibrated search #1", "search", winner)], calibrated)
+        extra = build_report(new, calibrated)["plans"]
+        after += extra
+        measured[key] = extra[0]
+    top = measured[key]
+    best = min(ok_rows(after), key=lambda r: r["measured_step_time_s"])
+    regret = (top["measured_step_time_s"] / best["measured_step_time_s"] - 1.0) if top["status"] == "ok" else None
+
+    dp_zero = [r for r in ok_rows(after) if r["plan"]["tp"] == 1 and r["plan"]["pp"] == 1]
+    dp_zero_max = max((abs(r["step_time_error"]) for r in dp_zero), default=None)
+
+    summary = {
+        "num_plans": report["num_plans"], "num_failed": report["num_failed"],
+        "failed": {r["label"]: r["error"] for r in rows if r["status"] != "ok"},
+        "datasheet_cpu_all": agreement(datasheet), "profile_all": agreement(rows),
+        "calibration": result.calibration, "fit_labels": result.fit_labels, "held_out_labels": result.held_out_labels,
+        "held_out_before": result.held_out_before, "held_out_after": result.held_out_after,
+        "fit_after": result.fit_after, "calibrated_all": agreement(after),
+        "calibrated_search_winner": winner.describe(), "winner_measured_step_time_s": top["measured_step_time_s"],
+        "best_measured": best["label"], "best_measured_step_time_s": best["measured_step_time_s"], "regret": regret,
+        "dp_zero_errors": {r["label"]: r["step_time_error"] for r in dp_zero}, "dp_zero_max_error": dp_zero_max,
+    }
+    write_json_atomic(out / "summary.json", summary)
+    write_json_atomic(out / "calibrated.json", {**report, **agreement(after), "plans": after})
+    write_scatter_png({**report, **agreement(rows), "plans": rows}, str(out / "scatter-profile.png"),
+                      title="uncalibrated quick profile")
+    write_scatter_png({**report, **agreement(after), "plans": after, "hardware_name": "calibrated profile"},
+                      str(out / "scatter-calibrated.png"), title="calibrated profile (all plans; see summary for held-out)")
+
+    def pct(v):
+        return "n/a" if v is None else f"{v:.1%}"
+
+    for name, stats in (("datasheet cpu preset, all plans", summary["datasheet_cpu_all"]),
+                        ("quick profile, all plans", summary["profile_all"]),
+                        ("held out, before calibration", result.held_out_before),
+                        ("held out, after calibration", result.held_out_after),
+                        ("calibrated, all plans", summary["calibrated_all"])):
+        tau = stats["kendall_tau"]
+        log(f"{name:<34} n={stats['num_ok']:<3} MAPE {pct(stats['mape']):>7}  max {pct(stats['max_error']):>7}  "
+            f"tau {'n/a' if tau is None else f'{tau:.3f}'}  memory MAPE {pct(stats['memory_mape'])}")
+    log("calibration: " + ", ".join(f"{k}={v:.4g}" for k, v in result.calibration.items()))
+    checks = [
+        ("plans measured", report["num_plans"], f">= {TARGETS['num_plans']}", report["num_plans"] >= TARGETS["num_plans"]),
+        ("held-out MAPE", pct(result.held_out_after["mape"]), "<= 10%",
+         result.held_out_after["mape"] is not None and result.held_out_after["mape"] <= TARGETS["held_out_mape"]),
+        ("held-out Kendall tau", result.held_out_after["kendall_tau"], ">= 0.8",
+         (result.held_out_after["kendall_tau"] or -1) >= TARGETS["held_out_kendall_tau"]),
+        ("regret of the calibrated search's pick", f"{pct(regret)} ({winner.describe()} vs best {best['label']})", "<= 5%",
+         regret is not None and regret <= TARGETS["regret"]),
+        ("DP/ZeRO plans, max |error| (issue 4)", pct(dp_zero_max), "<= 20%",
+         dp_zero_max is not None and dp_zero_max <= TARGETS["dp_zero_max_error"]),
+    ]
+    for name, value, target, ok in checks:
+        log(f"{'PASS' if ok else 'FAIL'}  {name}: {value} (target {target})")
+    log(f"wrote {out}/summary.json, measured.json, calibrated.json, profile-calibrated.json, scatter-*.png")
+    return 0 if all(ok for *_, ok in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
