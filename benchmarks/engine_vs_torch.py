@@ -1,0 +1,173 @@
+"""python benchmarks/engine_vs_torch.py [--repeats 3] [--steps 4] [--no-memory]
+
+Our engine against torch's own components (runners/torch_engine.py) on the same plan: the same model code
+and seeded weights, data, loss and Adam, on 4 local gloo CPU processes (one intra-op thread each). For
+DDP, ZeRO-1, ZeRO-2 and ZeRO-3 it prints the median step time of each engine and the ratio ours / torch
+(target <= 1.05), then the measured peak memory per rank beside the cost model's prediction.
+
+Timing: one set of processes runs every (plan, engine) pair `--repeats` times, plans and engines
+interleaved (ours, torch, torch, ours, ...) so that drift in a shared machine's load hits both engines
+alike; each run's first step is dropped (lazy allocation) and the median over all kept steps is reported.
+
+Memory: each (plan, engine) runs again in fresh processes, so no earlier run's freed pages inflate the
+resident set. train() reports the peak resident set (VmHWM) of the worst rank from step 1 on; we subtract
+that rank's resident set just before the model was built (interpreter, torch, gloo), leaving what the
+plan's state, activations and buffers cost — the quantity the cost model's peak_memory_bytes prices
+(hardware preset "cpu").
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import statistics
+import sys
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from planner.job import Job  # noqa: E402
+from planner.model import PRESETS  # noqa: E402
+from planner.plan import Plan, zero_degrees  # noqa: E402
+from runners.model import build_chunk  # noqa: E402
+from runners.tensor_parallel import TPContext  # noqa: E402
+from runners.train import RunConfig  # noqa: E402
+
+WORLD = 4
+SEQ_LEN = 128
+MICRO_BATCH = 1
+NUM_MICRO_BATCHES = 4
+ENGINES = ("ours", "torch")
+# Big enough that gradient and parameter collectives (~13 MB of fp32 parameters) and GEMMs both matter.
+MODEL = dataclasses.replace(PRESETS["tiny"], name="tiny-h256-l4", hidden_size=256, num_layers=4,
+                            ffn_hidden_size=704, max_seq_len=SEQ_LEN)
+LEVELS = {"DDP": 0, "ZeRO-1": 1, "ZeRO-2": 2, "ZeRO-3": 3}
+
+
+def make_config(level: int, engine: str, *, steps: int) -> RunConfig:
+    s_p, s_g, s_os = zero_degrees(level, WORLD)
+    plan = Plan(dp=WORLD, param_shard=s_p, grad_shard=s_g, optim_shard=s_os, micro_batch=MICRO_BATCH,
+                num_micro_batches=NUM_MICRO_BATCHES)
+    return RunConfig(plan=plan, model=MODEL, job=Job(global_batch=plan.global_batch, seq_len=SEQ_LEN, precision="fp32"),
+                     steps=steps, seed=0, engine=engine, hardware="cpu", timeout_s=600)
+
+
+def resident_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _worker(rank: int, port: int, jobs: list[tuple[str, RunConfig]], queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)
+    try:
+        from runners.train import train
+
+        dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=600))
+        for label, cfg in jobs:
+            idle = torch.tensor([float(resident_bytes())], dtype=torch.float64)
+            metrics, trainer = train(cfg, device=torch.device("cpu"))
+            del trainer
+            dist.all_reduce(idle, op=dist.ReduceOp.MAX)
+            if rank == 0:
+                queue.put(("ok", label, metrics, int(idle.item())))
+        dist.destroy_process_group()
+    except Exception:
+        queue.put(("error", f"rank {rank}: {traceback.format_exc()}", None, 0))
+        raise
+
+
+def run_jobs(jobs: list[tuple[str, RunConfig]]) -> list[tuple[str, dict, int]]:
+    """Run the (label, config) jobs in order on one set of WORLD processes; (label, metrics, idle RSS) each."""
+    from tests.distributed.harness import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, jobs, queue)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    out = []
+    try:
+        for _ in jobs:
+            status, label, metrics, idle = queue.get(timeout=1800)
+            if status != "ok":
+                raise RuntimeError(label)
+            out.append((label, metrics, idle))
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    return out
+
+
+def timing_jobs(*, repeats: int, steps: int) -> list[tuple[str, RunConfig]]:
+    jobs = []
+    for r in range(repeats):
+        for i, (name, level) in enumerate(LEVELS.items()):
+            # Alternate which engine goes first so neither always follows the other's warm caches.
+            order = ENGINES if (r + i) % 2 == 0 else ENGINES[::-1]
+            jobs.extend((f"{name}|{engine}", make_config(level, engine, steps=steps)) for engine in order)
+    return jobs
+
+
+def measure_times(*, repeats: int, steps: int) -> dict[str, list[float]]:
+    step_times: dict[str, list[float]] = {}
+    for label, metrics, _ in run_jobs(timing_jobs(repeats=repeats, steps=steps)):
+        step_times.setdefault(label, []).extend(s["step_time_s"] for s in metrics["steps"][1:])
+    return step_times
+
+
+def measure_memory(*, steps: int) -> dict[str, tuple[int, int, int | None]]:
+    """label -> (peak RSS of the worst rank, that minus the idle RSS, predicted peak bytes)."""
+    out = {}
+    for name, level in LEVELS.items():
+        for engine in ENGINES:
+            label = f"{name}|{engine}"
+            (_, metrics, idle), = run_jobs([(label, make_config(level, engine, steps=steps))])
+            peak = metrics["summary"]["peak_memory_bytes"]
+            predicted = (metrics.get("predicted") or {}).get("peak_memory_bytes")
+            out[label] = (peak, peak - idle, predicted)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="engine_vs_torch")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4, help="steps per run; the first is dropped")
+    parser.add_argument("--no-memory", action="store_true")
+    args = parser.parse_args()
+    times = measure_times(repeats=args.repeats, steps=args.steps)
+    params = sum(p.numel() for p in build_chunk(MODEL, layers=range(MODEL.num_layers), first=True, last=True, seed=0,
+                                                tp=TPContext.single(), recompute="none", loss_scale=1.0).parameters())
+    print(f"{MODEL.name}: {params / 1e6:.2f} M params, seq {SEQ_LEN}, {WORLD} gloo CPU processes, "
+          f"micro-batch {MICRO_BATCH} x {NUM_MICRO_BATCHES}, {args.repeats} interleaved repeats x {args.steps - 1} timed steps")
+    print(f"{'plan':<8} {'ours s':>8} {'torch s':>8} {'ours/torch':>10} {'n':>4}")
+    for name in LEVELS:
+        ours, theirs = times[f"{name}|ours"], times[f"{name}|torch"]
+        mo, mt = statistics.median(ours), statistics.median(theirs)
+        print(f"{name:<8} {mo:>8.3f} {mt:>8.3f} {mo / mt:>10.3f} {len(ours):>4}")
+    if args.no_memory:
+        return
+    memory = measure_memory(steps=3)
+    mib = 2**20
+    print(f"\n{'plan':<8} {'engine':<6} {'peak RSS MiB':>12} {'above idle MiB':>14} {'predicted MiB':>13}")
+    for label, (peak, above, predicted) in memory.items():
+        name, engine = label.split("|")
+        pred = f"{predicted / mib:>13.1f}" if predicted is not None else f"{'n/a':>13}"
+        print(f"{name:<8} {engine:<6} {peak / mib:>12.1f} {above / mib:>14.1f} {pred}")
+
+
+if __name__ == "__main__":
+    main()
