@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from planner.errors import PlannerError
 from planner.job import Job
-from planner.jsonio import check_keys, read_json_file, write_json_atomic
+from planner.jsonio import dataclass_from_dict, read_json_file, write_json_atomic
 from planner.model import ModelSpec
 from planner.plan import Plan, check_plan
 
@@ -48,12 +48,27 @@ class RunConfig:
     engine: str = "ours"
     hardware: str = "cpu"
     timeout_s: float = 300.0
+    # Checkpoints (runners/checkpoint.py): every N steps (0: only at the end) into checkpoint_dir, keeping
+    # the newest checkpoint_keep; resume continues from the newest (as does any torchrun restart).
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    checkpoint_keep: int = 2
+    resume: bool = False
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"steps must be at least 1, got {self.steps}")
         if self.engine not in ("ours", "torch"):
             raise ValueError(f"engine must be ours or torch, got {self.engine!r}")
+        if not self.timeout_s > 0 or self.timeout_s == float("inf"):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {self.timeout_s}")
+        if self.checkpoint_every < 0 or self.checkpoint_keep < 1:
+            raise ValueError(f"checkpoint_every must be >= 0 and checkpoint_keep >= 1, got {self.checkpoint_every} "
+                             f"and {self.checkpoint_keep}")
+        if (self.checkpoint_dir or self.resume) and self.engine != "ours":
+            raise ValueError("checkpoints are implemented for --engine ours only")
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("resume needs a checkpoint_dir")
 
     def to_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -61,11 +76,9 @@ class RunConfig:
         return out
 
     @classmethod
-    def from_dict(cls, data: dict) -> "RunConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        check_keys(data, allowed=names, required={"plan", "model", "job"}, what="run config")
-        return cls(**{**data, "plan": Plan.from_dict(data["plan"]), "model": ModelSpec.from_dict(data["model"]),
-                      "job": Job.from_dict(data["job"])})
+    def from_dict(cls, data: object, *, what: str = "run config") -> "RunConfig":
+        """Any JSON value gives a RunConfig or a PlannerError naming the bad key (types checked)."""
+        return dataclass_from_dict(cls, data, what=what)
 
 
 # --- memory ---------------------------------------------------------------------------------------------
@@ -187,9 +200,14 @@ def train(cfg: RunConfig, *, device: torch.device, on_step=None):
     plan, job = cfg.plan, cfg.job
     trainer = Trainer(cfg, device=device) if cfg.engine == "ours" else _torch_trainer(cfg, device)
     data = make_data(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=job.seq_len, seed=cfg.seed)
+    start_step = 0
+    if cfg.checkpoint_dir:
+        from runners import checkpoint
+
+        start_step = checkpoint.maybe_restore(trainer, cfg)
     steps, step_times = [], []
-    for step in range(cfg.steps):
-        if step == 1 or cfg.steps == 1:
+    for step in range(start_step, cfg.steps):
+        if step == start_step + 1 or start_step == cfg.steps - 1:
             reset_peak_memory(device)  # the first step allocates lazily; measure the steady state
             trainer.comm.counters.reset()
         micro_batches = rank_micro_batches(data.global_batch(step, job.global_batch), dp=plan.dp,
@@ -207,6 +225,9 @@ def train(cfg: RunConfig, *, device: torch.device, on_step=None):
         record = {"step": step, "loss": stats[0].item(), "step_time_s": stats[1].item()}
         steps.append(record)
         step_times.append(record["step_time_s"])
+        if cfg.checkpoint_dir and checkpoint.save_due(cfg, step=step + 1):
+            # Before the step is reported: a launcher that has seen step k knows checkpoint k is complete.
+            checkpoint.save_checkpoint(trainer, cfg, step=step + 1, keep=cfg.checkpoint_keep)
         if on_step is not None:
             on_step(record)
     return _summary(cfg, trainer, steps, step_times, device), trainer

@@ -1,0 +1,519 @@
+"""Plan-independent, sharded, atomic checkpoints with torch.distributed.checkpoint (DCP).
+
+    planner run --nproc 4 --zero 3 --checkpoint-dir ckpt --checkpoint-every 50
+    planner run --nproc 4 --tp 2 --checkpoint-dir ckpt --resume      # a different plan resumes it
+
+What is saved does not depend on the plan that saved it. Every parameter is stored under its
+one-process name (runners/model.py: `canonical_name`) as three global tensors: its fp32 master value
+(`model/<name>`) and its Adam moments (`optim/exp_avg/<name>`, `optim/exp_avg_sq/<name>`). Each rank
+writes only the part it owns: the slice of its optimizer shard (runners/sharding.py's nested layout)
+that falls in each parameter, placed at its offsets in the full tensor (the TP shard's position along
+`tp_split_dim`). A contiguous slice of a row-major [rows, cols] shard is at most three rectangles (a
+partial row, whole rows, a partial row), so every piece is a box DCP can index; DCP's load plan then
+reads, for any other plan, exactly the boxes that overlap what each of its ranks needs (resharding on
+load). Replicas write nothing: DP positions q >= s_os duplicate positions q < s_os, and parameters that
+TP replicates are written by tp rank 0 only. DCP's save validation checks that the written pieces
+cover each tensor exactly once.
+
+The compute-dtype parameters are not stored: they equal the fp32 master cast to the compute dtype (the
+engine copies master into them after every Adam step), so a load sets both from the master.
+
+Beside the tensors, `planner_meta.json` holds the step count (which is also the data position, since
+the data of step k is a pure function of (seed, k), runners/data.py), the run's model, job, seed and
+data path (a resume must train the same thing), the saving plan (for the record) and every rank's RNG
+state.
+
+Atomicity: a checkpoint is written into `step-N.tmp/`, renamed to `step-N/` by rank 0 only after every
+rank's DCP write has finished (DCP's final collective) and the metadata is on disk, and only then is
+the `latest` file replaced (write-and-rename). A run killed mid-write leaves a `.tmp` folder that
+loading ignores (and the next save of that step clears); loading checks the folder it picks is complete
+and otherwise falls back to the newest complete one. The folder must be on a file system every node
+sees.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import logging
+import math
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from planner.errors import PlannerError
+from planner.job import Job
+from planner.jsonio import check_keys, read_json_file, write_json_atomic
+from planner.model import ModelSpec
+from planner.plan import Plan
+from runners.sharding import shard_chunks
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = 1
+META_FILE = "planner_meta.json"
+LATEST_FILE = "latest"
+DCP_METADATA_FILE = ".metadata"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+# --- the metadata file --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CheckpointMeta:
+    """What a checkpoint holds besides the tensors; `step` optimizer steps are done."""
+
+    step: int
+    seed: int
+    model: ModelSpec
+    job: Job
+    data: str | None
+    plan: Plan
+    world_size: int
+    rng_states: tuple[str, ...]  # base64 torch CPU generator state of each saving rank, in rank order
+    format: int = CHECKPOINT_FORMAT
+
+    def to_dict(self) -> dict:
+        return {"format": self.format, "step": self.step, "seed": self.seed, "model": self.model.to_dict(),
+                "job": self.job.to_dict(), "data": self.data, "plan": self.plan.to_dict(),
+                "world_size": self.world_size, "rng_states": list(self.rng_states)}
+
+    @classmethod
+    def from_dict(cls, data: object, *, what: str = "checkpoint metadata") -> "CheckpointMeta":
+        """Any JSON value gives a CheckpointMeta or a PlannerError naming the bad key."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        check_keys(data, allowed=names, required=names, what=what)
+        assert isinstance(data, dict)
+        if data["format"] != CHECKPOINT_FORMAT or isinstance(data["format"], bool):
+            raise PlannerError(f"{what}: format {data['format']!r} is not {CHECKPOINT_FORMAT} (written by another version)")
+        for key in ("step", "seed", "world_size"):
+            value = data[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise PlannerError(f"{what}.{key}: expected a non-negative integer, got {value!r}")
+        if data["world_size"] < 1:
+            raise PlannerError(f"{what}.world_size: expected at least 1, got {data['world_size']}")
+        if data["data"] is not None and not isinstance(data["data"], str):
+            raise PlannerError(f"{what}.data: expected a path or null, got {data['data']!r}")
+        rng = data["rng_states"]
+        if not isinstance(rng, list) or len(rng) != data["world_size"] or not all(isinstance(s, str) for s in rng):
+            raise PlannerError(f"{what}.rng_states: expected one string per rank ({data['world_size']})")
+        for s in rng:
+            try:
+                base64.b64decode(s, validate=True)
+            except ValueError:
+                raise PlannerError(f"{what}.rng_states: not base64: {s[:20]!r}") from None
+        return cls(step=data["step"], seed=data["seed"], model=ModelSpec.from_dict(data["model"], what=f"{what}.model"),
+                   job=Job.from_dict(data["job"], what=f"{what}.job"), data=data["data"],
+                   plan=Plan.from_dict(data["plan"], what=f"{what}.plan"), world_size=data["world_size"],
+                   rng_states=tuple(rng), format=data["format"])
+
+    def check_compatible(self, cfg) -> None:
+        """Raise PlannerError unless `cfg` (a RunConfig) continues the run this checkpoint is from: the same
+        model, batch, sequence length, seed and data (the plan and precision may change)."""
+        mismatch = [(what, saved, now) for what, saved, now in (
+            ("model", self.model, cfg.model), ("global batch", self.job.global_batch, cfg.job.global_batch),
+            ("sequence length", self.job.seq_len, cfg.job.seq_len), ("seed", self.seed, cfg.seed),
+            ("data", self.data, cfg.data)) if saved != now]
+        if mismatch:
+            what, saved, now = mismatch[0]
+            saved_s = saved.name if isinstance(saved, ModelSpec) else saved
+            now_s = now.name if isinstance(now, ModelSpec) else now
+            if saved_s == now_s:
+                saved_s, now_s = "a different spec", "this one"
+            raise PlannerError(f"checkpoint at step {self.step} was saved with {what} {saved_s}, this run has {now_s}")
+        if self.step >= cfg.steps:
+            raise PlannerError(f"checkpoint is at step {self.step} and --steps is {cfg.steps}: nothing left to train")
+
+
+def load_meta(folder: Path) -> CheckpointMeta:
+    return CheckpointMeta.from_dict(read_json_file(folder / META_FILE, what="checkpoint metadata"),
+                                    what=f"checkpoint metadata {folder / META_FILE}")
+
+
+# --- where each rank's pieces lie in the canonical tensors ---------------------------------------------------
+@dataclass(frozen=True)
+class Piece:
+    """A box of one canonical tensor and where it lies in a unit's flat buffer (a contiguous run)."""
+
+    name: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    flat_start: int  # in the unit's flat (TP-local) buffer
+    tp_replicated: bool  # every TP rank holds the whole tensor
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+def flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """Split elements [start, stop) of a row-major tensor of `shape` (1-D or 2-D) into boxes.
+
+    Returns (offsets, sizes, flat start) per box: at most a partial row, a run of whole rows, a partial row.
+    """
+    if len(shape) == 1:
+        return [((start,), (stop - start,), start)] if stop > start else []
+    assert len(shape) == 2, f"checkpoint pieces support 1-D and 2-D parameters, got shape {shape}"
+    cols = shape[1]
+    boxes = []
+    row, col = divmod(start, cols)
+    if col and start < stop:  # the partial first row
+        end = min(stop, (row + 1) * cols)
+        boxes.append(((row, col), (1, end - start), start))
+        start, row = end, row + 1
+    whole_rows = (stop - start) // cols
+    if whole_rows > 0:
+        boxes.append(((row, 0), (whole_rows, cols), start))
+        start, row = start + whole_rows * cols, row + whole_rows
+    if stop > start:  # the partial last row
+        boxes.append(((row, 0), (1, stop - start), start))
+    return boxes
+
+
+def unit_params(chunks) -> list[list[torch.nn.Parameter]]:
+    """The parameters of every engine unit in the engine's order (runners.sharding builds units the same
+    way: chunk by chunk, unit by unit, trainable parameters only, units without any skipped)."""
+    units = []
+    for chunk in chunks:
+        for module in chunk.units:
+            params = [p for p in module.parameters() if p.requires_grad]
+            if params:
+                units.append(params)
+    return units
+
+
+def pieces_in_range(params, *, start: int, stop: int, tp_rank: int, tp: int) -> list[Piece]:
+    """The canonical boxes that elements [start, stop) of a unit's flat buffer hold."""
+    pieces, offset = [], 0
+    for p in params:
+        lo, hi = max(start, offset), min(stop, offset + p.numel())
+        if lo < hi:
+            shape, split = tuple(p.shape), p.tp_split_dim
+            global_shape = list(shape)
+            if split is not None and tp > 1:
+                global_shape[split] *= tp
+            for box_offsets, sizes, flat in flat_range_boxes(shape, lo - offset, hi - offset):
+                box_offsets = list(box_offsets)
+                if split is not None and tp > 1:
+                    box_offsets[split] += tp_rank * shape[split]
+                pieces.append(Piece(p.canonical_name, tuple(global_shape), tuple(box_offsets), sizes, offset + flat,
+                                    tp_replicated=split is None and tp > 1))
+        offset += p.numel()
+    return pieces
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    """One unit's flat-buffer ranges on this rank under the plan (runners/sharding.py's nested shards)."""
+
+    params: list
+    padded: int
+    param_range: tuple[int, int]
+    optim_range: tuple[int, int]
+
+
+def unit_layouts(chunks, *, plan: Plan, dp_rank: int) -> list[UnitLayout]:
+    s_p, _, s_os = plan.shard_degrees
+    p_chunk, _, o_chunk = shard_chunks(dp_rank, degrees=plan.shard_degrees)
+    layouts = []
+    for params in unit_params(chunks):
+        padded = math.ceil(sum(p.numel() for p in params) / s_os) * s_os
+        param_len, optim_len = padded // s_p, padded // s_os
+        layouts.append(UnitLayout(params, padded, (p_chunk * param_len, (p_chunk + 1) * param_len),
+                                  (o_chunk * optim_len, (o_chunk + 1) * optim_len)))
+    return layouts
+
+
+# --- DCP planners over explicit pieces ----------------------------------------------------------------------
+class _PieceSavePlanner(DefaultSavePlanner):
+    """Writes explicitly placed boxes: {key: [(Piece, tensor)]}; the default global plan merges them and
+    validates that every tensor is covered exactly once."""
+
+    def __init__(self, pieces: dict[str, list[tuple[Piece, torch.Tensor]]]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.pieces = {(key, piece.offsets): tensor for key, entries in pieces.items() for piece, tensor in entries}
+        self.items = [WriteItem(index=MetadataIndex(key, torch.Size(piece.offsets)), type=WriteItemType.SHARD,
+                                tensor_data=TensorWriteData(
+                                    chunk=ChunkStorageMetadata(offsets=torch.Size(piece.offsets),
+                                                               sizes=torch.Size(piece.sizes)),
+                                    properties=TensorProperties.create_from_tensor(tensor),
+                                    size=torch.Size(piece.global_shape)))
+                      for key, entries in pieces.items() for piece, tensor in entries]
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = SavePlan(self.items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem):
+        return self.pieces[(write_item.index.fqn, tuple(write_item.index.offset))]
+
+
+class _PieceLoadPlanner(DefaultLoadPlanner):
+    """Reads explicitly placed boxes into the given tensors: {key: [(offsets, tensor)]}; boxes may
+    overlap other ranks' (replicas read the same data)."""
+
+    def __init__(self, pieces: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.pieces = pieces
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+        self.state_dict, self.original_state_dict = {}, {}
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for key, entries in self.pieces.items():
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(off), sizes=t.shape) for off, t in entries]
+            items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], chunks)
+        return LoadPlan(items)
+
+    def resolve_tensor(self, read_item):
+        tensor = self.pieces[read_item.dest_index.fqn][read_item.dest_index.index][1]
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            tensor = tensor.narrow(dim, start, length)
+        return tensor
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        pass  # resolve_tensor returned a view of the destination, already filled
+
+
+# --- save ----------------------------------------------------------------------------------------------------
+def _writes_params(*, plan: Plan, dp_rank: int) -> bool:
+    """DP positions q >= s_os hold copies of the optimizer chunks of positions q < s_os."""
+    return dp_rank < plan.shard_degrees[2]
+
+
+def save_pieces(trainer, *, plan: Plan) -> dict[str, list[tuple[Piece, torch.Tensor]]]:
+    """This rank's owned boxes of the master weights and Adam moments, as tensors to write."""
+    mesh = trainer.mesh
+    out: dict[str, list[tuple[Piece, torch.Tensor]]] = {}
+    if not _writes_params(plan=plan, dp_rank=mesh.dp_rank):
+        return out
+    state = trainer.engine.local_state()
+    seen: set[str] = set()
+    for i, layout in enumerate(unit_layouts(trainer.chunks, plan=plan, dp_rank=mesh.dp_rank)):
+        start, stop = layout.optim_range
+        assert state[f"unit{i}.master"].numel() == stop - start, "checkpoint layout disagrees with the engine's shards"
+        names_here = set()
+        for piece in pieces_in_range(layout.params, start=start, stop=stop, tp_rank=mesh.tp_rank, tp=plan.tp):
+            # A tied head repeats the embedding's name (kept equal by the trainer): the first copy is written.
+            if (piece.tp_replicated and mesh.tp_rank != 0) or piece.name in seen:
+                continue
+            names_here.add(piece.name)
+            lo, hi = piece.flat_start - start, piece.flat_start - start + piece.numel
+            for prefix, key in (("model", "master"), ("optim/exp_avg", "exp_avg"), ("optim/exp_avg_sq", "exp_avg_sq")):
+                tensor = state[f"unit{i}.{key}"][lo:hi].reshape(piece.sizes).clone()
+                out.setdefault(f"{prefix}/{piece.name}", []).append((piece, tensor))
+        seen |= names_here
+    return out
+
+
+def _rng_state_b64() -> str:
+    return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+
+
+def save_checkpoint(trainer, cfg, *, step: int, keep: int = 2) -> Path:
+    """Write the checkpoint after `step` optimizer steps (collective over every rank); returns its folder."""
+    root = Path(cfg.checkpoint_dir)
+    rank = dist.get_rank()
+    tmp = root / (step_dir_name(step) + ".tmp")
+    final = root / step_dir_name(step)
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # the leftover of a write that was killed
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    rng: list[str] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(rng, _rng_state_b64())  # also orders every rank after the mkdir
+    pieces = save_pieces(trainer, plan=cfg.plan)
+    dcp.save({}, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True),
+             planner=_PieceSavePlanner(pieces))
+    # dcp.save returns on every rank only after the coordinator wrote .metadata, i.e. every rank's data is on disk.
+    if rank == 0:
+        meta = CheckpointMeta(step=step, seed=cfg.seed, model=cfg.model, job=cfg.job, data=cfg.data, plan=cfg.plan,
+                              world_size=dist.get_world_size(), rng_states=tuple(rng))
+        write_json_atomic(tmp / META_FILE, meta.to_dict())
+        if final.exists():  # a resumed run writing a step again: replace the older copy
+            old = root / (step_dir_name(step) + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+        _fsync_dir(root)
+        _write_latest(root, final.name)
+        _prune(root, keep=keep)
+    dist.barrier()
+    return final
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_latest(root: Path, name: str) -> None:
+    tmp = root / (LATEST_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST_FILE)
+    _fsync_dir(root)
+
+
+def _prune(root: Path, *, keep: int) -> None:
+    """Delete complete checkpoints older than the newest `keep` (never the one `latest` names)."""
+    steps = sorted(_complete_steps(root), reverse=True)
+    for step in steps[keep:]:
+        shutil.rmtree(root / step_dir_name(step), ignore_errors=True)
+
+
+# --- find and load -------------------------------------------------------------------------------------------
+def _is_complete(folder: Path) -> bool:
+    return (folder / DCP_METADATA_FILE).is_file() and (folder / META_FILE).is_file()
+
+
+def _complete_steps(root: Path) -> list[int]:
+    steps = []
+    if root.is_dir():
+        for entry in root.iterdir():
+            match = _STEP_DIR.match(entry.name)
+            if match and entry.is_dir() and _is_complete(entry):
+                steps.append(int(match.group(1)))
+    return steps
+
+
+def find_latest(root: str | Path) -> Path | None:
+    """The checkpoint `latest` names if it is complete, else the newest complete one, else None."""
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise PlannerError(f"checkpoint dir {root} is not a directory")
+    pointer = root / LATEST_FILE
+    if pointer.is_file():
+        name = pointer.read_text().strip()
+        if _STEP_DIR.match(name) and _is_complete(root / name):
+            return root / name
+        log.warning("checkpoint pointer %s names %r, which is not a complete checkpoint; using the newest complete one",
+                    pointer, name)
+    steps = _complete_steps(root)
+    return root / step_dir_name(max(steps)) if steps else None
+
+
+def load_pieces(trainer, *, plan: Plan):
+    """Destination buffers this rank needs: for each unit, the fp32 master over its parameter shard
+    (compute parameters are cast from it) and the Adam moments over its optimizer shard."""
+    mesh = trainer.mesh
+    wanted: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
+    buffers = []
+    for layout in unit_layouts(trainer.chunks, plan=plan, dp_rank=mesh.dp_rank):
+        bufs = {"model": torch.zeros(layout.param_range[1] - layout.param_range[0]),
+                "exp_avg": torch.zeros(layout.optim_range[1] - layout.optim_range[0]),
+                "exp_avg_sq": torch.zeros(layout.optim_range[1] - layout.optim_range[0])}
+        for kind, (start, stop) in (("model", layout.param_range), ("exp_avg", layout.optim_range),
+                                    ("exp_avg_sq", layout.optim_range)):
+            key_prefix = "model" if kind == "model" else f"optim/{kind}"
+            for piece in pieces_in_range(layout.params, start=start, stop=stop, tp_rank=mesh.tp_rank, tp=plan.tp):
+                lo = piece.flat_start - start
+                view = bufs[kind][lo:lo + piece.numel].view(piece.sizes)
+                wanted.setdefault(f"{key_prefix}/{piece.name}", []).append((piece.offsets, view, piece.global_shape))
+        buffers.append((layout, bufs))
+    return wanted, buffers
+
+
+def _check_against_metadata(folder: Path, wanted: dict) -> None:
+    """Every tensor this rank needs must be in the checkpoint with the same global shape."""
+    try:
+        metadata = FileSystemReader(folder).read_metadata()
+    except Exception as exc:  # a truncated or foreign .metadata file
+        raise PlannerError(f"checkpoint {folder}: cannot read its DCP metadata ({type(exc).__name__}: {exc})") from None
+    for key, entries in wanted.items():
+        md = metadata.state_dict_metadata.get(key)
+        if not isinstance(md, TensorStorageMetadata):
+            raise PlannerError(f"checkpoint {folder} has no tensor {key!r}")
+        shape = entries[0][2]
+        if tuple(md.size) != tuple(shape):
+            raise PlannerError(f"checkpoint {folder}: {key} has shape {tuple(md.size)}, this model needs {tuple(shape)}")
+
+
+def restore_checkpoint(trainer, cfg, folder: Path) -> int:
+    """Load `folder` into the trainer (collective over every rank); returns the step to continue from."""
+    meta = load_meta(folder)
+    meta.check_compatible(cfg)
+    wanted, buffers = load_pieces(trainer, plan=cfg.plan)
+    _check_against_metadata(folder, wanted)
+    dcp.load({}, storage_reader=FileSystemReader(folder),
+             planner=_PieceLoadPlanner({k: [(off, t) for off, t, _ in v] for k, v in wanted.items()}))
+    state = trainer.engine.local_state()
+    state["num_steps"] = torch.tensor(meta.step)
+    for i, (layout, bufs) in enumerate(buffers):
+        o_lo = layout.optim_range[0] - layout.param_range[0]
+        master = bufs["model"][o_lo:o_lo + layout.optim_range[1] - layout.optim_range[0]]
+        state[f"unit{i}.param_shard"] = bufs["model"].to(state[f"unit{i}.param_shard"].dtype)
+        state[f"unit{i}.master"] = master.clone()
+        state[f"unit{i}.exp_avg"] = bufs["exp_avg"]
+        state[f"unit{i}.exp_avg_sq"] = bufs["exp_avg_sq"]
+    trainer.engine.load_local_state(state)
+    _restore_rng(meta, rank=dist.get_rank())
+    return meta.step
+
+
+def _restore_rng(meta: CheckpointMeta, *, rank: int) -> None:
+    """Rank r takes saved rank r's generator state (r modulo the saving world size under another plan:
+    no trained module draws random numbers, so only the sequence a user's code would see is restored)."""
+    raw = base64.b64decode(meta.rng_states[rank % meta.world_size])
+    try:
+        torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    except RuntimeError as exc:
+        raise PlannerError(f"checkpoint RNG state of rank {rank % meta.world_size} is not a torch generator state: {exc}") from None
+
+
+def resume_requested(cfg) -> bool:
+    """Resume from the newest checkpoint when asked to, or when torchrun restarted this worker."""
+    return bool(cfg.checkpoint_dir) and (cfg.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0)
+
+
+def maybe_restore(trainer, cfg) -> int:
+    """The step to start from: the checkpoint's if resuming from one, else 0. Rank 0 picks the folder and
+    broadcasts it, so every rank loads the same one even while files change."""
+    if not resume_requested(cfg):
+        return 0
+    choice = [None]
+    if dist.get_rank() == 0:
+        found = find_latest(cfg.checkpoint_dir)
+        choice = [str(found) if found is not None else None]
+    dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        if dist.get_rank() == 0:
+            log.warning("no complete checkpoint in %s; starting from step 0", cfg.checkpoint_dir)
+        return 0
+    return restore_checkpoint(trainer, cfg, Path(choice[0]))
+
+
+def save_due(cfg, *, step: int) -> bool:
+    """Whether to checkpoint after `step` optimizer steps: every `checkpoint_every`, and at the end."""
+    if not cfg.checkpoint_dir:
+        return False
+    every = cfg.checkpoint_every
+    return step == cfg.steps or (every > 0 and step % every == 0)
