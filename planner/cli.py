@@ -131,6 +131,12 @@ def run(
     grad_shard: GradShardOpt = None, optim_shard: OptimShardOpt = None, prefetch_depth: PrefetchOpt = 1,
     bucket_size_mb: BucketOpt = None, param_cache: ParamCacheOpt = "none", commshift: CommshiftOpt = False,
     metrics_out: Annotated[Optional[str], typer.Option("--metrics-out", help="Write the metrics JSON here.")] = None,
+    checkpoint_dir: Annotated[Optional[str], typer.Option("--checkpoint-dir", help="Save sharded, plan-independent checkpoints here (shared by all nodes).")] = None,
+    checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Checkpoint every N steps (0: only after the last step).")] = 0,
+    checkpoint_keep: Annotated[int, typer.Option("--checkpoint-keep", help="Complete checkpoints to keep.")] = 2,
+    resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Continue from the newest checkpoint in --checkpoint-dir (any plan may have saved it).")] = False,
+    max_restarts: Annotated[int, typer.Option("--max-restarts", help="torchrun restarts after a failure; each resumes from the newest checkpoint.")] = 0,
+    timeout: Annotated[Optional[float], typer.Option("--timeout", help="Seconds a collective may wait for a peer before the run fails (default: derived from the plan's predicted step time).")] = None,
     fmt: FormatOpt = OutputFormat.table,
 ) -> None:
     """Train with a plan on our engine (launched with torchrun) and report measured beside predicted.
@@ -140,6 +146,8 @@ def run(
       planner run --nproc 4 --zero 3 --micro-batch 2
       planner run --nproc 4 --tp 2 --pp 2 --schedule 1f1b --steps 20 --format json
       planner run --plan plan.json --nproc 8 --gpus-per-node 4
+      planner run --nproc 4 --zero 3 --checkpoint-dir ckpt --checkpoint-every 50 --max-restarts 3
+      planner run --nproc 4 --tp 2 --checkpoint-dir ckpt --resume   # continue under another plan
     """
     from planner.jsonio import write_json_atomic
     from planner.inputs import PlanFlags
@@ -148,7 +156,9 @@ def run(
     request = RunRequest(model=model, hardware=hardware, global_batch=global_batch, seq_len=seq_len,
                          precision=precision, steps=steps, seed=seed, lr=lr, data=data, nproc=nproc, nnodes=nnodes,
                          node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, gpus_per_node=gpus_per_node,
-                         engine=engine, plan_file=plan_file)
+                         engine=engine, plan_file=plan_file, timeout_s=timeout, checkpoint_dir=checkpoint_dir,
+                         checkpoint_every=checkpoint_every, checkpoint_keep=checkpoint_keep, resume=resume,
+                         max_restarts=max_restarts)
     flags = PlanFlags(dp=dp, tp=tp, pp=pp, virtual_stages=virtual_stages, micro_batch=micro_batch,
                       schedule=schedule, recompute=recompute, sequence_parallel=sequence_parallel, zero=zero,
                       param_shard=param_shard, grad_shard=grad_shard, optim_shard=optim_shard,
@@ -182,11 +192,13 @@ def _launch_with_progress(cfg, request, *, quiet: bool):
         task = progress.add_task("train", total=cfg.steps, info=cfg.plan.describe())
 
         def on_step(record: dict) -> None:
-            progress.update(task, advance=1, info=f"loss {record['loss']:.4f}  {record['step_time_s'] * 1e3:.0f} ms/step")
+            # completed, not advance: a resumed or restarted run reports from its checkpoint's step.
+            progress.update(task, completed=record["step"] + 1,
+                            info=f"loss {record['loss']:.4f}  {record['step_time_s'] * 1e3:.0f} ms/step")
 
         try:
             return launch(cfg, nproc=request.nproc, nnodes=request.nnodes, node_rank=request.node_rank,
-                          rdzv_endpoint=request.rdzv_endpoint, on_step=on_step)
+                          rdzv_endpoint=request.rdzv_endpoint, on_step=on_step, max_restarts=request.max_restarts)
         except RunFailed as exc:
             err_console.print(f"error: {exc}", markup=False, highlight=False)
             raise typer.Exit(1)

@@ -34,6 +34,7 @@ sees.
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import logging
 import math
@@ -47,6 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
                                                    TensorStorageMetadata)
@@ -187,15 +189,15 @@ def flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tupl
     return boxes
 
 
-def unit_params(chunks) -> list[list[torch.nn.Parameter]]:
-    """The parameters of every engine unit in the engine's order (runners.sharding builds units the same
+def unit_params(chunks) -> list[tuple[torch.nn.Module, list[torch.nn.Parameter]]]:
+    """Every engine unit and its parameters in the engine's order (runners.sharding builds units the same
     way: chunk by chunk, unit by unit, trainable parameters only, units without any skipped)."""
     units = []
     for chunk in chunks:
         for module in chunk.units:
             params = [p for p in module.parameters() if p.requires_grad]
             if params:
-                units.append(params)
+                units.append((module, params))
     return units
 
 
@@ -223,6 +225,7 @@ def pieces_in_range(params, *, start: int, stop: int, tp_rank: int, tp: int) -> 
 class UnitLayout:
     """One unit's flat-buffer ranges on this rank under the plan (runners/sharding.py's nested shards)."""
 
+    module: torch.nn.Module
     params: list
     padded: int
     param_range: tuple[int, int]
@@ -233,10 +236,10 @@ def unit_layouts(chunks, *, plan: Plan, dp_rank: int) -> list[UnitLayout]:
     s_p, _, s_os = plan.shard_degrees
     p_chunk, _, o_chunk = shard_chunks(dp_rank, degrees=plan.shard_degrees)
     layouts = []
-    for params in unit_params(chunks):
+    for module, params in unit_params(chunks):
         padded = math.ceil(sum(p.numel() for p in params) / s_os) * s_os
         param_len, optim_len = padded // s_p, padded // s_os
-        layouts.append(UnitLayout(params, padded, (p_chunk * param_len, (p_chunk + 1) * param_len),
+        layouts.append(UnitLayout(module, params, padded, (p_chunk * param_len, (p_chunk + 1) * param_len),
                                   (o_chunk * optim_len, (o_chunk + 1) * optim_len)))
     return layouts
 
@@ -294,6 +297,17 @@ class _PieceLoadPlanner(DefaultLoadPlanner):
         pass  # resolve_tensor returned a view of the destination, already filled
 
 
+@contextlib.contextmanager
+def _plain_errors(doing: str):
+    """DCP raises CheckpointException, a BaseException carrying every rank's failure: turn it into a
+    RuntimeError naming the first failed rank, so the worker's error handling reports it."""
+    try:
+        yield
+    except CheckpointException as exc:
+        rank, (error, _) = min(exc.failures.items()) if exc.failures else (-1, (exc, None))
+        raise RuntimeError(f"{doing} failed on rank {rank}: {type(error).__name__}: {error}") from None
+
+
 # --- save ----------------------------------------------------------------------------------------------------
 def _writes_params(*, plan: Plan, dp_rank: int) -> bool:
     """DP positions q >= s_os hold copies of the optimizer chunks of positions q < s_os."""
@@ -306,22 +320,21 @@ def save_pieces(trainer, *, plan: Plan) -> dict[str, list[tuple[Piece, torch.Ten
     out: dict[str, list[tuple[Piece, torch.Tensor]]] = {}
     if not _writes_params(plan=plan, dp_rank=mesh.dp_rank):
         return out
+    from runners.model import LMHead
+
     state = trainer.engine.local_state()
-    seen: set[str] = set()
     for i, layout in enumerate(unit_layouts(trainer.chunks, plan=plan, dp_rank=mesh.dp_rank)):
         start, stop = layout.optim_range
         assert state[f"unit{i}.master"].numel() == stop - start, "checkpoint layout disagrees with the engine's shards"
-        names_here = set()
+        if isinstance(layout.module, LMHead) and trainer.cfg.model.tied_embeddings:
+            continue  # a tied head is a copy of the embedding (the trainer keeps them equal): written once
         for piece in pieces_in_range(layout.params, start=start, stop=stop, tp_rank=mesh.tp_rank, tp=plan.tp):
-            # A tied head repeats the embedding's name (kept equal by the trainer): the first copy is written.
-            if (piece.tp_replicated and mesh.tp_rank != 0) or piece.name in seen:
+            if piece.tp_replicated and mesh.tp_rank != 0:
                 continue
-            names_here.add(piece.name)
             lo, hi = piece.flat_start - start, piece.flat_start - start + piece.numel
             for prefix, key in (("model", "master"), ("optim/exp_avg", "exp_avg"), ("optim/exp_avg_sq", "exp_avg_sq")):
                 tensor = state[f"unit{i}.{key}"][lo:hi].reshape(piece.sizes).clone()
                 out.setdefault(f"{prefix}/{piece.name}", []).append((piece, tensor))
-        seen |= names_here
     return out
 
 
@@ -343,8 +356,9 @@ def save_checkpoint(trainer, cfg, *, step: int, keep: int = 2) -> Path:
     rng: list[str] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(rng, _rng_state_b64())  # also orders every rank after the mkdir
     pieces = save_pieces(trainer, plan=cfg.plan)
-    dcp.save({}, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True),
-             planner=_PieceSavePlanner(pieces))
+    with _plain_errors(f"writing checkpoint {tmp}"):
+        dcp.save({}, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True),
+                 planner=_PieceSavePlanner(pieces))
     # dcp.save returns on every rank only after the coordinator wrote .metadata, i.e. every rank's data is on disk.
     if rank == 0:
         meta = CheckpointMeta(step=step, seed=cfg.seed, model=cfg.model, job=cfg.job, data=cfg.data, plan=cfg.plan,
@@ -463,8 +477,9 @@ def restore_checkpoint(trainer, cfg, folder: Path) -> int:
     meta.check_compatible(cfg)
     wanted, buffers = load_pieces(trainer, plan=cfg.plan)
     _check_against_metadata(folder, wanted)
-    dcp.load({}, storage_reader=FileSystemReader(folder),
-             planner=_PieceLoadPlanner({k: [(off, t) for off, t, _ in v] for k, v in wanted.items()}))
+    with _plain_errors(f"reading checkpoint {folder}"):
+        dcp.load({}, storage_reader=FileSystemReader(folder),
+                 planner=_PieceLoadPlanner({k: [(off, t) for off, t, _ in v] for k, v in wanted.items()}))
     state = trainer.engine.local_state()
     state["num_steps"] = torch.tensor(meta.step)
     for i, (layout, bufs) in enumerate(buffers):

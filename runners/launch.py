@@ -26,8 +26,9 @@ class RunFailed(RuntimeError):
     """A rank failed for a reason other than bad input."""
 
 
-def torchrun_command(*, nproc: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None, run_args: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+def torchrun_command(*, nproc: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None, run_args: list[str],
+                     max_restarts: int = 0) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}"]
     if nnodes == 1 and not rdzv_endpoint:
         cmd.append("--standalone")
     else:
@@ -60,8 +61,11 @@ def _failure_message(error_dir: Path, stderr_tail: list[str], returncode: int) -
 
 
 def launch(cfg: RunConfig, *, nproc: int, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None,
-           on_step=None, env: dict | None = None) -> dict | None:
-    """Run `cfg` under torchrun; returns the metrics (None on nodes other than node 0 of several)."""
+           on_step=None, env: dict | None = None, max_restarts: int = 0) -> dict | None:
+    """Run `cfg` under torchrun; returns the metrics (None on nodes other than node 0 of several).
+
+    With max_restarts > 0 torchrun restarts every worker after a failure (up to that many times) and the
+    workers resume from the newest checkpoint in cfg.checkpoint_dir."""
     with tempfile.TemporaryDirectory(prefix="planner-run-") as tmp:
         tmp_path = Path(tmp)
         config_path, metrics_path, error_dir = tmp_path / "run.json", tmp_path / "metrics.json", tmp_path / "errors"
@@ -69,7 +73,7 @@ def launch(cfg: RunConfig, *, nproc: int, nnodes: int = 1, node_rank: int = 0, r
         write_json_atomic(config_path, cfg.to_dict())
         cmd = torchrun_command(nproc=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                                run_args=["--config", str(config_path), "--metrics-out", str(metrics_path),
-                                         "--error-dir", str(error_dir)])
+                                         "--error-dir", str(error_dir)], max_restarts=max_restarts)
         child_env = {**os.environ, **(env or {})}
         child_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, nproc))))
         child_env["PYTHONUNBUFFERED"] = "1"

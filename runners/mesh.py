@@ -113,11 +113,13 @@ def mesh_groups(plan) -> list[tuple[str, tuple[int, ...]]]:
     return groups
 
 
-def build_mesh(plan, *, ranks_per_node: int) -> Mesh:
+def build_mesh(plan, *, ranks_per_node: int, timeout=None) -> Mesh:
     """Create every process group of `plan` (call after dist.init_process_group, on every rank).
 
     Every rank creates every group in the same order (torch.distributed requires it); a rank tuple
-    that two kinds share (e.g. param and grad groups when s_p == s_g) becomes one group.
+    that two kinds share (e.g. param and grad groups when s_p == s_g) becomes one group. `timeout` (a
+    timedelta) bounds each collective on the groups: torch gives new groups its 30-minute default, not
+    the world group's timeout, so a hung peer would otherwise stall a sub-group collective that long.
     """
     world_size, rank = dist.get_world_size(), dist.get_rank()
     if plan.world_size != world_size:
@@ -128,7 +130,7 @@ def build_mesh(plan, *, ranks_per_node: int) -> Mesh:
     mine: dict[str, tuple[int, ...]] = {}
     for kind, ranks in mesh_groups(plan):
         if ranks not in handles:
-            handles[ranks] = dist.new_group(list(ranks))
+            handles[ranks] = dist.new_group(list(ranks), timeout=timeout)
         if rank in ranks:
             mine[kind] = ranks
     return Mesh(

@@ -134,7 +134,8 @@ class Trainer:
         self.cfg, self.plan, self.device = cfg, cfg.plan, device
         ranks_per_node = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         self.comm = Comm(ranks_per_node=ranks_per_node)
-        self.mesh = build_mesh(self.plan, ranks_per_node=ranks_per_node)
+        self.mesh = build_mesh(self.plan, ranks_per_node=ranks_per_node,
+                               timeout=datetime.timedelta(seconds=cfg.timeout_s))
         tp = TPContext(group=self.mesh.tp_group, rank=self.mesh.tp_rank, size=self.plan.tp, comm=self.comm,
                        sequence_parallel=self.plan.sequence_parallel)
         self.chunk_ids, self.chunks = build_local_chunks(cfg, pp_rank=self.mesh.pp_rank, tp=tp, device=device)
@@ -196,6 +197,7 @@ def train(cfg: RunConfig, *, device: torch.device, on_step=None):
     """Train `cfg.steps` steps in the current process group; returns (metrics, trainer), the metrics the
     same on every rank."""
     from runners.data import make_data, rank_micro_batches
+    from runners.faults import post_progress
 
     plan, job = cfg.plan, cfg.job
     trainer = Trainer(cfg, device=device) if cfg.engine == "ours" else _torch_trainer(cfg, device)
@@ -207,6 +209,7 @@ def train(cfg: RunConfig, *, device: torch.device, on_step=None):
         start_step = checkpoint.maybe_restore(trainer, cfg)
     steps, step_times = [], []
     for step in range(start_step, cfg.steps):
+        post_progress(step)  # lets a rank whose collective times out name the rank that stopped
         if step == start_step + 1 or start_step == cfg.steps - 1:
             reset_peak_memory(device)  # the first step allocates lazily; measure the steady state
             trainer.comm.counters.reset()
@@ -326,7 +329,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rank {rank}: error: {exc}", file=sys.stderr, flush=True)
         return 2
     except Exception as exc:  # reported by the launcher with the rank's name
-        _write_error(args.error_dir, rank, f"{type(exc).__name__}: {exc}", bad_input=False)
+        from runners.faults import describe_failure
+
+        _write_error(args.error_dir, rank, describe_failure(exc), bad_input=False)
         traceback.print_exc()
         return 1
 

@@ -1,0 +1,192 @@
+"""Checkpoints are plan-independent and exact: save under one plan, resume under another, and the losses
+and parameters continue as the uninterrupted one-process run's (fp32, 1e-4 / 1e-3).
+
+Plans of one world size share one set of gloo processes (runners after one another, as in
+test_exactness): each case trains plan A for K steps with checkpoints, then plan B resumes from them up
+to N steps. One case saves on 4 processes and resumes on 2 (the cluster shrank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.errors import PlannerError
+from planner.plan import Plan
+from runners import checkpoint as ck
+from runners.reference import train_reference
+from tests.distributed.harness import LOSS_TOL, PARAM_TOL, run_plans, tiny_config
+
+SAVE_STEPS, TOTAL_STEPS = 3, 6
+
+
+def _z(dp: int, stage: int, **kw) -> Plan:
+    degrees = {0: (1, 1, 1), 1: (1, 1, dp), 2: (1, dp, dp), 3: (dp, dp, dp)}[stage]
+    return Plan(dp=dp, param_shard=degrees[0], grad_shard=degrees[1], optim_shard=degrees[2], **kw)
+
+
+# name: (saving plan, resuming plan); global batch 8 everywhere.
+CASES = {
+    "zero3-dp2->tp2": (_z(2, 3, micro_batch=2, num_micro_batches=2), Plan(tp=2, micro_batch=2, num_micro_batches=4)),
+    "dp2->pp2": (_z(2, 0, micro_batch=1, num_micro_batches=4), Plan(pp=2, micro_batch=1, num_micro_batches=8)),
+    "tp2-sp->zero2-dp2": (Plan(tp=2, sequence_parallel=True, micro_batch=4, num_micro_batches=2),
+                          _z(2, 2, micro_batch=1, num_micro_batches=4)),
+    "zero3-dp4->tp2xdp2": (_z(4, 3, micro_batch=1, num_micro_batches=2),
+                           Plan(dp=2, tp=2, optim_shard=2, micro_batch=2, num_micro_batches=2)),
+    "zero1-dp4->pp2xdp2": (_z(4, 1, micro_batch=2, num_micro_batches=1),
+                           Plan(dp=2, pp=2, grad_shard=2, optim_shard=2, micro_batch=1, num_micro_batches=4)),
+    "mixed-2-2-4-dp4->zero1-dp2 (4 procs -> 2)": (Plan(dp=4, param_shard=2, grad_shard=2, optim_shard=4, micro_batch=1,
+                                                       num_micro_batches=2),
+                                                  _z(2, 1, micro_batch=4, num_micro_batches=1)),
+}
+_results: dict[str, tuple[dict, dict, dict, dict]] = {}
+
+
+@pytest.fixture(scope="module")
+def ckpt_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("checkpoints")
+
+
+def _configs(name: str, root: Path):
+    plan_a, plan_b = CASES[name]
+    folder = str(root / name.split(" ")[0].replace(">", ""))
+    save = dataclasses.replace(tiny_config(plan_a, steps=SAVE_STEPS), checkpoint_dir=folder, checkpoint_every=2)
+    resume = dataclasses.replace(tiny_config(plan_b, steps=TOTAL_STEPS), checkpoint_dir=folder, checkpoint_every=2,
+                                 resume=True)
+    return save, resume
+
+
+def _run_all(root: Path) -> None:
+    """Savers first (4-process ones before the 2-process group that resumes one of them), then resumers."""
+    pairs = {name: _configs(name, root) for name in CASES}
+    by_world: dict[int, list] = {}
+    for name, (save, resume) in pairs.items():
+        by_world.setdefault(save.plan.world_size, []).append(("save", name, save))
+    for name, (save, resume) in pairs.items():
+        by_world.setdefault(resume.plan.world_size, []).append(("resume", name, resume))
+    results: dict[tuple[str, str], tuple] = {}
+    for world in sorted(by_world, reverse=True):
+        entries = by_world[world]
+        for (kind, name, _), result in zip(entries, run_plans([cfg for _, _, cfg in entries])):
+            results[(kind, name)] = result
+    for name in CASES:
+        _results[name] = (*results[("save", name)], *results[("resume", name)])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_resume_under_another_plan_continues_exactly(name, ckpt_root):
+    if not _results:
+        _run_all(ckpt_root)
+    save_cfg, resume_cfg = _configs(name, ckpt_root)
+    save_metrics, _, resume_metrics, params = _results[name]
+    ref_losses, ref_params = train_reference(dataclasses.replace(resume_cfg, checkpoint_dir=None, resume=False))
+    assert [s["step"] for s in save_metrics["steps"]] == list(range(SAVE_STEPS))
+    assert [s["step"] for s in resume_metrics["steps"]] == list(range(SAVE_STEPS, TOTAL_STEPS))
+    losses = [s["loss"] for s in save_metrics["steps"] + resume_metrics["steps"]]
+    worst = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    assert worst <= LOSS_TOL, f"{name}: loss differs by {worst:.2e}\n ours {losses}\n ref  {ref_losses}"
+    assert set(params) == set(ref_params)
+    for key, ref in ref_params.items():
+        diff = (params[key] - ref).abs().max().item()
+        assert diff <= PARAM_TOL, f"{name}: parameter {key} differs by {diff:.2e}"
+    folder = Path(resume_cfg.checkpoint_dir)
+    # Saved at step 2 (every 2) and 3 (the saver's end), then 4 and 6 by the resumer; the newest 2 are kept.
+    assert sorted(p.name for p in folder.iterdir()) == ["latest", ck.step_dir_name(4), ck.step_dir_name(6)]
+    assert ck.find_latest(folder) == folder / ck.step_dir_name(6)
+    meta = ck.load_meta(folder / ck.step_dir_name(6))
+    assert meta.step == 6 and meta.plan == resume_cfg.plan and meta.world_size == resume_cfg.plan.world_size
+
+
+def test_checkpoint_holds_each_canonical_tensor_once(ckpt_root):
+    """The DCP metadata lists every parameter with its full one-process shape, for weights and both moments."""
+    if not _results:
+        _run_all(ckpt_root)
+    save_cfg, resume_cfg = _configs("zero3-dp4->tp2xdp2", ckpt_root)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(Path(resume_cfg.checkpoint_dir) / ck.step_dir_name(6)).read_metadata()
+    _, ref_params = train_reference(dataclasses.replace(save_cfg, steps=1, checkpoint_dir=None))
+    expected = {f"{prefix}/{name}": tuple(t.shape) for name, t in ref_params.items()
+                for prefix in ("model", "optim/exp_avg", "optim/exp_avg_sq")}
+    got = {key: tuple(md.size) for key, md in metadata.state_dict_metadata.items()}
+    assert got == expected
+
+
+# --- atomicity: incomplete checkpoints are never picked ------------------------------------------------------
+def _fake_complete(folder: Path, step: int) -> Path:
+    path = folder / ck.step_dir_name(step)
+    path.mkdir(parents=True)
+    (path / ck.DCP_METADATA_FILE).write_bytes(b"x")
+    (path / ck.META_FILE).write_text("{}")
+    return path
+
+
+def test_find_latest_skips_incomplete_and_dangling(tmp_path):
+    assert ck.find_latest(tmp_path / "absent") is None
+    good = _fake_complete(tmp_path, 4)
+    _fake_complete(tmp_path, 2)
+    (tmp_path / (ck.step_dir_name(6) + ".tmp")).mkdir()          # killed mid-write
+    partial = tmp_path / ck.step_dir_name(8)
+    partial.mkdir()
+    (partial / ck.DCP_METADATA_FILE).write_bytes(b"x")             # renamed without its metadata: not complete
+    assert ck.find_latest(tmp_path) == good
+    (tmp_path / ck.LATEST_FILE).write_text(ck.step_dir_name(2) + "\n")
+    assert ck.find_latest(tmp_path) == tmp_path / ck.step_dir_name(2)   # the pointer wins when complete
+    (tmp_path / ck.LATEST_FILE).write_text(ck.step_dir_name(9) + "\n")
+    assert ck.find_latest(tmp_path) == good                             # dangling pointer: newest complete
+    (tmp_path / ck.LATEST_FILE).write_text("../../etc\n")
+    assert ck.find_latest(tmp_path) == good
+
+
+def test_find_latest_rejects_a_file(tmp_path):
+    path = tmp_path / "file"
+    path.write_text("")
+    with pytest.raises(PlannerError, match="not a directory"):
+        ck.find_latest(path)
+
+
+def test_resume_checks_the_run_is_the_same(tmp_path):
+    cfg = tiny_config(_z(2, 0, micro_batch=1, num_micro_batches=4), steps=5)
+    meta = ck.CheckpointMeta(step=3, seed=cfg.seed, model=cfg.model, job=cfg.job, data=None, plan=cfg.plan,
+                             world_size=2, rng_states=("", ""))
+    meta.check_compatible(cfg)
+    with pytest.raises(PlannerError, match="seed"):
+        meta.check_compatible(dataclasses.replace(cfg, seed=cfg.seed + 1))
+    with pytest.raises(PlannerError, match="model"):
+        meta.check_compatible(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hidden_size=128)))
+    with pytest.raises(PlannerError, match="nothing left to train"):
+        meta.check_compatible(dataclasses.replace(cfg, steps=3))
+    assert ck.CheckpointMeta.from_dict(json.loads(json.dumps(meta.to_dict()))) == meta
+
+
+# --- the box decomposition ---------------------------------------------------------------------------------
+@settings(max_examples=300, deadline=None)
+@given(rows=st.integers(1, 7), cols=st.integers(1, 7), data=st.data())
+def test_flat_range_boxes_cover_the_range_once(rows, cols, data):
+    start = data.draw(st.integers(0, rows * cols))
+    stop = data.draw(st.integers(start, rows * cols))
+    full = torch.arange(rows * cols).view(rows, cols)
+    seen = []
+    boxes = ck.flat_range_boxes((rows, cols), start, stop)
+    assert len(boxes) <= 3
+    for (r, c), (h, w), flat in boxes:
+        block = full[r:r + h, c:c + w]
+        assert block.shape == (h, w)
+        assert block.reshape(-1).tolist() == list(range(flat, flat + h * w))  # a contiguous run
+        seen += block.reshape(-1).tolist()
+    assert sorted(seen) == list(range(start, stop))
+
+
+def test_checkpoint_folder_names_sort_by_step(tmp_path):
+    for step in (9, 10, 100):
+        _fake_complete(tmp_path, step)
+    assert ck.find_latest(tmp_path).name == ck.step_dir_name(100)
+    shutil.rmtree(tmp_path / ck.step_dir_name(100))
+    assert ck.find_latest(tmp_path).name == ck.step_dir_name(10)
