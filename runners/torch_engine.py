@@ -33,9 +33,10 @@ division; FSDP2 gets set_gradient_divide_factor(1.0) with set_force_sum_reductio
 
 Not expressible here, each rejected with a PlannerError naming the knob: tp > 1 (DTensor's
 parallelize_module needs nn.Linear modules; our units call F.linear on raw parameters and a torch-native
-twin of the block is not built), pp > 1, sharding points other than ZeRO-0..3 and HSDP, param_cache
-(MAZ3), commshift, and bf16/fp16 under DDP (DDP has no fp32-master mode without autocast, whose
-numerics differ from ours). Recomputation (full, selective, per layer) lives in the model code and runs
+twin of the block is not built), pp > 1 together with dp > 1, sharding points other than ZeRO-0..3 and
+HSDP, param_cache (MAZ3), commshift, and bf16/fp16 under DDP or pipelines (no fp32-master mode without
+FSDP; autocast's numerics differ from ours). Pipelines (pp > 1, dp 1) run on torch.distributed.pipelining
+(TorchPipelineTrainer below). Recomputation (full, selective, per layer) lives in the model code and runs
 unchanged.
 
 Mesh: torch's own init_device_mesh, not runners.mesh.build_mesh, so that the baseline shares no process
@@ -73,17 +74,22 @@ class TorchMesh:
 
 
 def torch_strategy(plan) -> str:
-    """'ddp', 'zero1', 'zero2', 'zero3' or 'hsdp' for a plan torch can run; PlannerError naming the knob otherwise."""
+    """'ddp', 'zero1', 'zero2', 'zero3', 'hsdp' or 'pipeline' for a plan torch can run; PlannerError naming
+    the knob otherwise."""
     if plan.tp > 1:
         raise PlannerError(f"--engine torch does not run tensor parallelism (tp {plan.tp}): our units use F.linear "
                            "on raw parameters, which DTensor's parallelize_module cannot shard; use tp 1")
-    if plan.pp > 1:
-        raise PlannerError(f"--engine torch does not run pipeline parallelism (pp {plan.pp}); use pp 1")
     if plan.param_cache != "none":
         raise PlannerError(f"--engine torch has no MAZ3 parameter cache (param_cache {plan.param_cache!r}); "
                            "use param_cache none")
     if plan.commshift:
-        raise PlannerError("--engine torch has no commshift (it needs pipeline parallelism); drop commshift")
+        raise PlannerError("--engine torch has no commshift (torch's schedules reduce gradients outside the "
+                           "pipeline); drop commshift")
+    if plan.pp > 1:
+        if plan.dp > 1:
+            raise PlannerError(f"--engine torch runs pipeline parallelism (pp {plan.pp}) only without data "
+                               f"parallelism; got dp {plan.dp}")
+        return "pipeline"
     s_p, s_g, s_os = plan.shard_degrees
     dp = plan.dp
     table = {(1, 1, 1): "ddp", (1, 1, dp): "zero1", (1, dp, dp): "zero2", (dp, dp, dp): "zero3"}
@@ -101,7 +107,14 @@ def _sum_all_reduce_hook(group, bucket):
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-class TorchTrainer:
+def TorchTrainer(cfg, *, device: torch.device):  # noqa: N802 (the trainer class name train() imports)
+    """The trainer for `cfg.plan` on torch's components: a pipeline or a data-parallel one."""
+    if torch_strategy(cfg.plan) == "pipeline":
+        return TorchPipelineTrainer(cfg, device=device)
+    return TorchDataParallelTrainer(cfg, device=device)
+
+
+class TorchDataParallelTrainer:
     """One rank of a plan run on torch's DDP / ZeroRedundancyOptimizer / FSDP2 (see the module docstring)."""
 
     comm_counted = False  # torch's collectives do not go through runners.comm
@@ -122,6 +135,9 @@ class TorchTrainer:
         _, (chunk,) = build_local_chunks(cfg, pp_rank=0, tp=TPContext.single(), device=device)
         # fully_shard swaps parameters for new DTensor ones, dropping our attributes: take names first.
         self.names = {name: p.canonical_name for name, p in chunk.named_parameters()}
+        self.tied = cfg.model.tied_embeddings
+        if self.tied:  # one Parameter, as the one-process reference (build_chunk's share_tied) holds it
+            chunk.units[-1].weight = chunk.units[0].weight
         self.chunk = chunk
         self.holds_loss = True  # pp 1, tp 1: every rank computes its micro-batches' loss
         if self.strategy in ("ddp", "zero1"):
@@ -168,8 +184,13 @@ class TorchTrainer:
                                          reduce_dtype=torch.float32)
         reshard = self.strategy != "zero2"
         mesh = self.mesh.device_mesh
-        for unit in chunk.units:  # one FSDP group per unit: our engine's sharding granularity
-            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+        # One FSDP group per unit, our engine's sharding granularity; a tied embedding and head share one
+        # Parameter, which must live in one group.
+        units = list(chunk.units)
+        groups = [[units[0], units[-1]]] + [[u] for u in units[1:-1]] if self.tied else [[u] for u in units]
+        for group in groups:
+            fully_shard(group if len(group) > 1 else group[0], mesh=mesh, reshard_after_forward=reshard,
+                        mp_policy=mp_policy)
         fully_shard(chunk, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
         for module in chunk.modules():  # both setters act on one module's FSDP state only
             if hasattr(module, "set_gradient_divide_factor"):
@@ -221,3 +242,113 @@ class TorchTrainer:
             full = param.full_tensor() if hasattr(param, "full_tensor") else param
             merged.setdefault(self.names[name], full.detach().float().cpu().clone())
         return merged
+
+
+# --- pipeline parallelism ---------------------------------------------------------------------------------
+class _Stage(nn.Module):
+    """A model chunk as torch.distributed.pipelining wants it: tensors in, tensors out. The last chunk's
+    head stops at the logits; the loss (the head's own cross_entropy_sum times loss_scale) is the
+    schedule's loss_fn, so the arithmetic is the head's."""
+
+    def __init__(self, chunk: nn.Module) -> None:
+        super().__init__()
+        self.chunk = chunk
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from runners.model import LMHead
+
+        for unit in self.chunk.units:  # tp 1: LMHead's enter_tp_region is the identity
+            x = torch.nn.functional.linear(x, unit.weight) if isinstance(unit, LMHead) else unit(x)
+        return x
+
+
+class TorchPipelineTrainer:
+    """pp > 1, dp 1, tp 1 on torch.distributed.pipelining: a PipelineStage per local chunk (chunk c on
+    rank c % pp, torch's looped placement and ours) under ScheduleGPipe, Schedule1F1B or
+    ScheduleInterleaved1F1B. scale_grads=False: the loss is already scaled by 1 / global tokens, so the
+    micro-batch gradients are summed, as ours. torch's schedules order their actions themselves (e.g. its
+    interleaved warm-up), so the step's work is the plan's but its order may differ from
+    cost_models.schedule.rank_actions."""
+
+    comm_counted = False
+
+    def __init__(self, cfg, *, device: torch.device) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        from runners.tensor_parallel import TPContext
+        from runners.train import build_local_chunks, compute_dtype
+
+        self.cfg, self.plan, self.device = cfg, cfg.plan, device
+        if cfg.model.tied_embeddings:
+            raise PlannerError("--engine torch cannot pipeline a model with tied embeddings (torch's schedules do "
+                               "not sum the first and last stages' copies); use pp 1 or an untied model")
+        if compute_dtype(cfg) != torch.float32:
+            raise PlannerError(f"--engine torch runs pipelines in fp32 only (no fp32 master weights without FSDP); "
+                               f"got precision {cfg.job.precision}")
+        ranks_per_node = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        self.comm = Comm(ranks_per_node=ranks_per_node)
+        device_mesh = init_device_mesh(device.type, (self.plan.pp,), mesh_dim_names=("pp",))
+        rank = dist.get_rank()
+        self.mesh = TorchMesh(rank=rank, dp=1, dp_rank=0, device_mesh=device_mesh, pp_rank=rank)
+        self.chunk_ids, self.chunks = build_local_chunks(cfg, pp_rank=rank, tp=TPContext.single(), device=device)
+        num_chunks = self.plan.num_chunks
+        self.holds_first, self.holds_last = self.chunk_ids[0] == 0, self.chunk_ids[-1] == num_chunks - 1
+        group = device_mesh.get_group("pp")
+        stages = [PipelineStage(_Stage(chunk), c, num_chunks, device, group=group)
+                  for c, chunk in zip(self.chunk_ids, self.chunks)]
+        loss_scale = 1.0 / (cfg.job.global_batch * cfg.job.seq_len)
+        n = self.plan.num_micro_batches
+        if self.plan.schedule == "interleaved-1f1b":
+            self.schedule = ScheduleInterleaved1F1B(stages, n, loss_fn=_loss_fn(loss_scale), scale_grads=False)
+        else:
+            kind = ScheduleGPipe if self.plan.schedule == "gpipe" else Schedule1F1B
+            self.schedule = kind(stages[0], n, loss_fn=_loss_fn(loss_scale), scale_grads=False)
+        params = [p for chunk in self.chunks for p in chunk.parameters()]
+        self.optimizer = torch.optim.Adam(params, lr=cfg.lr, betas=ADAM_BETAS, eps=ADAM_EPS)
+
+    def forward_backward(self, micro_batches) -> float:
+        """Run the schedule over the step's micro-batches; the sum of the losses on the last stage, else 0."""
+        tokens = torch.cat([t for t, _ in micro_batches])
+        targets = torch.cat([t for _, t in micro_batches])
+        losses: list[torch.Tensor] = []
+        args = (tokens,) if self.holds_first else ()
+        self.schedule.step(*args, target=targets if self.holds_last else None, losses=losses, return_outputs=False)
+        return float(sum(loss.item() for loss in losses)) if self.holds_last else 0.0
+
+    def step(self, micro_batches) -> float:
+        total = self.forward_backward(micro_batches)
+        self.optimizer.step()
+        for chunk in self.chunks:
+            chunk.zero_grad(set_to_none=True)
+        return total
+
+    def _gather_by_name(self, pick) -> dict[str, torch.Tensor]:
+        local = {p.canonical_name: pick(p).detach().float().cpu().clone()
+                 for chunk in self.chunks for p in chunk.parameters()}
+        gathered: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
+        dist.all_gather_object(gathered, local)
+        merged: dict[str, torch.Tensor] = {}
+        for part in gathered:
+            for name, tensor in part.items():
+                merged.setdefault(name, tensor)
+        return merged
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter under its one-process name, gathered over the pipeline ranks."""
+        return self._gather_by_name(lambda p: p)
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        return self._gather_by_name(lambda p: p.grad)
+
+
+def _loss_fn(loss_scale: float):
+    """The head's loss on the logits [s, b, V] and targets [b, s]."""
+    from runners.tensor_parallel import TPContext, cross_entropy_sum
+
+    single = TPContext.single()
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy_sum(logits, targets.t(), vocab_start=0, tp=single) * loss_scale
+
+    return loss_fn

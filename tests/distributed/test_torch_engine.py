@@ -24,10 +24,19 @@ MATRIX = {
         "zero3-accum-full-recompute": (_z(2, 2, 2, 2, micro_batch=2, num_micro_batches=2, recompute="full"), "zero3"),
         "zero3-per-layer-recompute": (_z(2, 2, 2, 2, micro_batch=1, num_micro_batches=2,
                                          recompute_layers=("full", "selective", "none", "none") * 2), "zero3"),
+        "ddp-tied": (_z(2, 1, 1, 1, micro_batch=1, num_micro_batches=2), "ddp", {"tied_embeddings": True}),
+        "zero3-tied-gpt2": (_z(2, 2, 2, 2, micro_batch=1, num_micro_batches=2), "zero3",
+                            {"tied_embeddings": True, "arch": "gpt2", "num_kv_heads": 8}),
+        "pp2-gpipe": (Plan(pp=2, schedule="gpipe", micro_batch=1, num_micro_batches=4), "pipeline"),
+        "pp2-1f1b-unequal": (Plan(pp=2, schedule="1f1b", micro_batch=1, num_micro_batches=4, stage_layers=(3, 5)),
+                             "pipeline"),
+        "pp2-interleaved-unequal": (Plan(pp=2, virtual_stages=2, schedule="interleaved-1f1b", micro_batch=1,
+                                         num_micro_batches=4, stage_layers=(1, 3, 2, 2)), "pipeline"),
     },
     4: {
         "hsdp-2x2-accum": (_z(4, 2, 2, 2, micro_batch=1, num_micro_batches=2), "hsdp"),
         "zero3-4-accum": (_z(4, 4, 4, 4, micro_batch=1, num_micro_batches=2), "zero3"),
+        "pp4-1f1b-selective": (Plan(pp=4, micro_batch=1, num_micro_batches=4, recompute="selective"), "pipeline"),
     },
 }
 CASES = [(world, name) for world, plans in MATRIX.items() for name in plans]
@@ -35,7 +44,8 @@ _results: dict[int, dict] = {}
 
 
 def _config(world: int, name: str):
-    return tiny_config(MATRIX[world][name][0], engine="torch")
+    plan, _, *model_changes = MATRIX[world][name]
+    return tiny_config(plan, engine="torch", **(model_changes[0] if model_changes else {}))
 
 
 def _result(world: int, name: str):
@@ -47,7 +57,7 @@ def _result(world: int, name: str):
 
 @pytest.mark.parametrize("world,name", CASES, ids=[f"{w}procs-{n}" for w, n in CASES])
 def test_torch_engine_matches_one_process(world, name):
-    plan, strategy = MATRIX[world][name]
+    plan, strategy = MATRIX[world][name][:2]
     assert torch_strategy(plan) == strategy  # the plan really ran on the torch component named
     metrics, params = _result(world, name)
     check_against_reference(_config(world, name), metrics, params)
@@ -58,11 +68,11 @@ def test_torch_engine_matches_one_process(world, name):
 
 @pytest.mark.parametrize("plan,knob", [
     (Plan(tp=2, micro_batch=1, num_micro_batches=2), "tensor parallelism"),
-    (Plan(pp=2, micro_batch=1, num_micro_batches=2), "pipeline parallelism"),
+    (Plan(dp=2, pp=2, micro_batch=1, num_micro_batches=2), "without data parallelism"),
     (_z(4, 2, 2, 4), r"\(2, 2, 4\)"),
     (_z(4, 1, 2, 4), r"\(1, 2, 4\)"),
     (_z(2, 2, 2, 2, param_cache="device"), "param_cache"),
-    (Plan(dp=2, pp=2, commshift=True, micro_batch=1, num_micro_batches=2), "pipeline parallelism"),
+    (Plan(dp=2, pp=2, commshift=True, micro_batch=1, num_micro_batches=2), "commshift"),
 ])
 def test_inexpressible_plan_is_rejected_naming_the_knob(plan, knob):
     with pytest.raises(PlannerError, match=knob):
@@ -83,6 +93,7 @@ GRADIENT_PLANS = {
     "zero2": _z(4, 1, 4, 4, micro_batch=1, num_micro_batches=2),
     "zero3": _z(4, 4, 4, 4, micro_batch=1, num_micro_batches=2),
     "hsdp": _z(4, 2, 2, 2, micro_batch=1, num_micro_batches=2),
+    "pipeline": Plan(pp=4, micro_batch=1, num_micro_batches=4),  # scale_grads=False: summed, not averaged
 }
 
 
@@ -113,7 +124,8 @@ def _reference_gradients(cfg) -> dict:
 
     job = cfg.job
     chunk = build_chunk(cfg.model, layers=range(cfg.model.num_layers), first=True, last=True, seed=cfg.seed,
-                        tp=TPContext.single(), recompute="none", loss_scale=1.0 / (job.global_batch * job.seq_len))
+                        tp=TPContext.single(), recompute="none", loss_scale=1.0 / (job.global_batch * job.seq_len),
+                        share_tied=True)
     sequences = make_data(None, vocab_size=cfg.model.vocab_size, seq_len=job.seq_len, seed=cfg.seed).global_batch(0, job.global_batch)
     chunk(sequences[:, :-1], sequences[:, 1:]).backward()
     return {p.canonical_name: p.grad for p in chunk.parameters()}
