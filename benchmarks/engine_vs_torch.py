@@ -3,7 +3,8 @@
 Our engine against torch's own components (runners/torch_engine.py) on the same plan: the same model code
 and seeded weights, data, loss and Adam, on 4 local gloo CPU processes (one intra-op thread each). For
 DDP, ZeRO-1, ZeRO-2 and ZeRO-3 it prints the median step time of each engine and the ratio ours / torch
-(target <= 1.05), then the measured peak memory per rank beside the cost model's prediction.
+(target <= 1.05; "paired" is the median over repeats of the ratio within a repeat), then the measured
+peak memory per rank beside the cost model's prediction.
 
 Timing: one set of processes runs every (plan, engine) pair `--repeats` times, plans and engines
 interleaved (ours, torch, torch, ours, ...) so that drift in a shared machine's load hits both engines
@@ -122,22 +123,33 @@ def timing_jobs(*, repeats: int, steps: int) -> list[tuple[str, RunConfig]]:
     return jobs
 
 
-def measure_times(*, repeats: int, steps: int) -> dict[str, list[float]]:
-    step_times: dict[str, list[float]] = {}
+def measure_times(*, repeats: int, steps: int) -> dict[str, list[list[float]]]:
+    """label -> per repeat, the run's step times after the first."""
+    step_times: dict[str, list[list[float]]] = {}
     for label, metrics, _ in run_jobs(timing_jobs(repeats=repeats, steps=steps)):
-        step_times.setdefault(label, []).extend(s["step_time_s"] for s in metrics["steps"][1:])
+        step_times.setdefault(label, []).append([s["step_time_s"] for s in metrics["steps"][1:]])
     return step_times
 
 
-def measure_memory(*, steps: int) -> dict[str, tuple[int, int, int | None]]:
-    """label -> (peak RSS of the worst rank, that minus the idle RSS, predicted peak bytes)."""
+def paired_ratio(ours: list[list[float]], theirs: list[list[float]]) -> float:
+    """Median over repeats of ours / torch within a repeat: the two runs of a repeat are adjacent in time,
+    so load that drifts over minutes cancels."""
+    return statistics.median(statistics.median(a) / statistics.median(b) for a, b in zip(ours, theirs))
+
+
+def measure_memory(*, steps: int) -> dict[str, tuple[int, int, tuple[int, int] | None]]:
+    """label -> (peak RSS of the worst rank, that minus the idle RSS, predicted (peak, peak - framework
+    reserve) bytes)."""
     out = {}
     for name, level in LEVELS.items():
         for engine in ENGINES:
             label = f"{name}|{engine}"
             (_, metrics, idle), = run_jobs([(label, make_config(level, engine, steps=steps))])
             peak = metrics["summary"]["peak_memory_bytes"]
-            predicted = (metrics.get("predicted") or {}).get("peak_memory_bytes")
+            predicted = metrics.get("predicted")
+            if predicted is not None:  # the model's share, without its reserve for the framework itself
+                reserve = predicted["breakdown"].get("framework_reserve_bytes", 0)
+                predicted = (predicted["peak_memory_bytes"], predicted["peak_memory_bytes"] - reserve)
             out[label] = (peak, peak - idle, predicted)
     return out
 
@@ -153,20 +165,22 @@ def main() -> None:
                                                 tp=TPContext.single(), recompute="none", loss_scale=1.0).parameters())
     print(f"{MODEL.name}: {params / 1e6:.2f} M params, seq {SEQ_LEN}, {WORLD} gloo CPU processes, "
           f"micro-batch {MICRO_BATCH} x {NUM_MICRO_BATCHES}, {args.repeats} interleaved repeats x {args.steps - 1} timed steps")
-    print(f"{'plan':<8} {'ours s':>8} {'torch s':>8} {'ours/torch':>10} {'n':>4}")
+    print(f"{'plan':<8} {'ours s':>8} {'torch s':>8} {'ours/torch':>10} {'paired':>7} {'n':>4}")
     for name in LEVELS:
         ours, theirs = times[f"{name}|ours"], times[f"{name}|torch"]
-        mo, mt = statistics.median(ours), statistics.median(theirs)
-        print(f"{name:<8} {mo:>8.3f} {mt:>8.3f} {mo / mt:>10.3f} {len(ours):>4}")
+        mo, mt = (statistics.median(t for run in runs for t in run) for runs in (ours, theirs))
+        n = sum(len(run) for run in ours)
+        print(f"{name:<8} {mo:>8.3f} {mt:>8.3f} {mo / mt:>10.3f} {paired_ratio(ours, theirs):>7.3f} {n:>4}")
     if args.no_memory:
         return
     memory = measure_memory(steps=3)
     mib = 2**20
-    print(f"\n{'plan':<8} {'engine':<6} {'peak RSS MiB':>12} {'above idle MiB':>14} {'predicted MiB':>13}")
+    print(f"\n{'plan':<8} {'engine':<6} {'peak RSS MiB':>12} {'predicted':>9} {'above idle MiB':>14} "
+          f"{'predicted w/o reserve':>21}")
     for label, (peak, above, predicted) in memory.items():
         name, engine = label.split("|")
-        pred = f"{predicted / mib:>13.1f}" if predicted is not None else f"{'n/a':>13}"
-        print(f"{name:<8} {engine:<6} {peak / mib:>12.1f} {above / mib:>14.1f} {pred}")
+        total, model = (f"{predicted[0] / mib:.1f}", f"{predicted[1] / mib:.1f}") if predicted else ("n/a", "n/a")
+        print(f"{name:<8} {engine:<6} {peak / mib:>12.1f} {total:>9} {above / mib:>14.1f} {model:>21}")
 
 
 if __name__ == "__main__":
