@@ -63,8 +63,6 @@ def build_run(request: RunRequest, flags: PlanFlags):
         plan = load_plan(request.plan_file, problem)
     else:
         plan = plan_from_flags(flags, problem)
-    if problem.model.tied_embeddings and plan.pp > 1:
-        raise PlannerError("the runner does not yet train tied embeddings across pipeline stages (pp > 1)")
     try:
         return RunConfig(plan=plan, model=problem.model, job=problem.job, steps=request.steps, seed=request.seed,
                          lr=request.lr, data=request.data, ranks_per_node=per_node, engine=request.engine,

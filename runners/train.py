@@ -145,6 +145,36 @@ class Trainer:
                                           num_micro_batches=self.plan.num_micro_batches, lr=cfg.lr,
                                           defer_grad_sync=self.plan.commshift and self.plan.pp > 1)
         self.holds_loss = self.chunk_ids[-1] == self.plan.num_chunks - 1 and self.mesh.tp_rank == 0
+        self.tied_units, self.tied_group = self._tied_embedding_units()
+
+    def _tied_embedding_units(self):
+        """The token embedding and LM head units this rank holds when the model ties them, and the group
+        (first and last pipeline stage at the same DP/TP position) whose reduced gradients are summed, as
+        Megatron's embedding group does. Every rank creates every such group, in the same order."""
+        if not self.cfg.model.tied_embeddings:
+            return [], None
+        from runners.model import Embedding, LMHead
+
+        units = [u for chunk in self.chunks for u in chunk.units if isinstance(u, (Embedding, LMHead))]
+        group = None
+        if self.plan.pp > 1:
+            for dp_rank in range(self.plan.dp):
+                for tp_rank in range(self.plan.tp):
+                    ends = [self.mesh.global_rank(pp_rank=p, dp_rank=dp_rank, tp_rank=tp_rank) for p in (0, self.plan.pp - 1)]
+                    handle = dist.new_group(ends)
+                    if self.mesh.rank in ends:
+                        group = handle
+        return units, group
+
+    def _sum_tied_grads(self) -> None:
+        """Both copies of a tied weight get the sum of their reduced gradients (the shards line up), so
+        identical Adam updates keep them equal: the gradient of one shared parameter."""
+        grads = [self.engine.unit_grad(u) for u in self.tied_units]
+        if self.tied_group is not None:
+            self.comm.all_reduce(grads[0], self.tied_group)
+        elif len(grads) == 2:
+            grads[0].add_(grads[1])
+            grads[1].copy_(grads[0])
 
     def run_micro_batches(self, micro_batches) -> list[torch.Tensor]:
         if self.plan.pp == 1:
@@ -172,7 +202,7 @@ class Trainer:
     def step(self, micro_batches) -> float:
         """One optimizer step; returns this rank's contribution to the global mean loss."""
         losses = self.run_micro_batches(micro_batches)
-        self.engine.optimizer_step()
+        self.engine.optimizer_step(before_update=self._sum_tied_grads if self.tied_units else None)
         return float(sum(l.item() for l in losses)) if self.holds_loss else 0.0
 
     def full_parameters(self) -> dict[str, torch.Tensor]:

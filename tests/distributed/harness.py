@@ -26,12 +26,12 @@ def free_port() -> int:
 
 
 def tiny_config(plan: Plan, *, steps: int = 8, seq_len: int = 32, lr: float = 3e-3, ranks_per_node: int = 0,
-                engine: str = "ours", model: str = "tiny", **model_changes) -> RunConfig:
+                engine: str = "ours", model: str = "tiny", seed: int = 1234, **model_changes) -> RunConfig:
     import dataclasses
 
     spec = dataclasses.replace(PRESETS[model], **model_changes) if model_changes else PRESETS[model]
     return RunConfig(plan=plan, model=spec, job=Job(global_batch=plan.global_batch, seq_len=seq_len, precision="fp32"),
-                     steps=steps, seed=1234, lr=lr, ranks_per_node=ranks_per_node, engine=engine, timeout_s=120)
+                     steps=steps, seed=seed, lr=lr, ranks_per_node=ranks_per_node, engine=engine, timeout_s=120)
 
 
 def _worker(rank: int, world: int, port: int, cfgs: list[RunConfig], queue) -> None:
