@@ -4,8 +4,9 @@
     python benchmarks/validate_cost_model.py --profile p.json --measurements out/validate/measured.json   # re-score only
 
 1. profile this node (`planner profile --quick`), unless --profile is given;
-2. measure the search's top plans and the spread (planner/validate.py) with --rounds interleaved runs each,
-   unless --measurements is given (a `planner validate` report);
+2. measure the search's top plans and the spread (planner/validate.py) with --rounds interleaved runs each
+   (memory, and which plans run), unless --measurements is given (a `planner validate` report); then
+   time them in one batched run of --timing-rounds interleaved rounds (unless the report has those);
 3. calibrate on half of the plans (planner/calibrate.py) and score the other half;
 4. search again with the calibrated profile and measure its winner if it was not measured yet: the
    regret of the top pick is its measured step time over the best measured one;
@@ -30,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from planner.calibrate import calibrate, ok_rows  # noqa: E402
 from planner.jsonio import read_json_file, write_json_atomic  # noqa: E402
 from planner.validate import (Measurement, PlanEntry, ValidateSettings, agreement, build_report, measure,  # noqa: E402
-                              repredict, validate, write_scatter_png)
+                              measure_step_times_batched, repredict, validate, write_scatter_png)
 from profilers.hardware import with_calibration  # noqa: E402
 
 TARGETS = {"num_plans": 24, "held_out_mape": 0.10, "held_out_kendall_tau": 0.8, "regret": 0.05, "dp_zero_max_error": 0.20}
@@ -40,13 +41,36 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
+def retime(report: dict, settings: ValidateSettings) -> dict:
+    """The report with its plans that ran timed again in one batched interleaved run."""
+    from planner.plan import Plan
+
+    ok = [r for r in report["plans"] if r["status"] == "ok"]
+    entries = [PlanEntry(r["label"], r["source"], Plan.from_dict(r["plan"])) for r in ok]
+    log(f"batched timing of {len(entries)} plans: {settings.timing_rounds} rounds of {settings.timing_steps} steps")
+    times = measure_step_times_batched(entries, settings, rounds=settings.timing_rounds,
+                                       steps_per_round=settings.timing_steps,
+                                       progress=lambda d, n, label: log(f"  {d}/{n}: {label}") if d % 10 == 0 else None)
+    measurements = []
+    for r in report["plans"]:
+        m = Measurement(PlanEntry(r["label"], r["source"], Plan.from_dict(r["plan"])), error=r["error"],
+                        step_times_s=list(r["rounds_step_time_s"]),
+                        peak_memory_bytes=[r["measured_peak_memory_bytes"]] if r["measured_peak_memory_bytes"] else [])
+        if r["status"] == "ok":
+            m.batched_step_times_s = list(times[ok.index(r)])
+        measurements.append(m)
+    return build_report(measurements, settings)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--timing-rounds", type=int, default=6)
+    parser.add_argument("--timing-steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=3)
     parser.add_argument("--profile", help="Use this profile instead of measuring one.")
     parser.add_argument("--measurements", help="Re-score a `planner validate` report instead of measuring.")
@@ -63,9 +87,13 @@ def main() -> int:
         profile = str(out / "profile.json")
         run_profile(ProfileOptions(nproc=args.nproc, quick=True)).save(profile)
     settings = ValidateSettings(hardware=profile, nproc=args.nproc, global_batch=args.global_batch, seq_len=args.seq_len,
-                                steps=args.steps, rounds=args.rounds, top_k=args.top)
+                                steps=args.steps, rounds=args.rounds, top_k=args.top,
+                                timing_rounds=args.timing_rounds, timing_steps=args.timing_steps)
     if args.measurements:
         report = read_json_file(args.measurements, what="measurements")
+        if args.timing_rounds and not any(r.get("batched_step_times_s") for r in report["plans"]):
+            report = retime(report, settings)
+            write_json_atomic(out / "measured.json", report)
     else:
         log(f"measuring plans: {args.rounds} interleaved rounds of {args.steps} steps")
         report = validate(settings, progress=lambda d, n, label: log(f"  run {d}/{n}: {label}"))

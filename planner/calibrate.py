@@ -10,12 +10,13 @@ Free parameters (calibration keys, documented in cost_models/estimate.py):
   op_overhead_s          seconds every launched op pays (eager dispatch, allocation)
   collective_overhead_s  seconds every collective call pays (gloo's per-call cost on a busy host)
   step_overhead_s        seconds per optimizer step outside any op
+  comm_overlap_efficiency  fraction of the DP/ZeRO communication the separate stream hides (1 on GPUs)
   framework_reserve_bytes  memory no tensor accounts for (the runtime's resident set on CPU)
 
 The step-time parameters minimise the sum of squared relative errors (predicted - measured) / measured
 over the fitted plans (relative, so a 30 ms plan counts as much as a 300 ms one: what MAPE measures).
 The model is not linear in them (overlaps and pipeline bubbles are maxima), so the fit is
-Levenberg-Marquardt (Marquardt 1963) on the real cost model with forward-difference Jacobians, over the
+Levenberg-Marquardt (Marquardt 1963) on the real cost model with central-difference Jacobians, over the
 logarithms of the parameters (keeping them positive), from the best of a few starting points.
 The memory reserve is additive, so its least-absolute-deviation fit is closed form: the median of
 measured - predicted added to the reserve the prediction used.
@@ -47,9 +48,14 @@ TIME_PARAMETERS: dict[str, tuple[float, float]] = {
     "op_overhead_s": (1e-5, 1e-5),
     "collective_overhead_s": (1e-4, 1e-4),
     "step_overhead_s": (1e-3, 1e-3),
+    "comm_overlap_efficiency": (1.0, 1.0),
 }
+# Parameters with a natural ceiling (the cost model clamps them there too).
+UPPER_BOUNDS = {"comm_overlap_efficiency": 1.0}
 # A parameter below unit x exp(LOG_FLOOR) is zero for every purpose; the floor keeps the fit finite.
 LOG_FLOOR = -12.0
+# And above unit x exp(LOG_CEILING) no parameter is physical (a 1e5x slowdown); it bounds a runaway step.
+LOG_CEILING = 12.0
 
 
 @dataclass(frozen=True)
@@ -108,7 +114,8 @@ def fit_time_parameters(rows: list[dict], problem: Problem, *, parameters: tuple
     units = np.array([TIME_PARAMETERS[p][0] for p in parameters])
 
     def calibration_of(u: np.ndarray) -> dict[str, float]:
-        return {p: float(unit * math.exp(max(x, LOG_FLOOR))) for p, unit, x in zip(parameters, units, u)}
+        values = {p: float(unit * math.exp(max(x, LOG_FLOOR))) for p, unit, x in zip(parameters, units, u)}
+        return {p: min(v, UPPER_BOUNDS.get(p, v)) for p, v in values.items()}
 
     def residuals(u: np.ndarray) -> np.ndarray:
         return (_predict_step_times(plans, problem, with_calibration(base, calibration_of(u))) - measured) / measured
@@ -134,27 +141,29 @@ def _starting_points(base: Hardware, parameters: tuple[str, ...], units: np.ndar
 
 
 def _levenberg_marquardt(residuals, u0: np.ndarray, *, max_iterations: int) -> tuple[np.ndarray, np.ndarray]:
-    """Minimise ||residuals(u)||^2 from u0; forward-difference Jacobian, multiplicative damping."""
+    """Minimise ||residuals(u)||^2 from u0; central-difference Jacobian (a one-sided difference reads
+    zero at a clamp such as comm_overlap_efficiency = 1), multiplicative damping."""
     u, r = u0.astype(float), residuals(u0)
-    damping, step = 1e-2, 1e-4
+    damping, step = 1e-2, 1e-3
     for _ in range(max_iterations):
         jac = np.empty((r.size, u.size))
         for j in range(u.size):
             du = np.zeros_like(u)
             du[j] = step
-            jac[:, j] = (residuals(u + du) - r) / step
+            jac[:, j] = (residuals(u + du) - residuals(u - du)) / (2 * step)
         gradient, normal = jac.T @ r, jac.T @ jac
         improved = False
         while damping < 1e8:
             delta = np.linalg.solve(normal + damping * np.diag(np.diag(normal) + 1e-12), -gradient)
-            candidate = np.maximum(u + delta, LOG_FLOOR)
+            candidate = np.clip(u + delta, LOG_FLOOR, LOG_CEILING)
             r_new = residuals(candidate)
-            if float(r_new @ r_new) < float(r @ r):
+            if np.all(np.isfinite(r_new)) and float(r_new @ r_new) < float(r @ r):
                 gain = float(r @ r) - float(r_new @ r_new)
                 u, r, damping, improved = candidate, r_new, max(damping / 3, 1e-9), True
                 break
             damping *= 4
-        if not improved or gain < 1e-12 * max(1.0, float(r @ r)):
+        # Converged: the last step bought less than a millionth of the squared error (or 1e-10 absolute).
+        if not improved or gain < 1e-10 + 1e-6 * float(r @ r):
             break
     return u, r
 

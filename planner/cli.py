@@ -543,6 +543,7 @@ def validate_command(
     precision: Annotated[str, typer.Option("--precision", help="Compute precision of the runs.")] = "fp32",
     steps: Annotated[int, typer.Option("--steps", help="Steps per run (the first is a warm-up).")] = 8,
     rounds: Annotated[int, typer.Option("--rounds", help="Runs per plan, interleaved across plans; medians.")] = 1,
+    timing_rounds: Annotated[int, typer.Option("--timing-rounds", help="Rounds of one batched, interleaved timing run (0: time from the runs).")] = 0,
     top: Annotated[int, typer.Option("--top", help="The search's top plans to include.")] = 3,
     max_plans: Annotated[Optional[int], typer.Option("--max-plans", help="Run at most this many plans.")] = None,
     spread: Annotated[bool, typer.Option("--spread/--no-spread", help="Add the deliberate spread (DP, ZeRO-1/2/3, TP, PP, micro-batches).")] = True,
@@ -558,6 +559,7 @@ def validate_command(
       planner validate --nproc 4 --hardware profile.json --out validate.json
       planner validate --nproc 2 --top 1 --max-plans 3 --steps 4 --format json
       planner validate --nproc 4 --rounds 3 --png scatter.png
+      planner validate --nproc 4 --timing-rounds 6      # on a loaded host: one interleaved batched timing run
     """
     from planner.jsonio import write_json_atomic
     from planner.validate import ValidateSettings, validate, write_scatter_png
@@ -565,7 +567,7 @@ def validate_command(
     with _BadInput():
         settings = ValidateSettings(model=model, hardware=hardware, nproc=nproc, global_batch=global_batch,
                                     seq_len=seq_len, precision=precision, steps=steps, rounds=rounds, top_k=top,
-                                    spread=spread, max_plans=max_plans)
+                                    spread=spread, max_plans=max_plans, timing_rounds=timing_rounds)
         bar, update = _stage_progress(fmt is OutputFormat.json)
         with bar:
             report = validate(settings, progress=lambda done, total, label: update("validate", done, total, label))
@@ -868,12 +870,36 @@ def main() -> None:
     Click's standalone mode already turns usage errors into one line and exit 2; errors raised by the
     library calls (PlannerError, ValueError) are caught here.
     """
+    # typer >= 0.25 vendors click as typer._click; its exceptions are not re-exported publicly.
     try:
-        app()
+        from typer._click import exceptions as click_errors
+    except ImportError:  # older typer on click
+        from click import exceptions as click_errors
+
+    try:
+        # Not standalone: click's own usage errors come back here and are printed as one line too
+        # (standalone mode would draw a multi-line rich box).
+        code = app(standalone_mode=False)
+    except click_errors.NoArgsIsHelpError as exc:
+        sys.stdout.write(exc.ctx.get_help() + "\n")
+        sys.exit(2)
+    except click_errors.UsageError as exc:
+        where = f"{exc.ctx.command_path}: " if exc.ctx is not None else ""
+        message = " ".join(exc.format_message().split())
+        err_console.print(f"error: {where}{message} (see --help)", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except click_errors.ClickException as exc:  # e.g. a file option that cannot be opened
+        err_console.print(f"error: {' '.join(exc.format_message().split())}", markup=False, highlight=False,
+                          soft_wrap=True)
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        err_console.print("aborted", markup=False, highlight=False)
+        sys.exit(130)
     except (PlannerError, ValueError) as exc:
         # soft_wrap: rich would otherwise break a long message at the console width (80 off a TTY).
         err_console.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

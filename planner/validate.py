@@ -11,6 +11,12 @@ from another process lands on one run of several plans rather than on every run 
 measured step time is the median over rounds of each run's median step time (the first step, which
 allocates, is dropped by the runner). A run that fails is reported with its reason and the others go on.
 
+On a loaded host the runs' medians are noisy (start-up dominates a short run, and a burst of load lands
+on one plan's run). `--timing-rounds R` adds one batched timing run (`measure_step_times_batched`):
+every plan that ran keeps its trainer in one set of processes and the plans take turns, a few steps
+each, R times over, so every plan is sampled across the whole window; the measured step time is then
+the median of those steps (memory still comes from the per-plan runs).
+
 Agreement metrics (all over the plans that ran):
   mape          mean of |predicted - measured| / measured
   max_error     the largest of those
@@ -80,6 +86,9 @@ class ValidateSettings:
     top_k: int = 3
     spread: bool = True
     max_plans: int | None = None
+    # Interleaved rounds of the batched timing run (0: time each plan from its own runs).
+    timing_rounds: int = 0
+    timing_steps: int = 3
     seed: int = 0
     timeout_s: float = 300.0
 
@@ -89,6 +98,8 @@ class ValidateSettings:
                 raise PlannerError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.steps < 2:
             raise PlannerError(f"--steps must be at least 2 (the first step is a warm-up), got {self.steps}")
+        if self.timing_rounds < 0 or self.timing_steps < 1:
+            raise PlannerError(f"--timing-rounds must be at least 0, got {self.timing_rounds}")
         if self.top_k < 0 or (self.max_plans is not None and self.max_plans < 1):
             raise PlannerError(f"--top must be at least 0 and --max-plans at least 1, got {self.top_k} and {self.max_plans}")
 
@@ -142,9 +153,10 @@ class Measurement:
     """One plan's runs: per-round median step times and peak memory, or why it failed."""
 
     entry: PlanEntry
-    step_times_s: list[float] = field(default_factory=list)
+    step_times_s: list[float] = field(default_factory=list)  # per run: its median step
     peak_memory_bytes: list[int] = field(default_factory=list)
     error: str | None = None
+    batched_step_times_s: list[float] = field(default_factory=list)  # every step of the batched timing run
 
 
 Progress = Callable[[int, int, str], None]
@@ -182,7 +194,128 @@ def measure(entries: list[PlanEntry], settings: ValidateSettings, *, progress: P
                 continue
             m.step_times_s.append(float(metrics["summary"]["median_step_time_s"]))
             m.peak_memory_bytes.append(int(metrics["summary"]["peak_memory_bytes"]))
+    ok = [m for m in results if m.error is None]
+    if settings.timing_rounds and ok:
+        times = measure_step_times_batched([m.entry for m in ok], settings, rounds=settings.timing_rounds,
+                                           steps_per_round=settings.timing_steps, progress=progress)
+        for m, samples in zip(ok, times):
+            m.batched_step_times_s = list(samples)
     return results
+
+
+# --- batched timing -------------------------------------------------------------------------------
+# One torchrun launch that keeps every plan's trainer alive and cycles through the plans `rounds` times,
+# a few steps each: process start-up (most of a short run on a loaded host) is paid once, and each plan
+# is sampled across the whole measurement window, so a burst of load from other processes spreads over
+# all plans instead of landing on one plan's run. Memory is not measured here (every trainer lives in
+# the same processes); it comes from the per-plan runs.
+WORKER_MODULE = "planner.validate"
+
+
+def measure_step_times_batched(entries: list[PlanEntry], settings: ValidateSettings, *, rounds: int,
+                               steps_per_round: int = 3, progress: Progress | None = None) -> list[list[float]]:
+    """Per plan, every timed step (each the slowest rank's wall time) of the interleaved batched run.
+
+    Raises RunFailed (with the failing rank's error) if the batched run fails."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    from collections import deque
+    from pathlib import Path
+
+    from planner.jsonio import read_json_file, write_json_atomic
+    from runners.launch import RunFailed
+    from runners.train import RunConfig
+
+    problem = settings.problem()
+    configs = [RunConfig(plan=e.plan, model=problem.model, job=problem.job, steps=1, seed=settings.seed,
+                         ranks_per_node=settings.nproc, hardware=settings.hardware,
+                         timeout_s=settings.timeout_s).to_dict() for e in entries]
+    with tempfile.TemporaryDirectory(prefix="planner-validate-") as tmp:
+        spec, out = Path(tmp) / "spec.json", Path(tmp) / "times.json"
+        write_json_atomic(spec, {"configs": configs, "rounds": rounds, "steps_per_round": steps_per_round,
+                                 "labels": [e.label for e in entries]})
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={settings.nproc}",
+               "-m", WORKER_MODULE, "--worker", str(spec), "--out", str(out)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // settings.nproc)))
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True)
+        tail: deque[str] = deque(maxlen=30)
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if line.startswith(_PROGRESS_PREFIX):
+                    done, total, label = json.loads(line[len(_PROGRESS_PREFIX):])
+                    if progress is not None:
+                        progress(done, total, label)
+                else:
+                    tail.append(line.rstrip())
+            code = proc.wait()
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        if code != 0 or not out.exists():
+            raise RunFailed(f"the batched timing run failed (exit code {code}): " + " | ".join(list(tail)[-6:]))
+        return read_json_file(out, what="batched timings")["step_times_s"]
+
+
+_PROGRESS_PREFIX = "PLANNER_VALIDATE "
+
+
+def _worker(spec_path: str, out_path: str) -> None:
+    """One rank of the batched timing run (see measure_step_times_batched)."""
+    import datetime
+    import json
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from planner.jsonio import read_json_file, write_json_atomic
+    from runners.data import make_data, rank_micro_batches
+    from runners.train import RunConfig, Trainer
+
+    spec = read_json_file(spec_path, what="validate spec")
+    configs = [RunConfig.from_dict(c) for c in spec["configs"]]
+    rounds, per_round = spec["rounds"], spec["steps_per_round"]
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(c.timeout_s for c in configs)))
+    rank, device = dist.get_rank(), torch.device("cpu")
+    trainers: dict[int, tuple] = {}
+    times: list[list[float]] = [[] for _ in configs]
+    step_of = [0] * len(configs)
+    total = rounds * len(configs)
+    for r in range(rounds):
+        for i, cfg in enumerate(configs):
+            if rank == 0:
+                print(_PROGRESS_PREFIX + json.dumps([r * len(configs) + i + 1, total,
+                                                     f"round {r + 1}: {spec['labels'][i]}"]), flush=True)
+            if i not in trainers:
+                torch.manual_seed(cfg.seed)
+                trainers[i] = (Trainer(cfg, device=device),
+                               make_data(None, vocab_size=cfg.model.vocab_size, seq_len=cfg.job.seq_len, seed=cfg.seed))
+            trainer, data = trainers[i]
+            # A plan's first step ever allocates its buffers: run it untimed.
+            for timed in ([False] if step_of[i] == 0 else []) + [True] * per_round:
+                batches = rank_micro_batches(data.global_batch(step_of[i], cfg.job.global_batch), dp=cfg.plan.dp,
+                                             dp_rank=trainer.mesh.dp_rank, micro_batch=cfg.plan.micro_batch,
+                                             device=device)
+                step_of[i] += 1
+                dist.barrier()
+                start = time.perf_counter()
+                trainer.step(batches)
+                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                if timed:
+                    times[i].append(elapsed.item())
+    if rank == 0:
+        write_json_atomic(out_path, {"step_times_s": times})
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 # --- comparing ------------------------------------------------------------------------------------
@@ -219,9 +352,11 @@ def plan_row(m: Measurement, problem: Problem) -> dict:
            "plan": m.entry.plan.to_dict(), "status": "failed" if m.error is not None else "ok", "error": m.error,
            "predicted_step_time_s": est.step_time_s, "predicted_peak_memory_bytes": est.peak_memory_bytes,
            "measured_step_time_s": None, "measured_peak_memory_bytes": None, "step_time_error": None,
-           "memory_error": None, "rounds_step_time_s": list(m.step_times_s)}
+           "memory_error": None, "rounds_step_time_s": list(m.step_times_s),
+           "batched_step_times_s": list(m.batched_step_times_s)}
     if m.error is None and m.step_times_s:
-        measured_s = statistics.median(m.step_times_s)
+        # The batched run's steps when there is one (many interleaved samples), else the runs' medians.
+        measured_s = statistics.median(m.batched_step_times_s or m.step_times_s)
         measured_bytes = int(statistics.median(m.peak_memory_bytes))
         row.update(measured_step_time_s=measured_s, measured_peak_memory_bytes=measured_bytes,
                    step_time_error=(est.step_time_s - measured_s) / measured_s,
@@ -239,6 +374,7 @@ def repredict(rows: list[dict], problem: Problem) -> list[dict]:
             measured_s, measured_bytes = row["measured_step_time_s"], row["measured_peak_memory_bytes"]
             new.update(measured_step_time_s=measured_s, measured_peak_memory_bytes=measured_bytes,
                        rounds_step_time_s=row.get("rounds_step_time_s", []),
+                       batched_step_times_s=row.get("batched_step_times_s", []),
                        step_time_error=(new["predicted_step_time_s"] - measured_s) / measured_s,
                        memory_error=(new["predicted_peak_memory_bytes"] - measured_bytes) / measured_bytes)
         out.append(new)
@@ -271,7 +407,8 @@ def build_report(measurements: list[Measurement], settings: ValidateSettings) ->
     return {"model": settings.model, "hardware": settings.hardware, "hardware_name": problem.cluster.hardware.name,
             "calibration": dict(problem.cluster.hardware.calibration), "nproc": settings.nproc,
             "global_batch": settings.global_batch, "seq_len": settings.seq_len, "precision": settings.precision,
-            "steps": settings.steps, "rounds": settings.rounds, "num_plans": len(rows),
+            "steps": settings.steps, "rounds": settings.rounds, "timing_rounds": settings.timing_rounds,
+            "num_plans": len(rows),
             "num_failed": sum(r["status"] == "failed" for r in rows), **agreement(rows), "plans": rows}
 
 
@@ -330,3 +467,13 @@ def write_scatter_png(report: dict, path: str, *, title: str | None = None) -> N
 
 def replace_hardware(settings: ValidateSettings, hardware: str) -> ValidateSettings:
     return dataclasses.replace(settings, hardware=hardware)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=WORKER_MODULE)
+    parser.add_argument("--worker", required=True)
+    parser.add_argument("--out", required=True)
+    cli_args = parser.parse_args()
+    _worker(cli_args.worker, cli_args.out)

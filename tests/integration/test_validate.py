@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 from typer.testing import CliRunner
 
@@ -15,7 +16,8 @@ runner = CliRunner()
 def test_validate_then_calibrate_then_explain(tmp_path):
     report_path, png = tmp_path / "v.json", tmp_path / "v.png"
     result = runner.invoke(app, ["validate", "--nproc", "2", "--global-batch", "4", "--top", "1", "--max-plans", "2",
-                                 "--steps", "3", "--out", str(report_path), "--png", str(png), "--format", "json"])
+                                 "--steps", "3", "--timing-rounds", "2", "--out", str(report_path), "--png", str(png),
+                                 "--format", "json"])
     assert result.exit_code == 0, result.output
     report = json.loads(report_path.read_text())
     assert report["num_plans"] == 2 and report["plans"][0]["source"] == "search"
@@ -23,6 +25,9 @@ def test_validate_then_calibrate_then_explain(tmp_path):
     assert len(ok) == 2 and report["num_failed"] == 0
     for r in ok:
         assert r["measured_step_time_s"] > 0 and r["measured_peak_memory_bytes"] > 100 * 2**20
+        # Two interleaved rounds of 3 timed steps each in the batched run; the measured time is their median.
+        assert len(r["batched_step_times_s"]) == 6
+        assert r["measured_step_time_s"] == statistics.median(r["batched_step_times_s"])
         assert abs(r["step_time_error"] - (r["predicted_step_time_s"] / r["measured_step_time_s"] - 1)) < 1e-9
     assert report["kendall_tau"] is not None and report["regret"] >= 0
     assert png.read_bytes()[:4] == b"\x89PNG"
