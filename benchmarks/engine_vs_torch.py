@@ -9,6 +9,9 @@ peak memory per rank beside the cost model's prediction.
 Timing: one set of processes runs every (plan, engine) pair `--repeats` times, plans and engines
 interleaved (ours, torch, torch, ours, ...) so that drift in a shared machine's load hits both engines
 alike; each run's first step is dropped (lazy allocation) and the median over all kept steps is reported.
+Beside wall time, the CPU seconds per step summed over the 4 ranks (getrusage, all threads): on a shared
+machine whose load swings, that measures each engine's work (compute plus its own overheads) far more
+steadily than wall time, though it does not see time spent blocked on a peer.
 
 Memory: each (plan, engine) runs again in fresh processes, so no earlier run's freed pages inflate the
 resident set. train() reports the peak resident set (VmHWM) of the worst rank from step 1 on; we subtract
@@ -23,6 +26,7 @@ import argparse
 import dataclasses
 import datetime
 import os
+import resource
 import statistics
 import sys
 import traceback
@@ -60,6 +64,12 @@ def make_config(level: int, engine: str, *, steps: int) -> RunConfig:
                      steps=steps, seed=0, engine=engine, hardware="cpu", timeout_s=600)
 
 
+def cpu_seconds() -> float:
+    """User + system CPU time of this process, all threads (gloo's included)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def resident_bytes() -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -77,9 +87,14 @@ def _worker(rank: int, port: int, jobs: list[tuple[str, RunConfig]], queue) -> N
         dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=600))
         for label, cfg in jobs:
             idle = torch.tensor([float(resident_bytes())], dtype=torch.float64)
-            metrics, trainer = train(cfg, device=torch.device("cpu"))
+            marks: list[float] = []  # CPU time at the end of each step (on_step runs on every rank)
+            metrics, trainer = train(cfg, device=torch.device("cpu"), on_step=lambda record: marks.append(cpu_seconds()))
             del trainer
             dist.all_reduce(idle, op=dist.ReduceOp.MAX)
+            # CPU seconds of steps 1.. summed over ranks: unlike wall time, barely moved by other jobs' load.
+            cpu = torch.tensor([b - a for a, b in zip(marks, marks[1:])], dtype=torch.float64)
+            dist.all_reduce(cpu)
+            metrics["cpu_s_per_step"] = cpu.tolist()
             if rank == 0:
                 queue.put(("ok", label, metrics, int(idle.item())))
         dist.destroy_process_group()
@@ -123,12 +138,14 @@ def timing_jobs(*, repeats: int, steps: int) -> list[tuple[str, RunConfig]]:
     return jobs
 
 
-def measure_times(*, repeats: int, steps: int) -> dict[str, list[list[float]]]:
-    """label -> per repeat, the run's step times after the first."""
+def measure_times(*, repeats: int, steps: int) -> tuple[dict[str, list[list[float]]], dict[str, list[list[float]]]]:
+    """label -> per repeat, the run's step times after the first; and their CPU seconds (all ranks)."""
     step_times: dict[str, list[list[float]]] = {}
+    cpu_times: dict[str, list[list[float]]] = {}
     for label, metrics, _ in run_jobs(timing_jobs(repeats=repeats, steps=steps)):
         step_times.setdefault(label, []).append([s["step_time_s"] for s in metrics["steps"][1:]])
-    return step_times
+        cpu_times.setdefault(label, []).append(metrics["cpu_s_per_step"])
+    return step_times, cpu_times
 
 
 def paired_ratio(ours: list[list[float]], theirs: list[list[float]]) -> float:
@@ -159,21 +176,31 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4, help="steps per run; the first is dropped")
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--no-timing", action="store_true")
     args = parser.parse_args()
-    times = measure_times(repeats=args.repeats, steps=args.steps)
+    if not args.no_timing:
+        print_times(*measure_times(repeats=args.repeats, steps=args.steps), args=args)
+    if not args.no_memory:
+        print_memory(measure_memory(steps=3))
+
+
+def print_times(times: dict, cpu_times: dict, *, args) -> None:
     params = sum(p.numel() for p in build_chunk(MODEL, layers=range(MODEL.num_layers), first=True, last=True, seed=0,
                                                 tp=TPContext.single(), recompute="none", loss_scale=1.0).parameters())
     print(f"{MODEL.name}: {params / 1e6:.2f} M params, seq {SEQ_LEN}, {WORLD} gloo CPU processes, "
           f"micro-batch {MICRO_BATCH} x {NUM_MICRO_BATCHES}, {args.repeats} interleaved repeats x {args.steps - 1} timed steps")
-    print(f"{'plan':<8} {'ours s':>8} {'torch s':>8} {'ours/torch':>10} {'paired':>7} {'n':>4}")
+    print(f"{'plan':<8} {'ours s':>8} {'torch s':>8} {'ours/torch':>10} {'paired':>7} {'n':>4}   "
+          f"{'ours cpu-s':>10} {'torch cpu-s':>11} {'cpu ratio':>9}")
     for name in LEVELS:
         ours, theirs = times[f"{name}|ours"], times[f"{name}|torch"]
         mo, mt = (statistics.median(t for run in runs for t in run) for runs in (ours, theirs))
+        co, ct = (statistics.median(t for run in cpu_times[f"{name}|{e}"] for t in run) for e in ENGINES)
         n = sum(len(run) for run in ours)
-        print(f"{name:<8} {mo:>8.3f} {mt:>8.3f} {mo / mt:>10.3f} {paired_ratio(ours, theirs):>7.3f} {n:>4}")
-    if args.no_memory:
-        return
-    memory = measure_memory(steps=3)
+        print(f"{name:<8} {mo:>8.3f} {mt:>8.3f} {mo / mt:>10.3f} {paired_ratio(ours, theirs):>7.3f} {n:>4}   "
+              f"{co:>10.3f} {ct:>11.3f} {co / ct:>9.3f}")
+
+
+def print_memory(memory: dict) -> None:
     mib = 2**20
     print(f"\n{'plan':<8} {'engine':<6} {'peak RSS MiB':>12} {'predicted':>9} {'above idle MiB':>14} "
           f"{'predicted w/o reserve':>21}")
