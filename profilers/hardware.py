@@ -114,6 +114,17 @@ class Hardware:
             raise ValueError(f"gemm_max_efficiency must be in (0, 1], got {self.gemm_max_efficiency}")
         if self.gemm_half_dim < 0:
             raise ValueError(f"gemm_half_dim must be non-negative, got {self.gemm_half_dim}")
+        # The cost model divides by these: zero, negative, NaN or infinite values would price nonsense.
+        for name in ("memory_bandwidth_bytes_per_s", "host_device_bandwidth_bytes_per_s"):
+            value = getattr(self, name)
+            if not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive finite number, got {value}")
+        for name in ("gemm_half_dim", "kernel_overhead_s"):
+            value = getattr(self, name)
+            if not 0 <= value < float("inf"):
+                raise ValueError(f"{name} must be a non-negative finite number, got {value}")
+        if self.host_memory_bytes < 0:
+            raise ValueError(f"host_memory_bytes must be non-negative, got {self.host_memory_bytes}")
 
     def link(self, link_class: str) -> LinkSpec:
         return self.intra_node if link_class == "intra_node" else self.inter_node

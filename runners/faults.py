@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
+import signal
+import sys
 import time
 
 import torch.distributed as dist
@@ -42,6 +45,11 @@ def checkpoint_bytes_per_rank(*, num_params: int, world_size: int) -> float:
     return 12.0 * num_params / max(1, world_size)
 
 
+def _key(template: str, rank: int) -> str:
+    # A torchrun restart reuses the agent's store: keys of an earlier attempt must not count.
+    return template.format(rank=rank) + "/attempt" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
 def _store():
     try:
         return dist.distributed_c10d._get_default_store()
@@ -54,7 +62,7 @@ def post_progress(step: int) -> None:
     store = _store()
     if store is not None:
         try:
-            store.set(_KEY.format(rank=dist.get_rank()), str(step))
+            store.set(_key(_KEY, dist.get_rank()), str(step))
         except Exception:  # the store's host is gone: the collectives will fail and say so
             pass
 
@@ -64,9 +72,9 @@ def _board(store, *, timeout_s: float) -> tuple[dict[int, int], set[int]]:
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
     progress, failed = {}, set()
     for rank in range(dist.get_world_size()):
-        key = _KEY.format(rank=rank)
+        key = _key(_KEY, rank)
         progress[rank] = int(store.get(key)) if store.check([key]) else -1
-        if store.check([_FAILED.format(rank=rank)]):
+        if store.check([_key(_FAILED, rank)]):
             failed.add(rank)
     return progress, failed
 
@@ -78,7 +86,7 @@ def suspects(*, grace_s: float = 3.0) -> tuple[list[int], dict[int, int]]:
     if store is None:
         return [], {}
     try:
-        store.set(_FAILED.format(rank=dist.get_rank()), "1")
+        store.set(_key(_FAILED, dist.get_rank()), "1")
         deadline = time.monotonic() + grace_s
         while True:
             progress, failed = _board(store, timeout_s=grace_s)
@@ -107,3 +115,43 @@ def describe_failure(exc: BaseException) -> str:
                           for r in stopped)
         return f"{names} stopped responding; rank {dist.get_rank()} saw: {message}"
     return message
+
+
+# --- process start ------------------------------------------------------------------------------------------
+def init_distributed(backend: str, *, timeout_s: float) -> None:
+    """init_process_group on a store namespaced by torchrun's restart attempt.
+
+    torchrun restarts workers against the same agent store, and the default process group's keys
+    (each rank's gloo address) survive from the failed attempt: the new ranks read the dead ranks'
+    addresses and gloo's connectFullMesh hangs until its connect timeout (seen with torch 2.13). A prefix
+    per attempt gives every attempt fresh keys. Without torchrun's agent store, rank 0 hosts the store.
+    """
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "MASTER_ADDR" not in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_store and rank == 0, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"planner/attempt{attempt}", store), rank=rank,
+                            world_size=world, timeout=timeout)
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this worker when its parent (torchrun's agent) dies, however it dies: the
+    agent starts workers in their own sessions, so killing the launcher's process group does not reach
+    them, and an agent killed with SIGKILL cannot stop them itself."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -52,7 +52,10 @@ def _failure_message(error_dir: Path, stderr_tail: list[str], returncode: int) -
             return first["error"], True
         return f"rank {first['rank']} failed: {first['error']}", False
     text = "\n".join(stderr_tail)
-    match = re.search(r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", text, re.S)
+    # torchrun's summary lists the root cause (first observed failure) after the other failures, which
+    # are usually the ranks its agent then stopped with SIGTERM.
+    text = text[text.rfind("Root Cause"):] if "Root Cause" in text else text
+    match = re.search(r"^\s*rank\s*:\s*(\d+).*?^\s*exitcode\s*:\s*(-?\d+)", text, re.S | re.M)
     if match:
         code = int(match.group(2))
         how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"

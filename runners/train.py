@@ -60,6 +60,10 @@ class RunConfig:
             raise ValueError(f"steps must be at least 1, got {self.steps}")
         if self.engine not in ("ours", "torch"):
             raise ValueError(f"engine must be ours or torch, got {self.engine!r}")
+        if not 0 < self.lr < float("inf"):
+            raise ValueError(f"lr must be a positive finite number, got {self.lr}")
+        if self.ranks_per_node < 0 or self.seed < 0:
+            raise ValueError(f"ranks_per_node and seed must be non-negative, got {self.ranks_per_node} and {self.seed}")
         if not self.timeout_s > 0 or self.timeout_s == float("inf"):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {self.timeout_s}")
         if self.checkpoint_every < 0 or self.checkpoint_keep < 1:
@@ -343,7 +347,10 @@ def main(argv: list[str] | None = None) -> int:
         check_plan(cfg.plan, model=cfg.model, num_devices=world, job=cfg.job)
         device, backend = pick_device()
         torch.manual_seed(cfg.seed)
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        from runners.faults import die_with_parent, init_distributed
+
+        die_with_parent()
+        init_distributed(backend, timeout_s=cfg.timeout_s)
 
         def on_step(record: dict) -> None:
             if rank == 0:

@@ -1,0 +1,230 @@
+"""Bad input everywhere gives one clear line and exit code 2, never a traceback.
+
+A corpus of malformed files (tests/fixtures/bad_inputs/: model configs, hardware profiles, plans, run
+configs, metrics files, checkpoint metadata) and bad flags goes through the real entry points
+(`planner.cli.main`, the worker's `runners.train.main`, the checkpoint loader); and hypothesis feeds
+every JSON loader arbitrary JSON values, whole and as one-key mutations of a valid object: each gives a
+valid object or PlannerError, nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from planner.errors import PlannerError
+from planner.job import Job
+from planner.model import PRESETS, ModelSpec, model_from_hf_config, resolve_model
+from planner.plan import Plan
+from profilers.hardware import PRESETS as HARDWARE
+from profilers.hardware import Hardware, resolve_hardware
+from runners.checkpoint import CheckpointMeta, load_meta
+from runners.train import RunConfig
+
+CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "bad_inputs"
+SMALL = ["--gpus", "2", "--global-batch", "8", "--seq-len", "64"]
+RUN = ["run", "--nproc", "2", "--global-batch", "8", "--seq-len", "64", "--steps", "2"]
+
+
+def _cli_cases() -> list[tuple[str, list[str]]]:
+    cases = []
+    for path in sorted(CORPUS.glob("model_*.json")):
+        cases.append((path.name, ["estimate", "--model", str(path), "--hardware", "cpu", *SMALL]))
+    for path in sorted(CORPUS.glob("hardware_*.json")):
+        cases.append((path.name, ["estimate", "--model", "tiny", "--hardware", str(path), *SMALL]))
+    for path in sorted(CORPUS.glob("plan_*.json")):
+        cases.append((path.name, [*RUN, "--plan", str(path)]))
+    for path in sorted(CORPUS.glob("metrics_*.json")):
+        cases.append((path.name, ["explain", "--plan", str(CORPUS / "good_plan_dp2.json"), "--measured", str(path),
+                                  "--global-batch", "8", "--seq-len", "64", "--png", "/dev/null"]))
+    flags = {
+        "gpus-not-a-number": ["estimate", "--model", "tiny", "--hardware", "cpu", "--gpus", "two", "--global-batch", "8"],
+        "unknown-flag": [*RUN, "--zero-stage", "3"],
+        "missing-required": ["search", "--model", "tiny"],
+        "unknown-command": ["trian"],
+        "unknown-model": ["estimate", "--model", "llama4-9000b", "--hardware", "cpu", *SMALL],
+        "unknown-hardware": ["estimate", "--model", "tiny", "--hardware", "tpu-v9", *SMALL],
+        "precision-fp8": ["estimate", "--model", "tiny", "--hardware", "cpu", *SMALL, "--precision", "fp8"],
+        "zero-stage-5": [*RUN, "--zero", "5"],
+        "tp-zero": [*RUN, "--tp", "0"],
+        "tp-not-dividing-devices": [*RUN, "--tp", "3"],
+        "steps-zero": [*RUN[:-1], "0"],
+        "global-batch-negative": ["estimate", "--model", "tiny", "--hardware", "cpu", "--gpus", "2", "--global-batch", "-8"],
+        "batch-not-divisible": [*RUN, "--micro-batch", "3"],
+        "nproc-zero": [*RUN, "--nproc", "0"],
+        "data-path-missing": [*RUN, "--data", "/nonexistent/corpus.txt"],
+        "engine-unknown": [*RUN, "--engine", "jax"],
+        "checkpoint-every-negative": [*RUN, "--checkpoint-dir", "/tmp/x", "--checkpoint-every", "-1"],
+        "checkpoint-every-without-dir": [*RUN, "--checkpoint-every", "5"],
+        "resume-without-dir": [*RUN, "--resume"],
+        "max-restarts-without-dir": [*RUN, "--max-restarts", "2"],
+        "checkpoint-dir-is-a-file": [*RUN, "--checkpoint-dir", str(CORPUS / "plan_null.json")],
+        "checkpoint-keep-zero": [*RUN, "--checkpoint-dir", "/tmp/x", "--checkpoint-keep", "0"],
+        "timeout-zero": [*RUN, "--timeout", "0"],
+        "timeout-not-a-number": [*RUN, "--timeout", "soon"],
+        "lr-negative": [*RUN, "--lr", "-0.1"],
+        "schedule-unknown": [*RUN, "--pp", "2", "--schedule", "zigzag"],
+    }
+    cases += list(flags.items())
+    return cases
+
+
+CLI_CASES = _cli_cases()
+
+
+def test_the_corpus_is_large():
+    assert len(list(CORPUS.glob("*.json"))) >= 40
+    assert len(CLI_CASES) >= 55
+
+
+def _main(argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
+    from planner.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["planner", *argv])
+    with pytest.raises(SystemExit) as info:
+        main()
+    out = capsys.readouterr()
+    return info.value.code, out.out, out.err
+
+
+def _assert_one_clean_line(code, err: str, what: str) -> None:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, f"{what}: exit code {code}, stderr:\n{err}"
+    assert len(lines) == 1, f"{what}: expected one line on stderr, got:\n{err}"
+    assert "Traceback" not in err and lines[0].startswith("error: "), f"{what}: {err}"
+
+
+@pytest.mark.parametrize("name,argv", CLI_CASES, ids=[c[0] for c in CLI_CASES])
+def test_cli_bad_input_is_one_line_and_exit_2(name, argv, monkeypatch, capsys):
+    code, _, err = _main(argv, monkeypatch, capsys)
+    _assert_one_clean_line(code, err, name)
+
+
+def test_the_installed_script_too(tmp_path):
+    """The console script (a real process) behaves as main() does."""
+    import subprocess
+
+    planner = shutil.which("planner")
+    if planner is None:
+        pytest.skip("the planner console script is not installed")
+    proc = subprocess.run([planner, "estimate", "--model", str(CORPUS / "model_hf_bert.json"), "--hardware", "cpu",
+                           *SMALL], capture_output=True, text=True, timeout=120)
+    _assert_one_clean_line(proc.returncode, proc.stderr, "installed script")
+    assert "bert" in proc.stderr
+
+
+@pytest.mark.parametrize("path", sorted(CORPUS.glob("run_config_*.json")), ids=lambda p: p.name)
+def test_worker_bad_run_config_is_one_line_and_exit_2(path, tmp_path, monkeypatch, capsys):
+    """The torchrun worker's own entry (runners.train) refuses a bad run.json before any collective."""
+    from runners.train import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    code = main(["--config", str(path), "--error-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    report = json.loads((tmp_path / "rank0.json").read_text())
+    assert report["bad_input"] is True
+
+
+@pytest.mark.parametrize("path", sorted(CORPUS.glob("ckpt_meta_*.json")), ids=lambda p: p.name)
+def test_bad_checkpoint_metadata_is_a_planner_error(path, tmp_path):
+    shutil.copy(path, tmp_path / "planner_meta.json")
+    with pytest.raises(PlannerError) as info:
+        load_meta(tmp_path)
+    assert "\n" not in str(info.value)
+
+
+# --- hypothesis: every JSON loader ----------------------------------------------------------------------------
+JSON_SCALARS = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True, allow_infinity=True)
+                | st.text(max_size=10))
+JSON_VALUES = st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=4)
+                           | st.dictionaries(st.text(max_size=10), inner, max_size=4), max_leaves=12)
+
+
+def _valid_objects() -> dict:
+    from tests.distributed.harness import tiny_config
+
+    cfg = tiny_config(Plan(dp=2, micro_batch=2, num_micro_batches=2))
+    meta = CheckpointMeta(step=3, seed=1, model=cfg.model, job=cfg.job, data=None, plan=cfg.plan, world_size=2,
+                          rng_states=("AAAA", "AAAA"))
+    return {
+        "plan": (Plan.from_dict, Plan(dp=2, tp=2, pp=2, stage_layers=(4, 4), micro_batch=1, num_micro_batches=4).to_dict()),
+        "model": (ModelSpec.from_dict, PRESETS["tiny"].to_dict()),
+        "job": (Job.from_dict, cfg.job.to_dict()),
+        "hardware": (Hardware.from_dict, HARDWARE["h100"].to_dict()),
+        "run config": (RunConfig.from_dict, json.loads(json.dumps(cfg.to_dict()))),
+        "checkpoint metadata": (CheckpointMeta.from_dict, meta.to_dict()),
+    }
+
+
+VALID = _valid_objects()
+
+
+def _loads_or_planner_error(load, value) -> None:
+    try:
+        load(value)
+    except PlannerError as exc:
+        assert str(exc)
+
+
+@pytest.mark.parametrize("kind", list(VALID))
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_every_json_value_gives_an_object_or_planner_error(kind, data):
+    load, valid = VALID[kind]
+    _loads_or_planner_error(load, data.draw(JSON_VALUES))
+    mutated = dict(valid)
+    key = data.draw(st.sampled_from(sorted(valid)))
+    action = data.draw(st.sampled_from(["replace", "delete", "nested"]))
+    if action == "delete":
+        del mutated[key]
+    elif action == "nested" and isinstance(valid[key], dict) and valid[key]:
+        inner = dict(valid[key])
+        inner[data.draw(st.sampled_from(sorted(inner)))] = data.draw(JSON_VALUES)
+        mutated[key] = inner
+    else:
+        mutated[key] = data.draw(JSON_VALUES)
+    _loads_or_planner_error(load, mutated)
+
+
+HF_LLAMA = {"model_type": "llama", "num_attention_heads": 8, "num_key_value_heads": 4, "num_hidden_layers": 8,
+            "hidden_size": 64, "intermediate_size": 176, "vocab_size": 256, "max_position_embeddings": 128}
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(key=st.sampled_from(sorted(HF_LLAMA) + ["tie_word_embeddings"]), value=JSON_VALUES,
+       whole=JSON_VALUES)
+def test_hf_config_files_give_a_model_or_planner_error(tmp_path_factory, key, value, whole):
+    folder = tmp_path_factory.mktemp("hf")
+    for i, data in enumerate(({**HF_LLAMA, key: value}, whole)):
+        path = folder / f"config{i}.json"
+        path.write_text(json.dumps(data))
+        for load in (model_from_hf_config, resolve_model):
+            try:
+                load(str(path))
+            except PlannerError:
+                pass
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(raw=st.binary(max_size=64) | JSON_VALUES.map(lambda v: json.dumps(v).encode()))
+def test_profile_and_plan_files_of_any_bytes(tmp_path_factory, raw):
+    from planner.inputs import load_plan
+
+    path = tmp_path_factory.mktemp("raw") / "file.json"
+    path.write_bytes(raw)
+    for load in (resolve_hardware, load_plan, resolve_model, lambda p: load_meta(Path(p).parent)):
+        if load is not load_plan and load is not resolve_hardware and load is not resolve_model:
+            (path.parent / "planner_meta.json").write_bytes(raw)
+        try:
+            load(str(path))
+        except PlannerError:
+            pass
