@@ -5,7 +5,9 @@ Byte convention (what one rank puts on the wire under a ring algorithm, the volu
 prices): all-gather and reduce-scatter (n - 1)/n x the unsharded size, all-reduce 2(n - 1)/n x size,
 broadcast and point-to-point x size. The volume is split between link classes by the ring's edges: of
 the n edges of a ring over the group's ranks in order, those that join ranks on different (emulated)
-nodes carry inter-node traffic.
+nodes carry inter-node traffic. "host_device" counts bytes copied between device and host memory (the
+MAZ3 host tier, runners/sharding.py), in either direction; they use no network link, so they are in
+neither intra_node nor inter_node.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "p2p")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "p2p", "host_device")
 
 # Newer torch names them *_single and deprecates the *_tensor / *_into_tensor spellings.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -115,6 +117,10 @@ class Comm:
 
     def irecv(self, tensor: torch.Tensor, *, src: int, group=None, tag: int = 0):
         return dist.irecv(tensor, src=src, group=group, tag=tag)
+
+    def count_host_copy(self, tensor: torch.Tensor) -> None:
+        """Count one device-host copy of `tensor` (no network link: not in intra_node / inter_node)."""
+        self.counters.bytes_by_kind["host_device"] += tensor.numel() * tensor.element_size()
 
     def wait(self, work) -> None:
         """Wait for an async collective, counting the time blocked."""

@@ -11,6 +11,8 @@ group fills a node before it spans nodes. For DP position q and degrees s_p | s_
 - grad replica group: the dp / s_g positions holding the same gradient shard (boundary all-reduce);
 - redistribute group: the s_os / s_p positions inside my optimizer group that share my parameter shard
   (all-gather of updated optimizer shards after the step).
+- param intra group (only when the plan has a MAZ3 "secondary" tier): the ranks of my param group inside
+  my node (ZeRO++ hpZ's secondary partition, Wang et al. 2023), for the backward gather of cached layers.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Mesh:
     grad_ranks: tuple[int, ...]
     grad_replica_ranks: tuple[int, ...]
     redistribute_ranks: tuple[int, ...]
+    param_intra_ranks: tuple[int, ...] = ()
     # Process groups (torch.distributed handles) keyed like the rank tuples above.
     groups: dict[str, object] = field(default_factory=dict, repr=False)
 
@@ -71,6 +74,12 @@ class Mesh:
     @property
     def redistribute_group(self):
         return self.groups["redistribute"]
+
+    @property
+    def param_intra_group(self):
+        if "param_intra" not in self.groups:
+            raise PlannerError("the mesh has no intra-node parameter groups: the plan has no secondary param_cache tier")
+        return self.groups["param_intra"]
 
     def global_rank(self, *, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
         return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
@@ -113,6 +122,30 @@ def mesh_groups(plan) -> list[tuple[str, tuple[int, ...]]]:
     return groups
 
 
+def param_intra_groups(plan, *, ranks_per_node: int) -> list[tuple[int, ...]]:
+    """Every param group split by node (global ranks // ranks_per_node), in mesh_groups' order.
+
+    The MAZ3 secondary tier keeps a 1/len(part) slice per rank, so every part must be equally large."""
+    parts: list[tuple[int, ...]] = []
+    for kind, ranks in mesh_groups(plan):
+        if kind != "param":
+            continue
+        by_node: dict[int, list[int]] = {}
+        for r in ranks:
+            by_node.setdefault(r // ranks_per_node, []).append(r)
+        sizes = {len(part) for part in by_node.values()}
+        if len(sizes) != 1:
+            raise PlannerError(f"param_cache 'secondary' needs each parameter group {ranks} spread evenly over nodes "
+                               f"of {ranks_per_node} ranks; its parts have sizes {sorted(sizes)}")
+        parts.extend(tuple(part) for part in by_node.values())
+    return parts
+
+
+def _uses_secondary(plan) -> bool:
+    tiers = (plan.param_cache,) if isinstance(plan.param_cache, str) else plan.param_cache
+    return "secondary" in tiers
+
+
 def build_mesh(plan, *, ranks_per_node: int, timeout=None) -> Mesh:
     """Create every process group of `plan` (call after dist.init_process_group, on every rank).
 
@@ -133,11 +166,17 @@ def build_mesh(plan, *, ranks_per_node: int, timeout=None) -> Mesh:
             handles[ranks] = dist.new_group(list(ranks), timeout=timeout)
         if rank in ranks:
             mine[kind] = ranks
+    if _uses_secondary(plan):
+        for ranks in param_intra_groups(plan, ranks_per_node=max(1, ranks_per_node)):
+            if ranks not in handles:
+                handles[ranks] = dist.new_group(list(ranks), timeout=timeout)
+            if rank in ranks:
+                mine["param_intra"] = ranks
     return Mesh(
         rank=rank, world_size=world_size, ranks_per_node=max(1, ranks_per_node), dp=dp, tp=tp, pp=plan.pp,
         dp_rank=(rank // tp) % dp, tp_rank=rank % tp, pp_rank=rank // (tp * dp), shard_degrees=plan.shard_degrees,
         tp_ranks=mine["tp"], dp_ranks=mine["dp"], pp_ranks=mine["pp"], param_ranks=mine["param"],
         grad_ranks=mine["grad"], grad_replica_ranks=mine["grad_replica"],
-        redistribute_ranks=mine["redistribute"],
+        redistribute_ranks=mine["redistribute"], param_intra_ranks=mine.get("param_intra", ()),
         groups={kind: handles[ranks] for kind, ranks in mine.items()},
     )

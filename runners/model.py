@@ -152,7 +152,7 @@ class Block(nn.Module):
     def __init__(self, spec: ModelSpec, *, index: int, seed: int, tp: TPContext, recompute: str) -> None:
         super().__init__()
         name = f"layers.{index}"
-        self.recompute = recompute
+        self.layer_index, self.recompute = index, recompute  # layer_index: the plan's per-layer knobs (MAZ3 tier)
         self.norm1 = Norm(spec, name=f"{name}.norm1", tp=tp)
         self.attn = Attention(spec, name=f"{name}.attn", seed=seed, tp=tp, selective=recompute == "selective")
         self.norm2 = Norm(spec, name=f"{name}.norm2", tp=tp)

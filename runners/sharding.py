@@ -16,7 +16,21 @@ s_p | s_g | s_os | dp (Lins' generalisation of ZeRO; ZeRO-0..3 and HSDP/MiCS are
   step, so pipeline schedules whose chunks finish at different times work unchanged.
 - Adam (exactly torch.optim.Adam's single-tensor arithmetic) on the 1/s_os shard with fp32 master
   weights, then the updated shards are all-gathered inside the s_os / s_p ranks that share my parameter
-  shard (nothing when s_os == s_p).
+  shard (nothing when s_os == s_p). Lins (Chen et al., IWQoS 2024, AMSP): that redistribution is issued
+  asynchronously at the end of optimizer_step and overlaps the next step's forward; each unit waits for
+  its bucket in its forward pre-hook (before its first gather), and everything that reads parameters
+  outside forward (full_state_dict, local_state, load_local_state, the next optimizer_step) waits first.
+- MAZ3, memory-assisted ZeRO-3 (Liu et al., ICNP 2025), per transformer layer (`plan.layer_cache(i)`;
+  units that are not transformer blocks use "none"). What happens to a layer's forward-gathered
+  parameters until its backward: "none" freed, all-gathered again for backward (plain ZeRO-3);
+  "device" kept gathered until the backward of the last micro-batch in flight (no backward gather);
+  "host" copied to host memory after every forward (pinned, on a side stream, on CUDA) and copied back
+  before backward instead of the gather, counted as "host_device" bytes; "secondary" (ZeRO++ hpZ) each
+  rank keeps the 1/(param-group ranks in its node) slice and the backward gather runs inside the node.
+  Host and secondary copies are dropped once no micro-batch of the unit is in flight.
+- Commshift (Hosoki et al., CCGrid 2025), defer_grad_sync: every gradient reduction of a chunk's last
+  micro-batch (its reduce-scatter and the boundary all-reduce) waits for start_grad_sync(chunk), which
+  the pipeline calls right after the chunk's last input-gradient send, so it never delays that send.
 
 Nested shard layout (so each rank's optimizer shard lies inside its gradient shard, inside its parameter
 shard): a unit's flat buffer, padded to a multiple of s_os, is cut into s_p parameter chunks, each into
@@ -27,12 +41,12 @@ i, and groups are sorted consecutive DP positions, so the parameter all-gather i
 gradient reduce-scatter and the optimizer redistribution permute chunks while packing their buckets
 (a no-op for ZeRO-0..3 and HSDP, a copy only for mixes such as (2, 4, 4)).
 
-Precision: parameters are held in the compute dtype (`param_dtype`, default the modules' dtype); the
-optimizer keeps fp32 master weights (the parameter shard itself when that is fp32), and gradients are
-accumulated and reduced in fp32, as Megatron-LM does by default (accumulate_allreduce_grads_in_fp32), so
-that summing many micro-batches and ranks does not lose bf16 precision. The state bytes per parameter
-are then (Megatron-LM distributed-optimizer docs, Rajbhandari et al. SC'20 with 4-byte gradients):
-bf16: 2/s_p + 4/s_g + 12/s_os; fp32: 4/s_p + 4/s_g + 8/s_os (`state_bytes_per_param`).
+Precision: parameters are held in the compute dtype (`param_dtype`, default the modules' dtype), and so
+are gradients, accumulated and reduced in it (Rajbhandari et al., "ZeRO", SC'20, section 3.1: fp16
+parameters and gradients); the optimizer keeps fp32 master weights (the parameter shard itself when that
+is fp32) and fp32 Adam moments, and Adam reads the gradient shard upcast to fp32. The state bytes per
+parameter are then the ZeRO paper's: bf16/fp16: 2/s_p + 2/s_g + 12/s_os (16, 4 + 12/N, 2 + 14/N, 16/N for
+ZeRO-0..3); fp32: 4/s_p + 4/s_g + 8/s_os (`state_bytes_per_param`).
 
 All ranks of a DP group must start with identical parameters (same seed); nothing is broadcast.
 """
@@ -74,7 +88,15 @@ def state_bytes_per_param(*, degrees: tuple[int, int, int], compute_bytes: int) 
     """Bytes of parameter, gradient and optimizer state per model parameter this engine holds."""
     s_p, s_g, s_os = degrees
     optimizer_bytes = 8 if compute_bytes == 4 else 12  # m, v (+ fp32 master unless params are fp32)
-    return compute_bytes / s_p + 4 / s_g + optimizer_bytes / s_os
+    return compute_bytes / s_p + compute_bytes / s_g + optimizer_bytes / s_os
+
+
+@dataclass(eq=False)
+class _Redistribution:
+    """One bucket of the asynchronous optimizer-shard redistribution (Lins) and the units it writes."""
+    work: object
+    unpack: Callable[[], None]
+    units: list
 
 
 @dataclass
@@ -89,8 +111,8 @@ class _Unit:
     """One unit's flat parameter buffer, its shards and its per-step bookkeeping."""
 
     def __init__(self, module: nn.Module, params: list[nn.Parameter], *, chunk: int, position: int,
-                 q: int, degrees: tuple[int, int, int], dtype: torch.dtype) -> None:
-        self.module, self.params, self.chunk, self.position = module, params, chunk, position
+                 q: int, degrees: tuple[int, int, int], dtype: torch.dtype, tier: str = "none") -> None:
+        self.module, self.params, self.chunk, self.position, self.tier = module, params, chunk, position, tier
         s_p, s_g, s_os = degrees
         self.degrees = degrees
         self.numel = sum(p.numel() for p in params)
@@ -124,11 +146,17 @@ class _Unit:
         del original
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
-        if s_g == 1:
-            self.grad = torch.zeros(self.padded, dtype=torch.float32, device=device)
-        else:
-            self.grad = torch.zeros(self.padded // s_g, dtype=torch.float32, device=device)
+        # Gradients in the compute dtype (ZeRO's 2-byte gradients under mixed precision).
+        self.grad = torch.zeros(self.padded if s_g == 1 else self.padded // s_g, dtype=dtype, device=device)
         self.grad_scratch: torch.Tensor | None = None
+        self.deferred_scratch: torch.Tensor | None = None  # last micro-batch's, held for start_grad_sync
+        # MAZ3 copies of the forward-gathered parameters: host (kept allocated, pinned on CUDA) and the
+        # secondary slice (device, dropped when nothing is in flight); forwards awaiting their backward.
+        self.host: torch.Tensor | None = None
+        self.host_event = None
+        self.secondary: torch.Tensor | None = None
+        self.num_in_flight = 0
+        self.redistribution: _Redistribution | None = None
         # Per-step state.
         self.gathered = s_p == 1
         self.gather_work = None
@@ -139,10 +167,11 @@ class _Unit:
         self.rs_reduced = s_g == 1   # its boundary reduce-scatter has landed in self.grad
 
     def optim_grad(self) -> torch.Tensor:
-        """The fp32 gradient of my optimizer shard."""
+        """The gradient of my optimizer shard, in fp32 (a copy when gradients are in a 2-byte dtype)."""
         s_p, s_g, s_os = self.degrees
         k = s_os // s_g
-        return self.grad.view(s_os, -1)[self.o_chunk] if s_g == 1 else self.grad.view(k, -1)[self.o_chunk % k]
+        grad = self.grad.view(s_os, -1)[self.o_chunk] if s_g == 1 else self.grad.view(k, -1)[self.o_chunk % k]
+        return grad.float()
 
 
 class ShardedDataParallel:
@@ -150,7 +179,7 @@ class ShardedDataParallel:
 
     Use: run forward/backward of every micro-batch through the chunks as usual (the hooks gather, free
     and reduce), then `optimizer_step()`; under defer_grad_sync the pipeline calls `start_grad_sync(c)`
-    after chunk c's last backward. `full_state_dict()` gathers the parameters for tests;
+    right after chunk c's last input-gradient send. `full_state_dict()` gathers the parameters for tests;
     `local_state()` / `load_local_state()` save and restore this rank's shards.
 
     Args:
@@ -158,7 +187,8 @@ class ShardedDataParallel:
         plan: the plan (dp, shard degrees, prefetch_depth, bucket_size_bytes, pp).
         mesh: runners.mesh.Mesh of this process. comm: runners.comm.Comm that counts every collective.
         num_micro_batches: backward passes of every unit per step (the accumulation boundary).
-        defer_grad_sync: issue each chunk's boundary all-reduce only at start_grad_sync(chunk) (Commshift).
+        defer_grad_sync: issue each chunk's last-micro-batch reduce-scatter and boundary all-reduce only at
+            start_grad_sync(chunk) (Commshift).
         param_dtype: compute dtype of the parameters (default: the modules'); the master stays fp32.
     """
 
@@ -178,6 +208,8 @@ class ShardedDataParallel:
         self._rs_bucket: list[tuple[_Unit, torch.Tensor, bool]] = []
         self._boundary_bucket: list[_Unit] = []
         self._released: set[int] = set()
+        self._redistributions: deque[_Redistribution] = deque()
+        self._copy_stream = None  # CUDA side stream of the MAZ3 device-to-host copies
         self.peak_param_bytes = 0
         self._build_units(param_dtype)
         self._register_hooks()
@@ -202,8 +234,11 @@ class ShardedDataParallel:
                 if not params:
                     continue
                 dtype = param_dtype or params[0].dtype
+                # Only transformer blocks carry a layer index; the plan's MAZ3 tiers are per layer.
+                layer = getattr(module, "layer_index", None)
+                tier = self.plan.layer_cache(layer) if layer is not None else "none"
                 units.append(_Unit(module, params, chunk=v, position=len(units), q=self.mesh.dp_rank,
-                                   degrees=self.degrees, dtype=dtype))
+                                   degrees=self.degrees, dtype=dtype, tier=tier))
             self.units_by_chunk.append(units)
         self.units = [u for units in self.units_by_chunk for u in units]
         # Parameter storage held now: gathered buffers plus (under s_p > 1) the persistent shards.
@@ -221,17 +256,29 @@ class ShardedDataParallel:
                 p.register_post_accumulate_grad_hook(lambda p, u=u, i=i: self._on_grad(u, i))
 
     # --- parameter gathering -------------------------------------------------------------------
-    def _issue_gather(self, u: _Unit) -> None:
+    def _issue_gather(self, u: _Unit, *, backward: bool = False) -> None:
+        """Start filling u's full parameter buffer: an all-gather in the param group, or for a backward
+        use of a MAZ3 host / secondary layer, a host-to-device copy / an intra-node all-gather."""
         if u.gathered or u.gather_work is not None:
             return
+        self._await_redistribution(u)
         self._resize(u, u.flat_bytes)
-        work = self.comm.all_gather(u.flat, u.param_shard, self.mesh.param_group, async_op=True)
+        work = None
+        if backward and u.tier == "host" and u.num_in_flight > 0:
+            if u.host_event is not None:  # the device-to-host copy on the side stream has landed
+                torch.cuda.current_stream(u.flat.device).wait_event(u.host_event)
+            u.flat.copy_(u.host, non_blocking=u.flat.is_cuda)
+            self.comm.count_host_copy(u.flat)
+        elif backward and u.tier == "secondary" and u.num_in_flight > 0:
+            work = self.comm.all_gather(u.flat, u.secondary, self.mesh.param_intra_group, async_op=True)
+        else:
+            work = self.comm.all_gather(u.flat, u.param_shard, self.mesh.param_group, async_op=True)
         u.gather_work = work if work is not None else _DONE
 
-    def _ensure_gathered(self, u: _Unit) -> None:
+    def _ensure_gathered(self, u: _Unit, *, backward: bool = False) -> None:
         if u.gathered:
             return
-        self._issue_gather(u)
+        self._issue_gather(u, backward=backward)
         if u.gather_work is not _DONE:
             self.comm.wait(u.gather_work)
         u.gather_work, u.gathered = None, True
@@ -248,42 +295,93 @@ class ShardedDataParallel:
         storage = u.flat.untyped_storage()
         before = storage.nbytes()
         storage.resize_(num_bytes)
-        self.live_param_bytes += storage.nbytes() - before
-        self.peak_param_bytes = max(self.peak_param_bytes, self.live_param_bytes)
+        self._track(storage.nbytes() - before)
 
     def _prefetch(self, u: _Unit, *, step: int) -> None:
         units = self.units_by_chunk[u.chunk]
         for d in range(1, self.plan.prefetch_depth + 1):
             i = u.position + step * d
             if 0 <= i < len(units):
-                self._issue_gather(units[i])
+                self._issue_gather(units[i], backward=step < 0)
 
     def _pre_forward(self, u: _Unit) -> None:
+        self._await_redistribution(u)
         self._ensure_gathered(u)
         if not u.in_backward and self.degrees[0] > 1:
             self._prefetch(u, step=+1)
 
     def _post_forward(self, u: _Unit) -> None:
         # A recomputation inside backward (checkpoint around the unit) must keep the parameters.
-        if not u.in_backward:
+        if u.in_backward or self.degrees[0] == 1:
+            return
+        if not torch.is_grad_enabled():  # no backward follows: nothing to cache
             self._free(u)
+            return
+        u.num_in_flight += 1
+        if u.tier == "device":
+            return  # stays gathered until the backward of the last micro-batch in flight
+        if u.tier == "host":
+            self._copy_to_host(u)
+        elif u.tier == "secondary":
+            self._keep_secondary(u)
+        self._free(u)
 
     def _pre_backward(self, u: _Unit) -> None:
         u.in_backward = True
-        self._ensure_gathered(u)
+        self._ensure_gathered(u, backward=True)
         if self.degrees[0] > 1:
             self._prefetch(u, step=-1)
 
+    # --- MAZ3 caches ----------------------------------------------------------------------------
+    def _copy_to_host(self, u: _Unit) -> None:
+        """Copy the gathered parameters to host memory; on CUDA, pinned and async on a side stream."""
+        if u.host is None:
+            u.host = torch.empty(u.padded, dtype=u.flat.dtype, device="cpu", pin_memory=u.flat.is_cuda)
+        if u.flat.is_cuda:
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(u.flat.device)
+            self._copy_stream.wait_stream(torch.cuda.current_stream(u.flat.device))
+            with torch.cuda.stream(self._copy_stream):
+                u.host.copy_(u.flat, non_blocking=True)
+                u.host_event = torch.cuda.Event()
+                u.host_event.record()
+            # The buffer is freed right after this: the allocator must not reuse it before the copy ends.
+            u.flat.record_stream(self._copy_stream)
+        else:
+            u.host.copy_(u.flat)
+        self.comm.count_host_copy(u.flat)
+
+    def _keep_secondary(self, u: _Unit) -> None:
+        """Keep my slice of the gathered buffer for the intra-node backward gather (ZeRO++ hpZ)."""
+        ranks = self.mesh.param_intra_ranks
+        mine = u.flat.view(len(ranks), -1)[ranks.index(self.mesh.rank)]
+        if u.secondary is None:
+            u.secondary = mine.clone()
+            self._track(u.secondary.untyped_storage().nbytes())
+        else:  # another micro-batch in flight: the same parameters
+            u.secondary.copy_(mine)
+
+    def _drop_caches(self, u: _Unit) -> None:
+        """No micro-batch of u is in flight any more: release its device-side MAZ3 copies."""
+        if u.secondary is not None:
+            self._track(-u.secondary.untyped_storage().nbytes())
+            u.secondary = None
+        u.host_event = None  # the host buffer itself stays allocated (pinned allocation is slow)
+
+    def _track(self, delta_bytes: int) -> None:
+        self.live_param_bytes += delta_bytes
+        self.peak_param_bytes = max(self.peak_param_bytes, self.live_param_bytes)
+
     # --- gradients ------------------------------------------------------------------------------
     def _on_grad(self, u: _Unit, i: int) -> None:
-        """A parameter's gradient of this micro-batch is complete: move it into fp32 flat storage."""
+        """A parameter's gradient of this micro-batch is complete: move it into the flat gradient storage."""
         p = u.params[i]
         s_g = self.degrees[1]
         if s_g == 1:
             target = u.grad
         else:
             if u.grad_scratch is None:
-                u.grad_scratch = torch.zeros(u.padded, dtype=torch.float32, device=u.grad.device)
+                u.grad_scratch = torch.zeros(u.padded, dtype=u.grad.dtype, device=u.grad.device)
             target = u.grad_scratch
         with torch.no_grad():
             target[u.offsets[i]:u.offsets[i] + p.numel()].add_(p.grad.reshape(-1))
@@ -299,33 +397,47 @@ class ShardedDataParallel:
         if u.num_backward > self.num_micro_batches:
             raise RuntimeError(f"unit {u.position} of chunk {u.chunk} ran backward {u.num_backward} times in one "
                                f"step, but num_micro_batches is {self.num_micro_batches}; call optimizer_step()")
-        self._free(u)
+        u.num_in_flight = max(0, u.num_in_flight - 1)
+        if u.num_in_flight == 0:
+            self._drop_caches(u)
+        if u.tier != "device" or u.num_in_flight == 0:
+            self._free(u)
         boundary = u.num_backward == self.num_micro_batches
         if self.degrees[1] > 1:
             scratch, u.grad_scratch = u.grad_scratch, None
-            self._rs_bucket.append((u, scratch, boundary))
-            full = sum(x.numel() * 4 for _, x, _ in self._rs_bucket) >= self.plan.bucket_size_bytes
-            if full or u.position == 0:
-                self._flush_rs()
+            if boundary and self.defer_grad_sync:  # Commshift: reduce at start_grad_sync(chunk)
+                u.deferred_scratch = scratch
+                if u.position == 0 and self._rs_bucket:
+                    self._flush_rs()
+            else:
+                self._add_to_rs_bucket(u, scratch, boundary=boundary)
         if boundary:
             u.boundary_done = True
             if not self.defer_grad_sync:
                 self._queue_boundary(u)
         self._poll()
 
+    def _add_to_rs_bucket(self, u: _Unit, scratch: torch.Tensor, *, boundary: bool) -> None:
+        self._rs_bucket.append((u, scratch, boundary))
+        full = sum(x.numel() * x.element_size() for _, x, _ in self._rs_bucket) >= self.plan.bucket_size_bytes
+        if full or u.position == 0:
+            self._flush_rs()
+
     def _flush_rs(self) -> None:
         """Reduce-scatter the bucket in the s_g group; chunk g(r) of each unit goes to group rank r."""
         entries, self._rs_bucket = self._rs_bucket, []
         s_g = self.degrees[1]
         sizes = [u.padded // s_g for u, _, _ in entries]
-        send = torch.empty(sum(sizes) * s_g, dtype=torch.float32, device=entries[0][1].device)
+        dtype = entries[0][1].dtype
+        assert all(x.dtype == dtype for _, x, _ in entries), "one reduce-scatter bucket mixes gradient dtypes"
+        send = torch.empty(sum(sizes) * s_g, dtype=dtype, device=entries[0][1].device)
         pos = 0
         for r in range(s_g):
             g = shard_chunks(r, degrees=self.degrees)[1]
             for (u, scratch, _), size in zip(entries, sizes):
                 send[pos:pos + size].copy_(scratch.view(s_g, -1)[g])
                 pos += size
-        recv = torch.empty(sum(sizes), dtype=torch.float32, device=send.device)
+        recv = torch.empty(sum(sizes), dtype=dtype, device=send.device)
         boundary = [u for u, _, at_boundary in entries if at_boundary]
 
         def on_done() -> None:
@@ -346,8 +458,9 @@ class ShardedDataParallel:
         self._pump()
 
     def start_grad_sync(self, chunk: int) -> None:
-        """Issue the boundary gradient reduction of global chunk id `chunk` (c = v * pp + pp_rank, as the
-        pipeline schedule names chunks), for defer_grad_sync mode; a second call in a step is a no-op."""
+        """Issue the last micro-batch's reduce-scatter and the boundary reduction of global chunk id `chunk`
+        (c = v * pp + pp_rank, as the pipeline schedule names chunks), for defer_grad_sync mode; a second
+        call in a step is a no-op."""
         v, rest = divmod(chunk - self.mesh.pp_rank, self.mesh.pp)
         if rest or not 0 <= v < len(self.chunks):
             raise RuntimeError(f"start_grad_sync({chunk}): chunk {chunk} is not on pipeline rank {self.mesh.pp_rank}")
@@ -358,6 +471,12 @@ class ShardedDataParallel:
             if not u.boundary_done:
                 raise RuntimeError(f"start_grad_sync({chunk}) before unit {u.position}'s last backward of the step")
         self._released.add(v)
+        for u in reversed(units):  # backward order, as the hooks would have issued them
+            if u.deferred_scratch is not None:
+                scratch, u.deferred_scratch = u.deferred_scratch, None
+                self._add_to_rs_bucket(u, scratch, boundary=True)
+        if self._rs_bucket:
+            self._flush_rs()
         for u in reversed(units):
             self._queue_boundary(u)
 
@@ -373,7 +492,7 @@ class ShardedDataParallel:
             if size == 1:
                 continue
             self._boundary_bucket.append(u)
-            full = sum(x.grad.numel() * 4 for x in self._boundary_bucket) >= self.plan.bucket_size_bytes
+            full = sum(x.grad.numel() * x.grad.element_size() for x in self._boundary_bucket) >= self.plan.bucket_size_bytes
             if full or u.position == 0:
                 self._flush_boundary(group)
 
@@ -420,7 +539,7 @@ class ShardedDataParallel:
 
     # --- optimizer ----------------------------------------------------------------------------
     def unit_grad(self, module: nn.Module) -> torch.Tensor:
-        """The fp32 gradient this rank holds for unit `module`: the whole flat buffer when s_g == 1, else
+        """The gradient (compute dtype) this rank holds for unit `module`: the whole flat buffer when s_g == 1, else
         its gradient chunk g(q); final (reduced over DP) inside optimizer_step's `before_update`. Two
         units of equal size (a tied embedding and output projection) have chunks that line up."""
         for u in self.units:
@@ -432,7 +551,9 @@ class ShardedDataParallel:
         """Wait for the gradient reductions, Adam-step my shard, redistribute, and zero the gradients.
 
         `before_update` runs once the gradients are reduced and before Adam reads them (e.g. to sum the
-        gradients of tied copies through unit_grad)."""
+        gradients of tied copies through unit_grad). The redistribution of the updated shards is left in
+        flight (Lins); the next forward waits for it unit by unit."""
+        self._finish_redistributions()
         for u in self.units:
             if u.num_backward != self.num_micro_batches:
                 raise RuntimeError(f"unit {u.position} of chunk {u.chunk} ran backward {u.num_backward} times this "
@@ -473,7 +594,8 @@ class ShardedDataParallel:
             u.param_slice.copy_(u.master)
 
     def _redistribute(self) -> None:
-        """All-gather the updated optimizer shards among the s_os/s_p ranks sharing my parameter shard."""
+        """Issue the all-gathers of the updated optimizer shards among the s_os/s_p ranks sharing my
+        parameter shard, in buckets of units in forward order; `_await_redistribution` finishes them."""
         s_p, _, s_os = self.degrees
         k = s_os // s_p
         if k == 1:
@@ -490,10 +612,28 @@ class ShardedDataParallel:
                 current, current_bytes = [], 0
         if current:
             buckets.append(current)
-        works = [self._gather_bucket(units, subs) for units in buckets]
-        for work, unpack in works:
-            self.comm.wait(work)
-            unpack()
+        for units in buckets:
+            work, unpack = self._gather_bucket(units, subs)
+            pending = _Redistribution(work, unpack, units)
+            self._redistributions.append(pending)
+            for u in units:
+                u.redistribution = pending
+
+    def _await_redistribution(self, u: _Unit) -> None:
+        """Wait until u's parameter shard holds the last step's update (a no-op once it does)."""
+        pending = u.redistribution
+        if pending is None:
+            return
+        self.comm.wait(pending.work)
+        pending.unpack()
+        for x in pending.units:
+            x.redistribution = None
+        self._redistributions.remove(pending)
+
+    def _finish_redistributions(self) -> None:
+        """Wait for every redistribution still in flight (before reading parameters outside forward)."""
+        while self._redistributions:
+            self._await_redistribution(self._redistributions[0].units[0])
 
     def _gather_bucket(self, units: list[_Unit], subs: list[int]):
         k = len(subs)
@@ -518,6 +658,7 @@ class ShardedDataParallel:
         runners.model.canonical_names keys them); a collective over the parameter group."""
         out: dict[str, torch.Tensor] = {}
         s_p = self.degrees[0]
+        self._finish_redistributions()
         for u in self.units:
             flat = u.flat
             if s_p > 1:
@@ -529,6 +670,7 @@ class ShardedDataParallel:
 
     def local_state(self) -> dict[str, torch.Tensor]:
         """This rank's shards (parameters, fp32 master, Adam moments) and the step count, for checkpoints."""
+        self._finish_redistributions()
         state = {"num_steps": torch.tensor(self.num_steps)}
         for i, u in enumerate(self.units):
             state[f"unit{i}.param_shard"] = u.param_shard.clone()
@@ -543,6 +685,7 @@ class ShardedDataParallel:
         if set(state) != expected:
             bad = sorted(set(state) ^ expected)[0]
             raise PlannerError(f"checkpoint state does not match this engine's shards: key {bad!r}")
+        self._finish_redistributions()  # an in-flight update would overwrite the loaded shards
         self.num_steps = int(state["num_steps"])
         with torch.no_grad():
             for i, u in enumerate(self.units):
