@@ -24,7 +24,10 @@ CPU-side costs the datasheet model leaves out, also calibration keys (default 0;
 fits them to measured runs, see planner/calibrate.py): op_overhead_s (seconds every op our eager engine
 launches pays in Python dispatch and allocation, on top of its kernel time; counted per layer, embedding,
 head and optimizer unit by `_num_ops`), collective_overhead_s (seconds every collective call pays on top
-of its latency-bandwidth time: gloo's per-call setup under a busy host) and step_overhead_s (seconds per
+of its latency-bandwidth time per log2 of its group size: gloo's per-call synchronisation under a busy
+host), comm_overlap_efficiency (the fraction of per-micro-batch DP/ZeRO communication the separate
+stream hides, default 1; see `_overlap`), recompute_overhead_s (seconds per checkpointed region and
+micro-batch, see `layer_costs`) and step_overhead_s (seconds per
 optimizer step outside any op: the step loop's bookkeeping). On small models on CPUs these dominate the
 step; on GPUs they are hidden behind the kernel queue and stay 0.
 """
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass, field
 
 from cost_models.comm import collective_time_s as _collective_time_s
@@ -93,9 +97,23 @@ BACKWARD_OPS_PER_FORWARD_OP = 2
 
 
 def collective_time_s(cluster, **kwargs) -> float:
-    """cost_models.comm.collective_time_s plus the calibrated per-call overhead for a call that moves data."""
+    """cost_models.comm.collective_time_s plus the calibrated per-call overhead for a call that moves data:
+    collective_overhead_s x log2(group size), the rounds in which recursive doubling synchronises the
+    group (Thakur et al. 2005), each waiting for a partner process to be scheduled and answer."""
     time_s = _collective_time_s(cluster, **kwargs)
-    return time_s + cluster.hardware.calibration.get("collective_overhead_s", 0.0) if time_s > 0 else 0.0
+    if time_s <= 0:
+        return 0.0
+    n = 2 if kwargs.get("collective") == "p2p" else kwargs["group_size"]
+    return time_s + cluster.hardware.calibration.get("collective_overhead_s", 0.0) * math.log2(n)
+
+
+def _overlap(compute_s: float, comm_s: float, cluster) -> float:
+    """Seconds of compute with communication issued beside it: max(compute, comm) when the separate
+    stream hides it fully (GPUs), compute + comm when nothing hides it; between them with the calibration
+    key comm_overlap_efficiency (default 1): on a CPU host the communication thread competes with
+    compute for the same cores, so only part of it hides."""
+    efficiency = min(1.0, max(0.0, cluster.hardware.calibration.get("comm_overlap_efficiency", 1.0)))
+    return compute_s + comm_s - efficiency * min(compute_s, comm_s)
 
 
 def _num_ops(model) -> dict[str, int]:
@@ -179,7 +197,12 @@ def layer_costs(plan, *, model, cluster, job) -> LayerCosts:
     one_s = gather_s + scatter_s if sp else reduce_s
     embed_comm_s = scatter_s if sp else reduce_s
     tp_fwd_s = 2 * one_s
-    recompute_s = {"none": 0.0, "selective": times.attention_core_forward_s, "full": times.forward_s}
+    # Each checkpointed region (the layer under full, the attention core under selective) also pays the
+    # calibrated recompute_overhead_s once per micro-batch: torch.utils.checkpoint's saved-tensor hooks,
+    # RNG state save/restore and re-entry, on top of the recomputed ops (default 0).
+    checkpoint_s = hw.calibration.get("recompute_overhead_s", 0.0)
+    recompute_s = {"none": 0.0, "selective": times.attention_core_forward_s + checkpoint_s,
+                   "full": times.forward_s + checkpoint_s}
     tp_comm = {"none": 2 * tp_fwd_s, "selective": 2 * tp_fwd_s, "full": 3 * tp_fwd_s}
     time_s = {p: times.forward_s + times.backward_s + recompute_s[p] + tp_comm[p] for p in POLICIES}
     activation = {p: layer_activation_bytes(model, policy=p, **dims) for p in POLICIES}
@@ -312,7 +335,8 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
     cache = layer_bytes * (by_tier.get("device", 0) + by_tier.get("secondary", 0) / per_node)
     working = max((costs.activation_bytes["none"] - costs.activation_bytes[p] for p in policies), default=0.0)
     return _ChunkPrice(
-        forward_s=f_first + max(forward, f_rest), backward_s=b_first + max(backward, b_rest) + b_last,
+        forward_s=f_first + _overlap(forward, f_rest, cluster),
+        backward_s=b_first + _overlap(backward, b_rest, cluster) + b_last,
         compute_s=total - recompute - tp_comm, recompute_s=recompute, tp_comm_s=tp_comm, dp_comm_s=dp_comm,
         reduce_s=reduce_s, last_bucket_s=last_bucket_s, num_params=num_params, activation_bytes=activation,
         cache_bytes=cache, host_cache_bytes=layer_bytes * by_tier.get("host", 0), recompute_working_bytes=working)
