@@ -11,6 +11,7 @@ Free parameters (calibration keys, documented in cost_models/estimate.py):
   collective_overhead_s  seconds every collective call pays (gloo's per-call cost on a busy host)
   step_overhead_s        seconds per optimizer step outside any op
   comm_overlap_efficiency  fraction of the DP/ZeRO communication the separate stream hides (1 on GPUs)
+  recompute_overhead_s   seconds per checkpointed region and micro-batch (torch.utils.checkpoint's own cost)
   framework_reserve_bytes  memory no tensor accounts for (the runtime's resident set on CPU)
 
 The step-time parameters minimise the sum of squared relative errors (predicted - measured) / measured
@@ -49,6 +50,7 @@ TIME_PARAMETERS: dict[str, tuple[float, float]] = {
     "collective_overhead_s": (1e-4, 1e-4),
     "step_overhead_s": (1e-3, 1e-3),
     "comm_overlap_efficiency": (1.0, 1.0),
+    "recompute_overhead_s": (1e-4, 1e-4),
 }
 # Parameters with a natural ceiling (the cost model clamps them there too).
 UPPER_BOUNDS = {"comm_overlap_efficiency": 1.0}

@@ -118,3 +118,18 @@ def test_comm_overlap_efficiency_exposes_hidden_zero_gathers():
     # With nothing hidden, the prefetched gathers and the hideable reduce-scatters add to the step.
     assert exposed.step_time_s > hidden.step_time_s
     assert exposed.breakdown["exposed_comm_s"] > hidden.breakdown["exposed_comm_s"]
+
+
+def test_recompute_overhead_is_paid_per_checkpointed_region():
+    from planner.plan import Plan
+
+    r = 2e-3
+    base, slow = _problem(), _problem({"recompute_overhead_s": r})
+    for policy in ("selective", "full"):
+        plan = Plan(dp=4, num_micro_batches=4, recompute=policy)
+        t0 = estimate(plan, model=base.model, cluster=base.cluster, job=base.job).breakdown["recompute_s"]
+        t1 = estimate(plan, model=base.model, cluster=slow.cluster, job=base.job).breakdown["recompute_s"]
+        assert t1 - t0 == pytest.approx(r * 8 * 4, rel=1e-9)  # 8 layers x 4 micro-batches
+    plan = Plan(dp=4, num_micro_batches=4)
+    assert estimate(plan, model=base.model, cluster=slow.cluster, job=base.job).step_time_s == \
+        estimate(plan, model=base.model, cluster=base.cluster, job=base.job).step_time_s
