@@ -68,10 +68,15 @@ class Estimate:
     peak_memory_bytes: int
     memory_limit_bytes: int
     breakdown: dict[str, float] = field(default_factory=dict)
+    # Host memory per device that the plan keeps (MAZ3's host tier) and what the host has per device;
+    # a limit of 0 means unchecked.
+    host_memory_bytes: int = 0
+    host_memory_limit_bytes: int = 0
 
     @property
     def fits(self) -> bool:
-        return self.peak_memory_bytes <= self.memory_limit_bytes
+        host_fits = self.host_memory_limit_bytes <= 0 or self.host_memory_bytes <= self.host_memory_limit_bytes
+        return self.peak_memory_bytes <= self.memory_limit_bytes and host_fits
 
     @property
     def memory_shortfall_bytes(self) -> int:
@@ -84,6 +89,7 @@ class Estimate:
             "tflops_per_gpu": self.tflops_per_gpu, "peak_memory_bytes": int(self.peak_memory_bytes),
             "memory_limit_bytes": int(self.memory_limit_bytes), "fits": self.fits,
             "memory_shortfall_bytes": int(self.memory_shortfall_bytes), "breakdown": dict(self.breakdown),
+            "host_memory_bytes": int(self.host_memory_bytes), "host_memory_limit_bytes": int(self.host_memory_limit_bytes),
         }
 
 
@@ -246,40 +252,84 @@ class _ChunkPrice:
     cache_bytes: float  # MAZ3 device/secondary copies held while a micro-batch is in flight
     host_cache_bytes: float
     recompute_working_bytes: float  # one recomputed layer's activations, rebuilt during its backward
+    # Commshift (Hosoki et al., CCGrid 2025): the last backward without its reduce-scatter, and the
+    # chunk's whole last-micro-batch reduction (reduce-scatter + all-reduce) issued after its last send.
+    shift_backward_s: float = 0.0
+    shift_reduce_s: float = 0.0
+    forward_compute_s: float = 0.0  # one micro-batch's forward compute (window for hiding the redistribution)
+    forward_comm_s: float = 0.0  # its parameter gathers, which compete for that window
+    backward_compute_s: float = 0.0  # one micro-batch's backward compute (recomputation and TP included)
+    comm: _ShardingComm | None = None
 
 
-def _sharding_comm(plan, cluster, *, num_layers_by_tier: dict[str, int], layer_bytes: float, grad_bytes: float,
-                   end_bytes: float) -> tuple[float, float, float, float, float, float]:
-    """Per micro-batch DP/ZeRO communication of one chunk:
-    (forward exposed, forward hideable, backward exposed-before, backward hideable, backward exposed-after,
-    total seconds), following the plan's sharding degrees and MAZ3 tiers."""
+@dataclass(frozen=True)
+class _ShardingComm:
+    """Per micro-batch DP/ZeRO communication of one chunk, split by where it sits (seconds).
+
+    Forward: the first layer's gather is exposed, the rest prefetch behind compute. Backward: the
+    first layer's backward-side fetch (gather, host copy or secondary gather, by MAZ3 tier) is exposed,
+    the others hide behind compute, and the gradient reduce-scatter (s_g > 1) hides too except its
+    last bucket, which runs after the backward's compute. Commshift issues the last micro-batch's
+    reduce-scatter after the stage's last send, so it is kept apart (`rs_hideable_s`, `rs_last_s`).
+    """
+
+    fwd_first_s: float = 0.0
+    fwd_rest_s: float = 0.0
+    bwd_first_s: float = 0.0
+    bwd_rest_s: float = 0.0  # backward-side fetches of the other layers (no reduce-scatter)
+    rs_hideable_s: float = 0.0
+    rs_last_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return (self.fwd_first_s + self.fwd_rest_s + self.bwd_first_s + self.bwd_rest_s + self.rs_hideable_s
+                + self.rs_last_s)
+
+    @property
+    def rs_s(self) -> float:
+        return self.rs_hideable_s + self.rs_last_s
+
+
+def _cache_fetch_s(plan, cluster, *, layer_bytes: float) -> dict[str, float]:
+    """Backward-side cost of one layer's parameters under each MAZ3 tier (Liu et al., ICNP 2025): a
+    second all-gather in the s_p group ("none"), nothing ("device": the forward's gathered copy stayed),
+    a host-to-device copy ("host"), or an all-gather of the intra-node secondary shards ("secondary")."""
+    tp, s_p = plan.tp, plan.param_shard
+    gather_s = collective_time_s(cluster, collective="all_gather", size_bytes=layer_bytes, group_size=s_p, stride=tp)
+    per_node = cluster.ranks_per_node_in_group(size=s_p, stride=tp)
+    secondary_s = collective_time_s(cluster, collective="all_gather", size_bytes=layer_bytes,
+                                    group_size=per_node, stride=tp)
+    host_copy_s = layer_bytes / cluster.hardware.host_device_bandwidth_bytes_per_s
+    host_copy_s *= cluster.hardware.calibration.get("comm_time_scale", 1.0)
+    return {"none": gather_s, "device": 0.0, "host": host_copy_s, "secondary": secondary_s}
+
+
+def _sharding_comm(plan, cluster, *, tiers: list[str], layer_bytes: float, grad_bytes: float,
+                   end_bytes: float) -> _ShardingComm:
+    """Per micro-batch DP/ZeRO communication of one chunk whose layers use MAZ3 `tiers` (in layer
+    order), following the plan's sharding degrees (see _ShardingComm)."""
     tp, s_p, s_g = plan.tp, plan.param_shard, plan.grad_shard
-    hw = cluster.hardware
-    fwd_first = fwd_rest = bwd_first = bwd_rest = bwd_last = 0.0
+    fwd_first = fwd_rest = bwd_first = bwd_rest = rs_hideable = rs_last = 0.0
     if s_p > 1:
-        gather_s = collective_time_s(cluster, collective="all_gather", size_bytes=layer_bytes, group_size=s_p, stride=tp)
-        num_layers = sum(num_layers_by_tier.values())
+        fetch = _cache_fetch_s(plan, cluster, layer_bytes=layer_bytes)
+        gather_s = fetch["none"]
         end_s = collective_time_s(cluster, collective="all_gather", size_bytes=end_bytes, group_size=s_p, stride=tp)
         # The first layer's gather cannot be prefetched behind compute; the rest are.
-        fwd_first, fwd_rest = gather_s, (num_layers - 1) * gather_s + end_s
-        host_copy_s = layer_bytes / hw.host_device_bandwidth_bytes_per_s
-        per_node = cluster.ranks_per_node_in_group(size=s_p, stride=tp)
-        secondary_s = collective_time_s(cluster, collective="all_gather", size_bytes=layer_bytes,
-                                        group_size=per_node, stride=tp)
-        backward_per_tier = {"none": gather_s, "device": 0.0, "host": host_copy_s, "secondary": secondary_s}
-        fwd_rest += num_layers_by_tier.get("host", 0) * host_copy_s  # device-to-host copy in forward
-        bwd = [backward_per_tier[t] for t, n in num_layers_by_tier.items() for _ in range(n)]
+        fwd_first, fwd_rest = gather_s, (len(tiers) - 1) * gather_s + end_s
+        fwd_rest += tiers.count("host") * fetch["host"]  # device-to-host copy of each host-tier layer
+        # Backward runs the layers last to first: the last layer's fetch is the one that waits.
+        bwd = [fetch[t] for t in reversed(tiers)]
         bwd_first, bwd_rest = (bwd[0] if bwd else 0.0), sum(bwd[1:]) + end_s
         if plan.prefetch_depth == 0:
             # Nothing is gathered ahead of use: every gather waits in line before its layer computes.
             fwd_first, fwd_rest, bwd_first, bwd_rest = fwd_first + fwd_rest, 0.0, bwd_first + bwd_rest, 0.0
     if s_g > 1:
         rs_s = collective_time_s(cluster, collective="reduce_scatter", size_bytes=grad_bytes, group_size=s_g, stride=tp)
-        last = collective_time_s(cluster, collective="reduce_scatter", size_bytes=min(grad_bytes, plan.bucket_size_bytes),
-                                 group_size=s_g, stride=tp)
-        bwd_last, bwd_rest = last, bwd_rest + max(0.0, rs_s - last)
-    total = fwd_first + fwd_rest + bwd_first + bwd_rest + bwd_last
-    return fwd_first, fwd_rest, bwd_first, bwd_rest, bwd_last, total
+        rs_last = collective_time_s(cluster, collective="reduce_scatter",
+                                    size_bytes=min(grad_bytes, plan.bucket_size_bytes), group_size=s_g, stride=tp)
+        rs_last = min(rs_last, rs_s)
+        rs_hideable = rs_s - rs_last
+    return _ShardingComm(fwd_first, fwd_rest, bwd_first, bwd_rest, rs_hideable, rs_last)
 
 
 def _boundary_reduce(plan, cluster, *, grad_bytes: float) -> tuple[float, float]:
@@ -322,24 +372,26 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
         num_params += end_params[1]
     param_bytes, grad_bytes, _ = state_bytes_per_param(job.precision)
     layer_bytes = layer_params * param_bytes
-    by_tier: dict[str, int] = {}
-    for t in tiers:
-        by_tier[t] = by_tier.get(t, 0) + 1
     end_bytes = ((end_params[0] if first else 0.0) + (end_params[1] if last else 0.0)) * param_bytes
-    f_first, f_rest, b_first, b_rest, b_last, dp_comm = _sharding_comm(
-        plan, cluster, num_layers_by_tier=by_tier, layer_bytes=layer_bytes, grad_bytes=num_params * grad_bytes,
-        end_bytes=end_bytes)
+    comm = _sharding_comm(plan, cluster, tiers=tiers, layer_bytes=layer_bytes, grad_bytes=num_params * grad_bytes,
+                          end_bytes=end_bytes)
     backward = total - forward
     reduce_s, last_bucket_s = _boundary_reduce(plan, cluster, grad_bytes=num_params * grad_bytes)
     per_node = cluster.ranks_per_node_in_group(size=plan.param_shard, stride=plan.tp)
-    cache = layer_bytes * (by_tier.get("device", 0) + by_tier.get("secondary", 0) / per_node)
+    # MAZ3 (module doc of runners/sharding.py): one kept copy per layer, the full layer on the device
+    # tier, the node's 1/per_node slice of it on the secondary tier, the full layer in host memory.
+    cache = layer_bytes * (tiers.count("device") + tiers.count("secondary") / per_node)
     working = max((costs.activation_bytes["none"] - costs.activation_bytes[p] for p in policies), default=0.0)
+    backward_s = comm.bwd_first_s + _overlap(backward, comm.bwd_rest_s + comm.rs_hideable_s, cluster) + comm.rs_last_s
     return _ChunkPrice(
-        forward_s=f_first + _overlap(forward, f_rest, cluster),
-        backward_s=b_first + _overlap(backward, b_rest, cluster) + b_last,
-        compute_s=total - recompute - tp_comm, recompute_s=recompute, tp_comm_s=tp_comm, dp_comm_s=dp_comm,
+        forward_s=comm.fwd_first_s + _overlap(forward, comm.fwd_rest_s, cluster), backward_s=backward_s,
+        compute_s=total - recompute - tp_comm, recompute_s=recompute, tp_comm_s=tp_comm, dp_comm_s=comm.total_s,
         reduce_s=reduce_s, last_bucket_s=last_bucket_s, num_params=num_params, activation_bytes=activation,
-        cache_bytes=cache, host_cache_bytes=layer_bytes * by_tier.get("host", 0), recompute_working_bytes=working)
+        # Commshift: the last micro-batch's reduce-scatter leaves the backward and joins the reduction.
+        shift_backward_s=comm.bwd_first_s + _overlap(backward, comm.bwd_rest_s, cluster),
+        shift_reduce_s=comm.rs_s + reduce_s, forward_compute_s=forward, forward_comm_s=comm.fwd_first_s + comm.fwd_rest_s,
+        backward_compute_s=backward, comm=comm,
+        cache_bytes=cache, host_cache_bytes=layer_bytes * tiers.count("host"), recompute_working_bytes=working)
 
 
 @functools.lru_cache(maxsize=512)
@@ -412,10 +464,32 @@ def _p2p_time_s(plan, cluster, *, model, job) -> float:
     return collective_time_s(cluster, collective="p2p", size_bytes=size, group_size=2, stride=plan.dp * plan.tp)
 
 
-def _rank_tails(plan, cluster, *, chunks: list[_ChunkPrice], job, model=None) -> list[tuple[float, float]]:
-    """Per pipeline rank: (optimizer step, all-gather of updated shards when optim_shard > param_shard).
-    The optimizer step carries the calibrated per-step overhead and its ops' overhead (one flat unit per
-    layer, embedding and head: ADAM_OPS_PER_UNIT each)."""
+def _redistribute_s(plan, cluster, *, num_params: float, param_bytes: int, first_chunk: _ChunkPrice) -> tuple[float, float]:
+    """(exposed, total) seconds of Lins' redistribution: the updated parameter shards all-gathered from
+    the optimizer-state owners inside each s_os / s_p group (ranks s_p DP positions apart).
+
+    The engine issues it bucket by bucket after the optimizer step and waits for a unit's bucket only
+    before that unit's first forward of the next step (Chen et al., IWQoS 2024: the redistribution
+    overlaps the next step's forward), so only the first bucket, and whatever does not fit in the first
+    micro-batch's forward compute beside its own parameter gathers, is exposed.
+    """
+    size = num_params * param_bytes / plan.param_shard
+    group, stride = plan.optim_shard // plan.param_shard, plan.tp * plan.param_shard
+    total_s = collective_time_s(cluster, collective="all_gather", size_bytes=size, group_size=group, stride=stride)
+    if total_s <= 0.0:
+        return 0.0, 0.0
+    first_s = collective_time_s(cluster, collective="all_gather", size_bytes=min(size, plan.bucket_size_bytes),
+                                group_size=group, stride=stride)
+    window_s = max(0.0, first_chunk.forward_compute_s - first_chunk.forward_comm_s)
+    rest_s = max(0.0, total_s - first_s)
+    return min(total_s, first_s + max(0.0, rest_s - window_s)), total_s
+
+
+def _rank_tails(plan, cluster, *, chunks: list[_ChunkPrice], job, model=None,
+                totals: list[float] | None = None) -> list[tuple[float, float]]:
+    """Per pipeline rank: (optimizer step, exposed redistribution of updated shards when optim_shard >
+    param_shard; see _redistribute_s), appending each rank's total redistribution seconds to `totals`. The optimizer step carries the calibrated per-step
+    overhead and its ops' overhead (one flat unit per layer, embedding and head: ADAM_OPS_PER_UNIT each)."""
     param_bytes = state_bytes_per_param(job.precision)[0]
     calibration = cluster.hardware.calibration
     op_overhead_s, step_overhead_s = calibration.get("op_overhead_s", 0.0), calibration.get("step_overhead_s", 0.0)
@@ -426,20 +500,22 @@ def _rank_tails(plan, cluster, *, chunks: list[_ChunkPrice], job, model=None) ->
         num_units = sum(counts[c] + (c == 0) + (c == plan.num_chunks - 1) for c in range(r, plan.num_chunks, plan.pp))
         optimizer_s = memory_time_s(cluster.hardware, num_params / plan.optim_shard * ADAM_BYTES_PER_PARAM)
         optimizer_s += step_overhead_s + op_overhead_s * ADAM_OPS_PER_UNIT * num_units
-        post_s = collective_time_s(cluster, collective="all_gather", size_bytes=num_params * param_bytes / plan.param_shard,
-                                   group_size=plan.optim_shard // plan.param_shard, stride=plan.tp * plan.param_shard)
-        tails.append((optimizer_s, post_s))
+        post_exposed_s, post_s = _redistribute_s(plan, cluster, num_params=num_params, param_bytes=param_bytes,
+                                                 first_chunk=chunks[r])
+        tails.append((optimizer_s, post_exposed_s))
+        if totals is not None:
+            totals.append(post_s)
     return tails
 
 
-def _time_breakdown(plan, *, chunks: list[_ChunkPrice], pipe, tails, p2p_s: float, rank: int,
-                    step_time_s: float) -> dict[str, float]:
+def _time_breakdown(plan, *, chunks: list[_ChunkPrice], pipe, tails, post_total_s: list[float], p2p_s: float,
+                    rank: int, step_time_s: float) -> dict[str, float]:
     """Seconds per step on the critical `rank`; compute + recompute + bubble + exposed comm + optimizer
     adds up to the step time (exposed comm: TP, unhidden DP/ZeRO and the wait for the reduction)."""
     m, mine = plan.num_micro_batches, chunks[rank::plan.pp]
     compute_s = m * sum(c.compute_s for c in mine)
     recompute_s = m * sum(c.recompute_s for c in mine)
-    optimizer_s, post_s = tails[rank]
+    optimizer_s, post_s = tails[rank][0], post_total_s[rank]
     num_sends = sum((c < plan.num_chunks - 1) + (c > 0) for c in range(rank, plan.num_chunks, plan.pp))
     return {
         "compute_s": compute_s, "recompute_s": recompute_s, "tp_comm_s": m * sum(c.tp_comm_s for c in mine),
@@ -462,13 +538,16 @@ def estimate(plan, *, model, cluster, job) -> Estimate:
     p2p_s = _p2p_time_s(plan, cluster, model=model, job=job)
     durations = ChunkDurations(
         forward_s=tuple(c.forward_s for c in chunks), backward_s=tuple(c.backward_s for c in chunks), p2p_s=p2p_s,
-        reduce_s=tuple(c.reduce_s for c in chunks), last_bucket_s=tuple(c.last_bucket_s for c in chunks))
+        reduce_s=tuple((c.shift_reduce_s if plan.commshift else c.reduce_s) for c in chunks),
+        last_bucket_s=tuple(c.last_bucket_s for c in chunks),
+        shift_backward_s=tuple(c.shift_backward_s for c in chunks))
     pipe = simulate(schedule=plan.schedule, pp=pp, virtual_stages=plan.virtual_stages,
                     num_micro_batches=plan.num_micro_batches, durations=durations, commshift=plan.commshift)
-    tails = _rank_tails(plan, cluster, chunks=chunks, job=job, model=model)
+    post_total_s: list[float] = []
+    tails = _rank_tails(plan, cluster, chunks=chunks, job=job, model=model, totals=post_total_s)
     ends = [max(pipe.compute_end_s[r], pipe.comm_end_s[r]) + sum(tails[r]) for r in range(pp)]
     step_time_s = max(ends)
-    breakdown = _time_breakdown(plan, chunks=chunks, pipe=pipe, tails=tails, p2p_s=p2p_s,
+    breakdown = _time_breakdown(plan, chunks=chunks, pipe=pipe, tails=tails, post_total_s=post_total_s, p2p_s=p2p_s,
                                 rank=ends.index(step_time_s), step_time_s=step_time_s)
     memory = [_rank_memory(plan, cluster, model=model, job=job, chunks=chunks, rank=r) for r in range(pp)]
     worst = max(memory, key=lambda d: d["total_bytes"])
@@ -484,4 +563,46 @@ def estimate(plan, *, model, cluster, job) -> Estimate:
         step_time_s=step_time_s, tokens_per_s=job.tokens_per_step / step_time_s,
         mfu=flops_no_rc / (step_time_s * devices * hw.peak_flops(job.precision)),
         tflops_per_gpu=flops_rc / (step_time_s * devices) / 1e12,
-        peak_memory_bytes=int(worst["total_bytes"]), memory_limit_bytes=int(hw.memory_bytes), breakdown=breakdown)
+        peak_memory_bytes=int(worst["total_bytes"]), memory_limit_bytes=int(hw.memory_bytes), breakdown=breakdown,
+        host_memory_bytes=int(max(m["host_cache_bytes"] for m in memory)), host_memory_limit_bytes=int(hw.host_memory_bytes))
+
+
+@dataclass(frozen=True)
+class CacheCostInputs:
+    """What the MAZ3 tier ILP (planner/ilp.py `choose_param_cache`) needs of one plan, per micro-batch
+    and device: each tier's backward-side fetch and forward-side extra seconds and kept bytes for one
+    layer (layers are identical), and per chunk the compute windows left after the communication the
+    chunk carries whatever the tiers (forward gathers, the ends' gathers, the hideable reduce-scatter)."""
+
+    fetch_s: dict[str, float]
+    forward_extra_s: dict[str, float]
+    device_bytes: dict[str, float]
+    host_bytes: dict[str, float]
+    chunk_layers: tuple[int, ...]
+    backward_window_s: tuple[float, ...]
+    forward_window_s: tuple[float, ...]
+
+
+def cache_cost_inputs(plan, *, model, cluster, job) -> CacheCostInputs:
+    """The MAZ3 prices of `plan`'s layers (its own param_cache is ignored: priced as "none")."""
+    base = plan.replace(param_cache="none")
+    check_plan(base, model=model, num_devices=cluster.num_devices, job=job)
+    costs = layer_costs(base, model=model, cluster=cluster, job=job)
+    chunks = _chunk_prices(base, costs, cluster, model=model, job=job)
+    layer_bytes = layer_params_per_device(model, tp=plan.tp) * state_bytes_per_param(job.precision)[0]
+    fetch = _cache_fetch_s(base, cluster, layer_bytes=layer_bytes) if plan.param_shard > 1 else {
+        t: 0.0 for t in ("none", "device", "host", "secondary")}
+    per_node = cluster.ranks_per_node_in_group(size=plan.param_shard, stride=plan.tp)
+    counts = plan.chunk_layer_counts(model.num_layers)
+    backward_window, forward_window = [], []
+    for c, n in zip(chunks, counts):
+        comm = c.comm or _ShardingComm()
+        # Without caching, bwd_rest is the other layers' gathers plus the ends' gather.
+        stream_b = comm.bwd_rest_s - (n - 1) * fetch["none"] + comm.rs_hideable_s
+        backward_window.append(c.backward_compute_s - stream_b)
+        forward_window.append(c.forward_compute_s - comm.fwd_rest_s)
+    return CacheCostInputs(
+        fetch_s=fetch, forward_extra_s={"none": 0.0, "device": 0.0, "host": fetch["host"], "secondary": 0.0},
+        device_bytes={"none": 0.0, "device": layer_bytes, "host": 0.0, "secondary": layer_bytes / per_node},
+        host_bytes={"none": 0.0, "device": 0.0, "host": layer_bytes, "secondary": 0.0},
+        chunk_layers=tuple(counts), backward_window_s=tuple(backward_window), forward_window_s=tuple(forward_window))

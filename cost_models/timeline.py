@@ -58,6 +58,17 @@ class ChunkDurations:
     p2p_s: float  # one activation (or its gradient) between adjacent chunks
     reduce_s: tuple[float, ...]  # step-end DP reduction of each chunk's gradients
     last_bucket_s: tuple[float, ...]  # the part of reduce_s that cannot start before the backward ends
+    # Under commshift, each chunk's last backward without the reductions it no longer issues (the
+    # last micro-batch's reduce-scatter moves to reduce_s); None: the same as backward_s.
+    shift_backward_s: tuple[float, ...] | None = None
+
+    def last_backward_s(self, commshift: bool) -> list[float]:
+        """Each chunk's last backward: without commshift it carries its reduction (all but the last
+        bucket overlapping the backward); with it, the reduction goes to the communication stream."""
+        if commshift:
+            return list(self.shift_backward_s if self.shift_backward_s is not None else self.backward_s)
+        return [b if r <= 0.0 else max(b, r - lb) + lb
+                for b, r, lb in zip(self.backward_s, self.reduce_s, self.last_bucket_s)]
 
 
 @dataclass(frozen=True)
@@ -170,10 +181,7 @@ def _compiled(schedule: str, pp: int, virtual_stages: int, num_micro_batches: in
 def _run(compiled: _Compiled, pp: int, d: ChunkDurations, commshift: bool) -> tuple[PipelineResult, list[float]]:
     ranks, deps, slots, lasts = compiled.columns
     num_chunks = len(d.forward_s)
-    # Without commshift a chunk's last backward also carries its reduction (all but the last bucket
-    # overlapping the backward); with it, the reduction goes to the communication stream afterwards.
-    last_duration = [b if commshift or r <= 0.0 else max(b, r - lb) + lb
-                     for b, r, lb in zip(d.backward_s, d.reduce_s, d.last_bucket_s)]
+    last_duration = d.last_backward_s(commshift)
     slot_duration = list(d.forward_s) + list(d.backward_s)
     durations = [slot_duration[k] for k in slots]
     for i in lasts:
@@ -243,8 +251,7 @@ def _gpipe_closed_form(*, pp: int, m: int, d: ChunkDurations, commshift: bool) -
     H_r = max(G_r + (m - 1) b_r + b'_r, H_{r+1} + b'_r + p2p).
     """
     f, b, p = d.forward_s, d.backward_s, d.p2p_s
-    last = [b[r] if commshift or d.reduce_s[r] <= 0.0 else
-            max(b[r], d.reduce_s[r] - d.last_bucket_s[r]) + d.last_bucket_s[r] for r in range(pp)]
+    last = d.last_backward_s(commshift)
     release, total, slowest = [], 0.0, 0.0
     for r in range(pp):
         total += f[r]

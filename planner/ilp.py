@@ -253,3 +253,120 @@ def balance_stages(costs: StageCosts, *, policies: tuple[str, ...] = POLICIES,
     recompute = tuple(p for c in c_range for p in order for _ in range(counts[c][p]))
     return StageLayout(stage_layers=tuple(sum(cnt.values()) for cnt in counts), recompute_layers=recompute,
                        bottleneck_time_s=layout_bottleneck_s(costs, counts))
+
+
+# --- (c) MAZ3: where each layer keeps its forward-gathered parameters ---------------------------------
+CACHE_TIERS = ("none", "device", "host", "secondary")
+
+
+@dataclass(frozen=True)
+class CacheCosts:
+    """Per-layer MAZ3 prices of one plan (Liu et al., ICNP 2025), per micro-batch and per device.
+
+    fetch_s[i][tier]: what layer i's backward waits on to get its parameters back (a second all-gather
+    for "none", nothing for "device", a host-to-device copy for "host", an intra-node all-gather of
+    secondary shards for "secondary"). forward_extra_s[i][tier]: forward-side work the tier adds (the
+    device-to-host copy of "host"). device_bytes / host_bytes[i][tier]: the kept copy's bytes.
+    layer_chunk[i]: the chunk of layer i (chunk c on pipeline rank c % pp). Per chunk, the backward
+    (forward) window is the compute its other fetches (copies) hide behind, after what the chunk's
+    communication stream already carries; the backward fetch of a chunk's last layer, which runs
+    first in backward, is exposed whole (nothing computes before it). Caps are per pipeline rank.
+    """
+
+    fetch_s: tuple[dict[str, float], ...]
+    forward_extra_s: tuple[dict[str, float], ...]
+    device_bytes: tuple[dict[str, float], ...]
+    host_bytes: tuple[dict[str, float], ...]
+    layer_chunk: tuple[int, ...]
+    pp: int
+    backward_window_s: tuple[float, ...]
+    forward_window_s: tuple[float, ...]
+    num_micro_batches: int
+    device_cap_bytes: tuple[float, ...]
+    host_cap_bytes: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class CacheChoice:
+    tiers: tuple[str, ...]  # one per layer, in layer order
+    exposed_comm_s: float  # per step, by `cache_exposed_s`
+
+
+def _chunk_layers(costs: CacheCosts) -> dict[int, list[int]]:
+    chunks: dict[int, list[int]] = {}
+    for i, c in enumerate(costs.layer_chunk):
+        chunks.setdefault(c, []).append(i)
+    return chunks
+
+
+def cache_exposed_s(costs: CacheCosts, tiers: tuple[str, ...]) -> float:
+    """Exposed communication per step of a tier assignment (the ILP's objective, for brute force)."""
+    total = 0.0
+    for c, layers in _chunk_layers(costs).items():
+        last = layers[-1]
+        rest = sum(costs.fetch_s[i][tiers[i]] for i in layers if i != last)
+        copies = sum(costs.forward_extra_s[i][tiers[i]] for i in layers)
+        total += (costs.fetch_s[last][tiers[last]] + max(0.0, rest - costs.backward_window_s[c])
+                  + max(0.0, copies - costs.forward_window_s[c]))
+    return costs.num_micro_batches * total
+
+
+def cache_fits(costs: CacheCosts, tiers: tuple[str, ...]) -> bool:
+    """Whether every rank's kept copies fit its device and host caps (the ILP's constraints)."""
+    for rank in range(costs.pp):
+        mine = [i for i, c in enumerate(costs.layer_chunk) if c % costs.pp == rank]
+        if sum(costs.device_bytes[i][tiers[i]] for i in mine) > costs.device_cap_bytes[rank]:
+            return False
+        if sum(costs.host_bytes[i][tiers[i]] for i in mine) > costs.host_cap_bytes[rank]:
+            return False
+    return True
+
+
+def choose_param_cache(costs: CacheCosts, *, tiers: tuple[str, ...] = CACHE_TIERS,
+                       time_limit_s: float | None = None) -> CacheChoice:
+    """One MAZ3 tier per layer minimising the step's exposed communication under the memory caps.
+
+    Binary pick[i][t] = layer i keeps its parameters in tier t. Per chunk, continuous exposed_b / exposed_f
+    carry max(0, fetches - window) (the linearised overlap of cache_exposed_s). A tiny second objective
+    (bytes kept, relative to the caps) picks the leanest of equally fast assignments, so no layer keeps
+    a copy that hides nothing.
+    """
+    import pulp
+
+    num_layers = len(costs.layer_chunk)
+    chunks = _chunk_layers(costs)
+    time_scale = max([max(f.values()) for f in costs.fetch_s] + [max(f.values()) for f in costs.forward_extra_s]
+                     + [1e-30])
+    prob = pulp.LpProblem("choose_param_cache", pulp.LpMinimize)
+    pick = [{t: pulp.LpVariable(f"pick_{i}_{t}", cat="Binary") for t in tiers} for i in range(num_layers)]
+    exposed_b = {c: pulp.LpVariable(f"exposed_b_{c}", lowBound=0) for c in chunks}
+    exposed_f = {c: pulp.LpVariable(f"exposed_f_{c}", lowBound=0) for c in chunks}
+    first_fetch = pulp.lpSum(costs.fetch_s[layers[-1]][t] / time_scale * pick[layers[-1]][t]
+                             for layers in chunks.values() for t in tiers)
+    cap_scale = max(list(costs.device_cap_bytes) + list(costs.host_cap_bytes) + [1.0])
+    kept = pulp.lpSum((costs.device_bytes[i][t] + costs.host_bytes[i][t]) / cap_scale * pick[i][t]
+                      for i in range(num_layers) for t in tiers)
+    prob += first_fetch + pulp.lpSum(exposed_b.values()) + pulp.lpSum(exposed_f.values()) + 1e-6 / num_layers * kept
+    for i in range(num_layers):
+        # Each layer keeps its gathered parameters in exactly one place (or drops them: "none").
+        prob += pulp.lpSum(pick[i].values()) == 1, f"one_tier_{i}"
+    for c, layers in chunks.items():
+        # Backward: the fetches of the chunk's other layers beyond its backward compute window are
+        # exposed (exposed_b >= 0 from its bound, so a fully hidden chunk costs nothing).
+        prob += (pulp.lpSum(costs.fetch_s[i][t] / time_scale * pick[i][t] for i in layers[:-1] for t in tiers)
+                 - costs.backward_window_s[c] / time_scale <= exposed_b[c]), f"backward_window_{c}"
+        # Forward: host-tier device-to-host copies beyond the forward compute window are exposed.
+        prob += (pulp.lpSum(costs.forward_extra_s[i][t] / time_scale * pick[i][t] for i in layers for t in tiers)
+                 - costs.forward_window_s[c] / time_scale <= exposed_f[c]), f"forward_window_{c}"
+    for rank in range(costs.pp):
+        mine = [i for i, c in enumerate(costs.layer_chunk) if c % costs.pp == rank]
+        # The rank's device-tier copies and secondary shards must fit the device memory the plan
+        # leaves free, or the plan runs out of device memory.
+        prob += (pulp.lpSum(costs.device_bytes[i][t] / cap_scale * pick[i][t] for i in mine for t in tiers)
+                 <= costs.device_cap_bytes[rank] / cap_scale), f"device_memory_{rank}"
+        # The rank's host-tier copies must fit the host memory each device has (pinned buffers).
+        prob += (pulp.lpSum(costs.host_bytes[i][t] / cap_scale * pick[i][t] for i in mine for t in tiers)
+                 <= costs.host_cap_bytes[rank] / cap_scale), f"host_memory_{rank}"
+    _solve(prob, time_limit_s=time_limit_s)
+    chosen = tuple(max(tiers, key=lambda t: _value(pick[i][t])) for i in range(num_layers))
+    return CacheChoice(tiers=chosen, exposed_comm_s=cache_exposed_s(costs, chosen))

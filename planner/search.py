@@ -46,12 +46,15 @@ class CostModel:
 
     estimate: Callable[..., Estimate]
     layer_costs: Callable[..., object]
+    # `cache_cost_inputs(plan, *, model, cluster, job) -> CacheCostInputs` for the MAZ3 tier ILP; None
+    # skips that refinement (synthetic cost models).
+    cache_cost_inputs: Callable[..., object] | None = None
 
 
 def default_cost_model() -> CostModel:
     from cost_models import estimate as est
 
-    return CostModel(estimate=est.estimate, layer_costs=est.layer_costs)
+    return CostModel(estimate=est.estimate, layer_costs=est.layer_costs, cache_cost_inputs=est.cache_cost_inputs)
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,8 @@ class SearchOptions:
     exhaustive: bool = False
     # Called with the number of plans priced so far (for a progress display).
     on_progress: Callable[[int], None] | None = None
+    # Only plans with these (dp, tp, pp), e.g. to choose the sharding, schedule and knobs of a fixed layout.
+    degrees: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.top_k < 1 or self.max_virtual_stages < 1 or self.ilp_candidates < 0:
@@ -162,6 +167,8 @@ def schedule_options(*, pp: int, num_micro_batches: int, num_layers: int, max_v:
 def enumerate_slots(problem: Problem, options: SearchOptions) -> Iterator[Slot]:
     model, job = problem.model, problem.job
     for dp, tp, pp in degree_options(problem):
+        if options.degrees is not None and (dp, tp, pp) != tuple(options.degrees):
+            continue
         per_replica = job.global_batch // dp
         for mb in divisors(per_replica):
             m = per_replica // mb
@@ -172,20 +179,45 @@ def enumerate_slots(problem: Problem, options: SearchOptions) -> Iterator[Slot]:
                         yield Slot(dp, tp, pp, v, schedule, mb, m, rc, sp)
 
 
+def _fills_nodes(degree: int, *, dp: int, dp_per_node: int) -> bool:
+    """A sharding group of `degree` consecutive DP positions fills a node before it spans nodes: it
+    divides the DP ranks of a node (stays inside one) or is a multiple of them (whole nodes). Degrees 1
+    and dp are always allowed (ZeRO's points)."""
+    return degree in (1, dp) or dp_per_node % degree == 0 or degree % dp_per_node == 0
+
+
+def lins_points(dp: int, *, dp_per_node: int) -> list[tuple[int, int, int]]:
+    """Every (s_p, s_g, s_os) of Lins' rule (Chen et al., IWQoS 2024; AMSP, arXiv 2311.00257) over `dp`
+    ranks with `dp_per_node` of them in a node: s_p | s_g | s_os | dp, s_g equal to s_p or s_os, each
+    degree filling a node before spanning nodes (so each factors into an intra-node part and an
+    inter-node part). ZeRO-0..3 and HSDP/MiCS (g, g, g) are points of it."""
+    degrees = [d for d in divisors(dp) if _fills_nodes(d, dp=dp, dp_per_node=dp_per_node)]
+    points = []
+    for s_p in degrees:
+        for s_os in degrees:
+            if s_os % s_p:
+                continue
+            for s_g in sorted({s_p, s_os}):
+                points.append((s_p, s_g, s_os))
+    return points
+
+
 def sharding_variants(slot: Slot, *, devices_per_node: int) -> list[tuple[tuple[int, int, int], str, bool]]:
-    """(shard degrees, cache tier, commshift) for one slot: ZeRO-0..3, HSDP with the DP ranks of one node,
-    MAZ3 cache tiers where parameters are sharded, commshift where pp > 1 and dp > 1."""
+    """(shard degrees, cache tier, commshift) for one slot: every Lins point (`lins_points`), each
+    uniform MAZ3 cache tier on the points with one sharding group (s_p = s_g = s_os > 1; the ILP then
+    mixes tiers per layer for the best plans of any point), commshift where pp > 1 and dp > 1."""
     dp = slot.dp
     if dp == 1:
         return [((1, 1, 1), "none", False)]
-    points = [(1, 1, 1), (1, 1, dp), (1, dp, dp), (dp, dp, dp)]
-    in_node = max(1, devices_per_node // slot.tp)
-    if 1 < in_node < dp and dp % in_node == 0:
-        points.append((in_node, in_node, in_node))
+    dp_per_node = max(1, min(dp, devices_per_node // slot.tp))
     shifts = (False, True) if slot.pp > 1 else (False,)
     out = []
-    for shards in points:
-        for cache in (CACHE_TIERS if shards[0] > 1 else ("none",)):
+    for shards in lins_points(dp, dp_per_node=dp_per_node):
+        # Uniform tiers on the points where parameters, gradients and states share one group (ZeRO-3,
+        # HSDP): the ~dp^2 mixed points would multiply the priced plans by four; the ILP still gives
+        # the best plans of any point their per-layer tiers (_refine_cache_with_ilp).
+        uniform = shards[0] > 1 and shards[0] == shards[2]
+        for cache in (CACHE_TIERS if uniform else ("none",)):
             out.extend((shards, cache, shift) for shift in shifts)
     return out
 
@@ -345,6 +377,8 @@ def search(problem: Problem, *, options: SearchOptions = SearchOptions(), cost: 
     priced = state.priced
     if options.use_ilp:
         priced = priced + _refine_with_ilp(sorted(state.fitting, key=_speed), pricer, problem, options)
+        priced = priced + _refine_cache_with_ilp(sorted((c for c in priced if c.estimate.fits), key=_speed),
+                                                 pricer, problem, options)
     # The ILP may turn a plan into one already priced (e.g. a per-layer mix that is all one policy).
     priced = list({c.plan: c for c in reversed(priced)}.values())
     fitting = sorted((c for c in priced if c.estimate.fits), key=_speed)
@@ -390,11 +424,33 @@ class _BranchAndBound:
             self.pruned.append((leanest, slot))
             self.num_pruned += len(variants)
             return
+        plain: dict[tuple[int, int, int], Candidate] = {}
         for shards, cache, shift in variants:
             if memory.lower_bound_bytes(shards, precision) > self.limit_bytes and not self.options.exhaustive:
                 self.num_pruned += 1
                 continue
-            self.add(self.pricer.price(slot.plan(shards=shards, cache=cache, commshift=shift)), bound)
+            base = plain.get(shards)
+            if base is not None and not self.options.exhaustive and self._cannot_help(base, cache):
+                self.num_pruned += 1
+                continue
+            cand = self.pricer.price(slot.plan(shards=shards, cache=cache, commshift=shift))
+            if cache == "none" and not shift:
+                plain[shards] = cand
+            self.add(cand, bound)
+
+    def _cannot_help(self, base: Candidate, cache: str) -> bool:
+        """Whether a MAZ3 tier or commshift on top of `base` (the same plan without them, priced first)
+        can be skipped: a device or secondary copy only adds device memory, so it cannot fit where base
+        does not; and neither changes compute, recomputation or the optimizer, so the critical rank's
+        sum of those bounds the variant from below and it cannot enter a full top k it does not beat."""
+        est = base.estimate
+        if cache in ("device", "secondary") and est.peak_memory_bytes > est.memory_limit_bytes:
+            return True
+        if len(self.top_times) < self.options.top_k:
+            return False
+        floor_s = est.breakdown.get("compute_s", 0.0) + est.breakdown.get("recompute_s", 0.0) + est.breakdown.get(
+            "optimizer_s", 0.0)
+        return floor_s >= -self.top_times[0]
 
     def add(self, cand: Candidate, bound: float) -> None:
         est = cand.estimate
@@ -514,3 +570,59 @@ def _ilp_layout(cand: Candidate, pricer: _Pricer, problem: Problem, *, time_limi
             return refined if refined.estimate.step_time_s < cand.estimate.step_time_s * (1 - 1e-6) else None
         cap -= refined.estimate.memory_shortfall_bytes
     return None
+
+
+def _cache_ilp_inputs(plan: Plan, inputs, problem: Problem, *, device_cap_bytes: float):
+    from planner.ilp import CacheCosts
+
+    layer_chunk = tuple(c for c, n in enumerate(inputs.chunk_layers) for _ in range(n))
+    num_layers = len(layer_chunk)
+    return CacheCosts(
+        fetch_s=(dict(inputs.fetch_s),) * num_layers, forward_extra_s=(dict(inputs.forward_extra_s),) * num_layers,
+        device_bytes=(dict(inputs.device_bytes),) * num_layers, host_bytes=(dict(inputs.host_bytes),) * num_layers,
+        layer_chunk=layer_chunk, pp=plan.pp, backward_window_s=inputs.backward_window_s,
+        forward_window_s=inputs.forward_window_s, num_micro_batches=plan.num_micro_batches,
+        device_cap_bytes=(max(0.0, device_cap_bytes),) * plan.pp,
+        host_cap_bytes=(float(problem.cluster.hardware.host_memory_bytes),) * plan.pp)
+
+
+def _refine_cache_with_ilp(ranked: list[Candidate], pricer: _Pricer, problem: Problem,
+                           options: SearchOptions) -> list[Candidate]:
+    """MAZ3 for the best few plans with sharded parameters: choose each layer's tier with the ILP
+    (planner/ilp.py `choose_param_cache`) on the plan without caching, and keep the result if the full
+    cost model says it fits and is faster. The device cap is the memory the cache-free plan leaves
+    free on its worst rank (taken for every rank: never more than a rank has); if the full model
+    disagrees, retry once with the cap lowered by the shortfall."""
+    from planner.ilp import choose_param_cache
+
+    if pricer.cost.cache_cost_inputs is None:
+        return []
+    out: list[Candidate] = []
+    seen: set[Plan] = set()
+    for cand in ranked:
+        if len(seen) >= options.ilp_candidates:
+            break
+        base = cand.plan.replace(param_cache="none")
+        if base.param_shard == 1 or base in seen:
+            continue
+        seen.add(base)
+        plain = cand if cand.plan == base else pricer.price(base)
+        inputs = pricer.cost.cache_cost_inputs(base, model=problem.model, cluster=problem.cluster, job=problem.job)
+        cap = plain.estimate.memory_limit_bytes - plain.estimate.peak_memory_bytes
+        for _ in range(2):
+            try:
+                choice = choose_param_cache(_cache_ilp_inputs(base, inputs, problem, device_cap_bytes=cap),
+                                            time_limit_s=options.ilp_time_limit_s)
+            except PlannerError:
+                break
+            tiers = set(choice.tiers)
+            plan = base.replace(param_cache=tiers.pop() if len(tiers) == 1 else choice.tiers)
+            if plan == cand.plan:
+                break
+            refined = pricer.price(plan)
+            if refined.estimate.fits:
+                if refined.estimate.step_time_s < cand.estimate.step_time_s * (1 - 1e-6):
+                    out.append(refined)
+                break
+            cap -= refined.estimate.memory_shortfall_bytes
+    return out

@@ -171,7 +171,10 @@ def test_hsdp_and_cache_variants():
     slot = next(s for s in enumerate_slots(problem, SearchOptions()) if s.dp == 16)
     variants = sharding_variants(slot, devices_per_node=8)
     shards = {v[0] for v in variants}
-    assert shards == {(1, 1, 1), (1, 1, 16), (1, 16, 16), (16, 16, 16), (8, 8, 8)}
+    # Lins' space: ZeRO's points, HSDP (8, 8, 8) inside a node, and the mixes such as (8, 8, 16).
+    assert {(1, 1, 1), (1, 1, 16), (1, 16, 16), (16, 16, 16), (8, 8, 8), (8, 8, 16), (2, 2, 16)} <= shards
+    for s_p, s_g, s_os in shards:
+        assert 16 % s_os == 0 and s_os % s_g == 0 and s_g % s_p == 0 and s_g in (s_p, s_os)
     # Cache tiers only where parameters are sharded.
     assert {v[1] for v in variants if v[0][0] == 1} == {"none"}
     assert {v[1] for v in variants if v[0] == (8, 8, 8)} == {"none", "device", "host", "secondary"}
@@ -244,9 +247,10 @@ def test_enumeration_equals_an_independent_filter_over_all_knob_combinations():
         if dp * tp * pp != 8 or tp > 4 or job.global_batch % (dp * mb):
             continue
         m = job.global_batch // (dp * mb)
-        points = {(1, 1, 1), (1, 1, dp), (1, dp, dp), (dp, dp, dp)}
-        if 1 < 4 // tp < dp:
-            points.add((4 // tp, 4 // tp, 4 // tp))
+        # Lins: s_p | s_g | s_os | dp, s_g in {s_p, s_os}, each degree inside a node or whole nodes.
+        per_node = min(dp, 4 // tp)
+        ok = [d for d in (1, 2, 4, 8) if dp % d == 0 and (per_node % d == 0 or d % per_node == 0)]
+        points = {(a, b, c) for a in ok for b in ok for c in ok if b % a == 0 and c % b == 0 and b in (a, c)}
         for schedule, rc, sp, shards, cache, shift in itertools.product(
                 SCHEDULES, RECOMPUTE, [False, True], points, CACHE_TIERS, [False, True]):
             if (pp == 1 and (schedule != "1f1b" or v > 1)) or (schedule == "gpipe" and m > pp):
@@ -255,7 +259,7 @@ def test_enumeration_equals_an_independent_filter_over_all_knob_combinations():
                 continue
             if schedule != "interleaved-1f1b" and v > 1:
                 continue
-            if (sp and tp == 1) or (cache != "none" and shards[0] == 1) or (shift and (pp == 1 or dp == 1)):
+            if (sp and tp == 1) or (cache != "none" and not 1 < shards[0] == shards[2]) or (shift and (pp == 1 or dp == 1)):
                 continue
             try:
                 plan = Plan(dp=dp, tp=tp, pp=pp, virtual_stages=v, micro_batch=mb, num_micro_batches=m,

@@ -1,0 +1,280 @@
+"""Lins, MAZ3 and Commshift in the cost model and the search: the Lins space, the choice of a non-ZeRO
+point on a slow inter-node link, the MAZ3 tier ILP against brute force, each tier's price, and
+Commshift moving the last micro-batch's reduce-scatter and all-reduce off the critical path."""
+
+import dataclasses
+import itertools
+import random
+
+import pytest
+
+from cost_models import estimate as est
+from cost_models.estimate import cache_cost_inputs, estimate
+from cost_models.timeline import ChunkDurations, simulate
+from planner.cluster import Cluster
+from planner.errors import PlannerError
+from planner.ilp import CACHE_TIERS, CacheCosts, cache_exposed_s, cache_fits, choose_param_cache
+from planner.inputs import Problem
+from planner.job import Job
+from planner.model import PRESETS
+from planner.plan import Plan
+from planner.search import SearchOptions, lins_points, search
+from profilers.hardware import PRESETS as HW
+
+LLAMA8 = PRESETS["llama3-8b"]
+GIB = 1024**3
+
+
+def _slow_inter_node(*, memory_bytes=None, inter_bytes_per_s=1e9):
+    hw = HW["h100"]
+    hw = dataclasses.replace(hw, inter_node=dataclasses.replace(hw.inter_node, bandwidth_bytes_per_s=inter_bytes_per_s))
+    return dataclasses.replace(hw, memory_bytes=memory_bytes) if memory_bytes else hw
+
+
+def _price(plan, cluster, *, seq_len=4096, model=LLAMA8):
+    return estimate(plan, model=model, cluster=cluster, job=Job(global_batch=plan.global_batch, seq_len=seq_len))
+
+
+# --- Lins ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dp,per_node", [(4, 2), (8, 4), (16, 8), (12, 8), (32, 8), (6, 6), (8, 1)])
+def test_lins_points_are_exactly_the_rule(dp, per_node):
+    def fills(d):  # inside one node, or whole nodes; 1 and dp (ZeRO) always
+        return d in (1, dp) or per_node % d == 0 or d % per_node == 0
+
+    want = {(a, b, c) for a, b, c in itertools.product(range(1, dp + 1), repeat=3)
+            if dp % c == 0 and c % b == 0 and b % a == 0 and b in (a, c) and all(map(fills, (a, b, c)))}
+    got = lins_points(dp, dp_per_node=per_node)
+    assert len(got) == len(set(got)) and set(got) == want
+    # ZeRO-0..3 are always in; HSDP inside a node too.
+    assert {(1, 1, 1), (1, 1, dp), (1, dp, dp), (dp, dp, dp)} <= set(got)
+    if dp > per_node > 1 and dp % per_node == 0:
+        assert (per_node, per_node, per_node) in got and (per_node, per_node, dp) in got
+
+
+def test_lins_points_skip_groups_that_straddle_nodes():
+    # 12 DP ranks, 8 per node: a group of 3 or 6 would cut across a node boundary.
+    degrees = {d for point in lins_points(12, dp_per_node=8) for d in point}
+    assert degrees == {1, 2, 4, 12}
+
+
+def test_lins_mix_costs_less_inter_node_time_than_zero3_and_less_memory_than_hsdp():
+    cluster = Cluster(num_nodes=4, devices_per_node=8, hardware=_slow_inter_node())
+    plans = {s: Plan(dp=32, num_micro_batches=8, param_shard=s[0], grad_shard=s[1], optim_shard=s[2])
+             for s in [(8, 8, 32), (32, 32, 32), (8, 8, 8)]}
+    lins, zero3, hsdp = (_price(p, cluster) for p in plans.values())
+    # Gathers and reduce-scatters stay in the node; only the boundary all-reduce and the
+    # redistribution cross it, once per step instead of every micro-batch.
+    assert lins.step_time_s < 0.5 * zero3.step_time_s
+    # Optimizer states sharded over all 32: 12 P (1/8 - 1/32) bytes fewer than HSDP.
+    p = est.layer_params_per_device(LLAMA8, tp=1) * LLAMA8.num_layers + sum(est.end_params_per_device(LLAMA8, tp=1, pp=1))
+    assert hsdp.breakdown["optimizer_bytes"] - lins.breakdown["optimizer_bytes"] == pytest.approx(12 * p * (1 / 8 - 1 / 32))
+
+
+def test_search_picks_a_lins_point_on_a_slow_inter_node_link():
+    """2 nodes x 4 GPUs at 1 GB/s between nodes, all 8 in data parallelism, memory too small for HSDP
+    (4, 4, 4) in any form: the winner shards parameters and gradients inside the node and the optimizer states
+    over all of DP, s_p = s_g = 4 < s_os = 8, which no ZeRO stage (one degree for all) expresses."""
+    model = dataclasses.replace(LLAMA8, num_layers=8)
+    job = Job(global_batch=64, seq_len=4096)
+    probe = Cluster(num_nodes=2, devices_per_node=4, hardware=_slow_inter_node())
+    # The leanest layout of each point (one sequence per micro-batch, full recomputation) sets the cap.
+    lins_plan = Plan(dp=8, micro_batch=1, num_micro_batches=8, recompute="full", param_shard=4, grad_shard=4,
+                     optim_shard=8)
+    need = estimate(lins_plan, model=model, cluster=probe, job=job).peak_memory_bytes
+    hsdp = estimate(lins_plan.replace(optim_shard=4), model=model, cluster=probe, job=job).peak_memory_bytes
+    assert need < hsdp
+    cluster = Cluster(num_nodes=2, devices_per_node=4, hardware=_slow_inter_node(memory_bytes=(need + hsdp) // 2))
+    options = SearchOptions(top_k=3, degrees=(8, 1, 1))
+    result = search(Problem(model=model, cluster=cluster, job=job), options=options)
+    winner = result.winner.plan
+    assert winner.zero_level is None, winner.describe()
+    assert winner.shard_degrees == (4, 4, 8), winner.describe()
+    # ...and it beats every ZeRO plan, priced exhaustively.
+    every = search(Problem(model=model, cluster=cluster, job=job),
+                   options=dataclasses.replace(options, exhaustive=True, use_ilp=False))
+    zero = [c for c in every.candidates if c.plan.zero_level is not None and c.estimate.fits]
+    assert zero and result.winner.estimate.step_time_s < min(c.estimate.step_time_s for c in zero)
+
+
+def test_redistribution_overlaps_the_next_forward():
+    cluster = Cluster(num_nodes=2, devices_per_node=8, hardware=HW["h100"])
+    plan = Plan(dp=16, num_micro_batches=4, param_shard=8, grad_shard=8, optim_shard=16)
+    chunks = est._chunk_prices(plan, est.layer_costs(plan, model=LLAMA8, cluster=cluster, job=Job(global_batch=64, seq_len=4096)),
+                               cluster, model=LLAMA8, job=Job(global_batch=64, seq_len=4096))
+    exposed, total = est._redistribute_s(plan, cluster, num_params=chunks[0].num_params, param_bytes=2,
+                                         first_chunk=chunks[0])
+    # ~2 GB over 2 ranks across nodes: far longer than one bucket, shorter than a forward's compute.
+    one_bucket = est.collective_time_s(cluster, collective="all_gather", size_bytes=plan.bucket_size_bytes,
+                                       group_size=2, stride=8)
+    assert total > 10 * one_bucket
+    assert exposed == pytest.approx(one_bucket)
+    # Without a forward to hide behind, all of it is exposed.
+    bare = dataclasses.replace(chunks[0], forward_compute_s=0.0)
+    assert est._redistribute_s(plan, cluster, num_params=chunks[0].num_params, param_bytes=2,
+                               first_chunk=bare)[0] == pytest.approx(total)
+
+
+# --- MAZ3 ------------------------------------------------------------------------------------------------
+def _random_cache_costs(rng: random.Random, num_layers: int, pp: int) -> CacheCosts:
+    num_chunks = pp * rng.choice([1, 2]) if num_layers >= 2 * pp else pp
+    bounds = sorted(rng.sample(range(1, num_layers), num_chunks - 1))
+    layer_chunk = tuple(next(c for c, b in enumerate(bounds + [num_layers]) if i < b) for i in range(num_layers))
+    fetch, extra, dev, host = [], [], [], []
+    for _ in range(num_layers):
+        gather = rng.uniform(0.5, 2.0)
+        size = rng.uniform(1.0, 3.0)
+        fetch.append({"none": gather, "device": 0.0, "host": rng.uniform(0.2, 3.0), "secondary": gather * rng.uniform(0.1, 0.9)})
+        extra.append({"none": 0.0, "device": 0.0, "host": fetch[-1]["host"], "secondary": 0.0})
+        dev.append({"none": 0.0, "device": size, "host": 0.0, "secondary": size / rng.choice([2, 4, 8])})
+        host.append({"none": 0.0, "device": 0.0, "host": size, "secondary": 0.0})
+    return CacheCosts(
+        fetch_s=tuple(fetch), forward_extra_s=tuple(extra), device_bytes=tuple(dev), host_bytes=tuple(host),
+        layer_chunk=layer_chunk, pp=pp, backward_window_s=tuple(rng.uniform(0.0, 4.0) for _ in range(num_chunks)),
+        forward_window_s=tuple(rng.uniform(-0.5, 3.0) for _ in range(num_chunks)),
+        num_micro_batches=rng.choice([1, 4]), device_cap_bytes=tuple(rng.uniform(0.0, 6.0) for _ in range(pp)),
+        host_cap_bytes=tuple(rng.uniform(0.0, 6.0) for _ in range(pp)))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_cache_ilp_equals_brute_force(seed):
+    rng = random.Random(seed)
+    costs = _random_cache_costs(rng, num_layers=rng.choice([2, 3, 4, 5]), pp=rng.choice([1, 2]))
+    feasible = [t for t in itertools.product(CACHE_TIERS, repeat=len(costs.layer_chunk)) if cache_fits(costs, t)]
+    best = min(cache_exposed_s(costs, t) for t in feasible)  # all-"none" always fits
+    choice = choose_param_cache(costs)
+    assert cache_fits(costs, choice.tiers)
+    assert choice.exposed_comm_s == pytest.approx(best, rel=1e-6, abs=1e-9)
+
+
+def test_cache_ilp_fills_memory_with_device_copies_first_and_spills_to_host():
+    # 4 layers, gathers fully exposed (no window), host copies cheaper than gathers and hidden in forward.
+    fetch = {"none": 1.0, "device": 0.0, "host": 0.5, "secondary": 0.8}
+    costs = CacheCosts(
+        fetch_s=(fetch,) * 4, forward_extra_s=({"none": 0.0, "device": 0.0, "host": 0.5, "secondary": 0.0},) * 4,
+        device_bytes=({"none": 0.0, "device": 1.0, "host": 0.0, "secondary": 0.25},) * 4,
+        host_bytes=({"none": 0.0, "device": 0.0, "host": 1.0, "secondary": 0.0},) * 4,
+        layer_chunk=(0, 0, 0, 0), pp=1, backward_window_s=(0.0,), forward_window_s=(10.0,), num_micro_batches=1,
+        device_cap_bytes=(2.25,), host_cap_bytes=(1.0,))
+    tiers = choose_param_cache(costs).tiers
+    assert sorted(tiers) == ["device", "device", "host", "secondary"]
+    # No room anywhere: nothing is kept.
+    tight = dataclasses.replace(costs, device_cap_bytes=(0.0,), host_cap_bytes=(0.0,))
+    assert choose_param_cache(tight).tiers == ("none",) * 4
+
+
+def test_cache_tiers_priced_as_the_engine_runs_them():
+    cluster = Cluster(num_nodes=2, devices_per_node=8, hardware=_slow_inter_node())
+    base = Plan(dp=16, num_micro_batches=4, param_shard=16, grad_shard=16, optim_shard=16)
+    priced = {t: _price(base.replace(param_cache=t), cluster) for t in CACHE_TIERS}
+    layer_bytes = est.layer_params_per_device(LLAMA8, tp=1) * 2
+    # device: one kept copy per layer (all layers of the chunk in flight at the peak), no backward gather.
+    extra = priced["device"].breakdown["param_cache_bytes"]
+    assert extra == pytest.approx(LLAMA8.num_layers * layer_bytes)
+    assert priced["device"].peak_memory_bytes - priced["none"].peak_memory_bytes == pytest.approx(extra, rel=1e-6)
+    # secondary: the node's 8 ranks of the 16-rank group each keep 1/8.
+    assert priced["secondary"].breakdown["param_cache_bytes"] == pytest.approx(extra / 8)
+    # host: nothing on the device, the copy in host memory.
+    assert priced["host"].peak_memory_bytes == priced["none"].peak_memory_bytes
+    assert priced["host"].host_memory_bytes == pytest.approx(LLAMA8.num_layers * layer_bytes, rel=1e-6)
+    # Per micro-batch, device drops one all-gather of every layer (the backward one).
+    gather = est.collective_time_s(cluster, collective="all_gather", size_bytes=layer_bytes, group_size=16, stride=1)
+    saved = priced["none"].breakdown["dp_comm_s"] - priced["device"].breakdown["dp_comm_s"]
+    assert saved == pytest.approx(4 * LLAMA8.num_layers * gather, rel=1e-6)
+    # On a slow inter-node link, skipping the cross-node backward gather makes the step faster.
+    assert priced["device"].step_time_s < priced["secondary"].step_time_s < priced["none"].step_time_s
+
+
+def test_host_tier_must_fit_host_memory():
+    hw = dataclasses.replace(HW["h100"], host_memory_bytes=GIB)
+    cluster = Cluster(num_nodes=2, devices_per_node=8, hardware=hw)
+    plan = Plan(dp=16, num_micro_batches=4, param_shard=16, grad_shard=16, optim_shard=16, param_cache="host")
+    priced = _price(plan, cluster)
+    assert priced.host_memory_bytes > GIB and not priced.fits
+    assert priced.to_dict()["fits"] is False
+
+
+def test_cache_cost_inputs_match_the_estimate():
+    """The ILP's inputs are the estimate's own per-tier prices: a fully hidden window is 0 exposed."""
+    cluster = Cluster(num_nodes=2, devices_per_node=8, hardware=_slow_inter_node())
+    plan = Plan(dp=16, num_micro_batches=4, param_shard=16, grad_shard=16, optim_shard=16)
+    job = Job(global_batch=64, seq_len=4096)
+    inputs = cache_cost_inputs(plan, model=LLAMA8, cluster=cluster, job=job)
+    layer_bytes = est.layer_params_per_device(LLAMA8, tp=1) * 2
+    assert inputs.device_bytes["device"] == layer_bytes and inputs.host_bytes["host"] == layer_bytes
+    assert inputs.fetch_s["none"] == pytest.approx(est.collective_time_s(
+        cluster, collective="all_gather", size_bytes=layer_bytes, group_size=16, stride=1))
+    assert inputs.chunk_layers == (LLAMA8.num_layers,)
+
+
+def test_search_mixes_tiers_per_layer_when_memory_allows_only_some_copies():
+    """Room for about half the layers' device copies: the ILP keeps some layers on the device and the
+    rest gathered again or in a cheaper tier; the mix beats every uniform tier that fits."""
+    model = dataclasses.replace(LLAMA8, num_layers=8)
+    job = Job(global_batch=16, seq_len=1024)
+    probe = Cluster(num_nodes=2, devices_per_node=8, hardware=_slow_inter_node())
+    plan = Plan(dp=16, num_micro_batches=1, param_shard=16, grad_shard=16, optim_shard=16)
+    plain = estimate(plan, model=model, cluster=probe, job=job)
+    layer_bytes = est.layer_params_per_device(model, tp=1) * 2
+    hw = _slow_inter_node(memory_bytes=int(plain.peak_memory_bytes + 4.5 * layer_bytes))
+    hw = dataclasses.replace(hw, host_memory_bytes=0)  # no host room: device, secondary or none
+    problem = Problem(model=model, cluster=Cluster(num_nodes=2, devices_per_node=8, hardware=hw), job=job)
+    inputs = cache_cost_inputs(plan, model=model, cluster=problem.cluster, job=job)
+    from planner.search import _cache_ilp_inputs
+
+    choice = choose_param_cache(_cache_ilp_inputs(plan, inputs, problem, device_cap_bytes=4.5 * layer_bytes))
+    assert 1 <= choice.tiers.count("device") <= 4 and "host" not in choice.tiers
+    mixed = estimate(plan.replace(param_cache=choice.tiers), model=model, cluster=problem.cluster, job=job)
+    assert mixed.fits
+    for tier in CACHE_TIERS:
+        uniform = estimate(plan.replace(param_cache=tier), model=model, cluster=problem.cluster, job=job)
+        assert not uniform.fits or mixed.step_time_s <= uniform.step_time_s * (1 + 1e-9)
+
+
+# --- Commshift -------------------------------------------------------------------------------------------
+def test_commshift_moves_the_last_reduce_scatter_and_all_reduce():
+    """ZeRO-2-style plan with pp 2: with commshift the last backward no longer carries its reduce-scatter,
+    and the step-end reduction on the communication stream is the reduce-scatter plus the all-reduce."""
+    cluster = Cluster(num_nodes=4, devices_per_node=2, hardware=_slow_inter_node(inter_bytes_per_s=5e9))
+    plan = Plan(dp=4, pp=2, num_micro_batches=8, param_shard=1, grad_shard=2, optim_shard=4)
+    job = Job(global_batch=32, seq_len=2048)
+    costs = est.layer_costs(plan, model=LLAMA8, cluster=cluster, job=job)
+    chunks = est._chunk_prices(plan, costs, cluster, model=LLAMA8, job=job)
+    for c in chunks:
+        assert c.comm.rs_s > 0 and c.reduce_s > 0
+        assert c.shift_reduce_s == pytest.approx(c.comm.rs_s + c.reduce_s)
+        assert c.shift_backward_s == pytest.approx(c.backward_s - c.comm.rs_last_s - max(0.0, 0.0))
+    without = estimate(plan, model=LLAMA8, cluster=cluster, job=job)
+    shifted = estimate(plan.replace(commshift=True), model=LLAMA8, cluster=cluster, job=job)
+    assert shifted.step_time_s < without.step_time_s
+    assert shifted.breakdown["dp_comm_s"] == pytest.approx(without.breakdown["dp_comm_s"])
+
+
+def test_timeline_under_commshift_uses_the_last_backward_without_its_reductions():
+    pp, m = 2, 4
+    d = ChunkDurations(forward_s=(1.0, 1.0), backward_s=(2.0, 2.0), p2p_s=0.0, reduce_s=(3.0, 3.0),
+                       last_bucket_s=(0.5, 0.5), shift_backward_s=(1.5, 1.5))
+    on = simulate(schedule="1f1b", pp=pp, virtual_stages=1, num_micro_batches=m, durations=d, commshift=True)
+    off = simulate(schedule="1f1b", pp=pp, virtual_stages=1, num_micro_batches=m, durations=d, commshift=False)
+    # 1F1B, pp 2, m 4, f 1, b 2: rank 0 ends at (m + pp - 1)(f + b) = 15 with plain backwards. Its last
+    # backward waits for rank 1's last: under commshift each is 0.5 shorter (15 - 1); without, each
+    # carries its reduction, max(2, 3 - 0.5) + 0.5 = 3, one longer (15 + 2).
+    assert on.compute_end_s[0] == pytest.approx(15.0 - 1.0)
+    assert off.compute_end_s[0] == pytest.approx(15.0 + 2.0)
+    assert on.comm_end_s[0] == pytest.approx(on.compute_end_s[0] + 3.0)
+
+
+def test_search_turns_commshift_on_when_it_helps():
+    """One GPU per node at 2 GB/s: every stage's DP reduction crosses the network; with pp the
+    search's winner issues it after the last send."""
+    model = dataclasses.replace(LLAMA8, num_layers=8)
+    job = Job(global_batch=32, seq_len=2048)
+    cluster = Cluster(num_nodes=8, devices_per_node=1, hardware=_slow_inter_node(inter_bytes_per_s=2e9))
+    result = search(Problem(model=model, cluster=cluster, job=job), options=SearchOptions(top_k=3))
+    pipelined = [c for c in result.candidates if c.plan.pp > 1 and c.plan.dp > 1 and c.estimate.fits]
+    assert pipelined
+    for cand in pipelined[:20]:
+        other = estimate(cand.plan.replace(commshift=not cand.plan.commshift), model=model, cluster=cluster, job=job)
+        if other.step_time_s < cand.estimate.step_time_s * (1 - 1e-9):
+            pytest.fail(f"{cand.plan.describe()} is priced, but flipping commshift is faster")
+    if result.winner.plan.pp > 1 and result.winner.plan.dp > 1:
+        assert result.winner.plan.commshift
