@@ -106,14 +106,13 @@ def run_timeout_s(plan, problem: Problem) -> float:
 
 def run_in_this_process(cfg) -> dict:
     """Under an existing torchrun: this process is one rank; train and return the metrics."""
-    import datetime
-
     import torch.distributed as dist
 
+    from runners.faults import init_distributed
     from runners.train import pick_device, train
 
     device, backend = pick_device()
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout_s))
+    init_distributed(backend, timeout_s=cfg.timeout_s)
     try:
         metrics, _ = train(cfg, device=device)
     finally:

@@ -9,6 +9,7 @@ process that holds its sockets open) sent to one worker, found by a tag in its e
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import time
@@ -146,3 +147,102 @@ def test_ten_kills_restart_and_resume_with_identical_losses(tmp_path):
     final = {s["step"]: s["loss"] for s in metrics["steps"]}
     assert all(final[k] == ref_losses[k] for k in final)
     assert _tagged_pids(tag) == []
+
+
+# --- a whole node of the emulated cluster dies or drops off the network ---------------------------------------
+def _netns_skip_reason() -> str | None:
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0:
+        return "needs root (network namespaces)"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "needs iproute2 (ip, tc)"
+    probe = subprocess.run(["ip", "netns", "add", "plfault-probe"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"cannot create network namespaces here: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", "plfault-probe"], capture_output=True)
+    return None
+
+
+@pytest.mark.skipif(_netns_skip_reason() is not None, reason=str(_netns_skip_reason()))
+@pytest.mark.parametrize("how", ["killed", "cut-off"])
+def test_whole_node_lost_ends_the_other_node_within_the_bound(how, tmp_path, monkeypatch):
+    """Two emulated nodes (network namespaces), one rank each, each with its own torchrun and no common
+    launcher, as on a real cluster. Node 1 is SIGKILLed whole (agent and worker: its sockets close) or
+    cut off (every process frozen and its link down: nothing closes, only the timeout can tell). Node 0
+    must exit by itself within the bound, naming rank 1, with nothing left in its namespace."""
+    import subprocess
+
+    from planner.jsonio import write_json_atomic
+    from runners import netns_cluster as nc
+
+    monkeypatch.setenv("PLANNER_CLUSTER_STATE_DIR", str(tmp_path))
+    prefix = "plfault"
+    nc.down(prefix=prefix)
+    state = nc.up(num_nodes=2, procs_per_node=1, inter_node_bandwidth=None, inter_node_latency=None, prefix=prefix)
+    timeout_s = 15.0
+    config, errors = tmp_path / "run.json", tmp_path / "errors"
+    errors.mkdir()
+    write_json_atomic(config, _config(500, timeout_s=timeout_s, ranks_per_node=1).to_dict())
+    procs = []
+    try:
+        for node in range(2):
+            argv = nc.exec_argv(state, node, nc.torchrun_argv(state, node, ["-m", "runners.train", "--config", str(config),
+                                                                            "--error-dir", str(errors)]))
+            procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                          start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"}))
+        for line in procs[0].stdout:  # wait until rank 0 reports step 1
+            if line.startswith("PLANNER_STEP ") and json.loads(line[len("PLANNER_STEP "):])["step"] >= 1:
+                break
+        victims = nc.namespace_pids(state.namespace(1))
+        if how == "killed":
+            for pid in victims:
+                os.kill(pid, signal.SIGKILL)
+        else:
+            for pid in victims:
+                os.kill(pid, signal.SIGSTOP)
+            subprocess.run(["ip", "-n", state.namespace(1), "link", "set", nc.NODE_IFNAME, "down"], check=True)
+        lost_at = time.monotonic()
+        procs[0].communicate(timeout=timeout_s + 3 + TORCHRUN_GRACE_S + 60)
+        elapsed_s = time.monotonic() - lost_at
+        assert procs[0].returncode != 0
+        report = json.loads((errors / "rank0.json").read_text())
+        assert "rank 1 (last seen at step" in report["error"], report
+        bound_s = (TORCHRUN_GRACE_S if how == "killed" else timeout_s + 3 + TORCHRUN_GRACE_S) + 30
+        assert elapsed_s < bound_s, f"node 0 took {elapsed_s:.0f} s to stop after node 1 was {how} (bound {bound_s:.0f} s)"
+        assert nc.namespace_pids(state.namespace(0)) == []
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                nc.kill_process_tree(proc.pid)
+        for pid in nc.namespace_pids(state.namespace(1)) if nc.list_namespaces(prefix) else []:
+            os.kill(pid, signal.SIGKILL)
+        nc.down(prefix=prefix)
+
+
+def test_cli_resume_under_another_plan_continues_the_losses(tmp_path, monkeypatch):
+    """`planner run --checkpoint-dir D` stopped after 3 steps, then `--resume` under tp2 for the rest: the
+    losses are those of one uninterrupted ZeRO-3 run (fp32 on CPU, 1e-4)."""
+    import sys
+
+    from planner.cli import main
+
+    def run(*flags: str) -> dict:
+        out = tmp_path / f"metrics{len(list(tmp_path.glob('metrics*')))}.json"
+        monkeypatch.setattr(sys, "argv", ["planner", "run", "--nproc", "2", "--global-batch", "8", "--seq-len", "32",
+                                          "--micro-batch", "2", "--seed", "7", "--format", "json",
+                                          "--metrics-out", str(out), *flags])
+        with pytest.raises(SystemExit) as info:
+            main()
+        assert info.value.code == 0
+        return json.loads(out.read_text())
+
+    ckpt = str(tmp_path / "ckpt")
+    whole = run("--zero", "3", "--steps", "6")
+    first = run("--zero", "3", "--steps", "3", "--checkpoint-dir", ckpt)
+    rest = run("--tp", "2", "--steps", "6", "--checkpoint-dir", ckpt, "--resume")
+    assert [s["step"] for s in rest["steps"]] == [3, 4, 5]
+    losses = [s["loss"] for s in first["steps"] + rest["steps"]]
+    expected = [s["loss"] for s in whole["steps"]]
+    assert max(abs(a - b) for a, b in zip(losses, expected)) <= 1e-4, (losses, expected)
