@@ -142,3 +142,102 @@ def test_lins_redistribution_bytes_unchanged_by_overlap():
     assert got["all_gather"] == int(DP * (gathers + redistribute))
     assert got["reduce_scatter"] == int(DP * M * (1 / 2) * total * FP32)
     assert got["all_reduce"] == int(DP * 2 * (1 / 2) * (total / 2) * FP32)
+
+
+# --- when the overlapped collectives are issued and waited (engine internals, one step each) ----------
+def _step_inputs(trainer, cfg, step: int):
+    import torch
+
+    from runners.data import make_data, rank_micro_batches
+
+    data = make_data(None, vocab_size=cfg.model.vocab_size, seq_len=cfg.job.seq_len, seed=cfg.seed)
+    return rank_micro_batches(data.global_batch(step, cfg.job.global_batch), dp=cfg.plan.dp,
+                              dp_rank=trainer.mesh.dp_rank, micro_batch=cfg.plan.micro_batch, device=torch.device("cpu"))
+
+
+def _lins_order(cfg) -> dict:
+    """After a step, how many redistribution buckets are still in flight; then, during the next step's
+    forward and backward, which units' buckets were waited for, in order."""
+    import torch
+
+    from runners.train import Trainer
+
+    trainer = Trainer(cfg, device=torch.device("cpu"))
+    engine = trainer.engine
+    trainer.step(_step_inputs(trainer, cfg, 0))
+    in_flight_after_step = len(engine._redistributions)
+    awaited: list[int] = []
+    await_bucket = engine._await_redistribution
+
+    def logged(u) -> None:
+        if u.redistribution is not None:
+            awaited.append(engine.units.index(u))
+        await_bucket(u)
+
+    engine._await_redistribution = logged
+    trainer.run_micro_batches(_step_inputs(trainer, cfg, 1))
+    in_flight_after_forward = len(engine._redistributions)
+    engine.optimizer_step()
+    return {"in_flight_after_step": in_flight_after_step, "awaited": awaited,
+            "in_flight_after_forward": in_flight_after_forward, "num_units": len(engine.units)}
+
+
+def _commshift_counters(cfg) -> dict:
+    """Byte counters of one step at the pipeline's start_grad_sync call and at the step's end."""
+    import torch
+
+    from runners.train import Trainer
+
+    trainer = Trainer(cfg, device=torch.device("cpu"))
+    at_hook: list[dict] = []
+    start_grad_sync = trainer.engine.start_grad_sync
+
+    def logged(chunk: int) -> None:
+        at_hook.append(dict(trainer.comm.counters.snapshot()))
+        start_grad_sync(chunk)
+
+    trainer.engine.start_grad_sync = logged
+    trainer.comm.counters.reset()
+    trainer.step(_step_inputs(trainer, cfg, 0))
+    return {"at_hook": at_hook, "at_end": dict(trainer.comm.counters.snapshot())}
+
+
+LINS_SMALL_BUCKETS = tiny_config(Plan(dp=DP, param_shard=2, grad_shard=2, optim_shard=4, micro_batch=1,
+                                      num_micro_batches=1, bucket_size_bytes=64 * 1024), ranks_per_node=2)
+COMMSHIFT_ZERO2 = tiny_config(Plan(dp=2, pp=2, grad_shard=2, optim_shard=2, micro_batch=1, num_micro_batches=4,
+                                   schedule="1f1b", commshift=True), ranks_per_node=2)
+
+
+def _order_worker(rank: int, world_size: int) -> dict:
+    return {"lins": _lins_order(LINS_SMALL_BUCKETS), "commshift": _commshift_counters(COMMSHIFT_ZERO2)}
+
+
+@pytest.fixture(scope="module")
+def order_results():
+    from tests.distributed.spawn import run_on_ranks
+
+    return run_on_ranks(_order_worker, world_size=DP)
+
+
+def test_lins_redistribution_overlaps_the_next_forward_in_forward_order(order_results):
+    for result in (r["lins"] for r in order_results):
+        # Small buckets: several all-gathers, none waited inside optimizer_step ...
+        assert result["in_flight_after_step"] >= 3, result
+        # ... and each waited by the first forward pre-hook that needs it, in forward order.
+        assert result["in_flight_after_forward"] == 0
+        assert len(result["awaited"]) == result["in_flight_after_step"]
+        assert result["awaited"][0] == 0 and result["awaited"] == sorted(result["awaited"])
+
+
+def test_commshift_defers_the_last_micro_batchs_reduce_scatter_past_the_gradient_send(order_results):
+    m = COMMSHIFT_ZERO2.plan.num_micro_batches
+    for result in (r["commshift"] for r in order_results):
+        # One chunk per rank: the pipeline's call after its last backward comes first (optimizer_step
+        # repeats it, a no-op).
+        at_hook = result["at_hook"][0]
+        at_end = result["at_end"]
+        assert at_end["reduce_scatter"] > 0
+        # m - 1 micro-batches' reduce-scatters issued from the hooks, the last one's only after the call,
+        assert at_hook["reduce_scatter"] * m == at_end["reduce_scatter"] * (m - 1)
+        # which comes once every pipeline send of the step (activations or input gradients) is issued.
+        assert at_hook["p2p"] == at_end["p2p"] > 0
