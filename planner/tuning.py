@@ -31,11 +31,17 @@ class TuneResult:
 
 
 def sharding_points(dp: int, *, tp: int, devices_per_node: int) -> dict[str, tuple[int, int, int]]:
-    points = {"zero0": (1, 1, 1), "zero1": (1, 1, dp), "zero2": (1, dp, dp), "zero3": (dp, dp, dp)}
-    in_node = max(1, devices_per_node // tp)
-    if 1 < in_node < dp and dp % in_node == 0:
-        points["hsdp"] = (in_node, in_node, in_node)
-    return points if dp > 1 else {"zero0": (1, 1, 1)}
+    """Every Lins point of the search (planner.search.lins_points) by name: zero0..3, hsdp for one
+    node's DP ranks, lins-<s_p>-<s_g>-<s_os> for the rest."""
+    from planner.search import lins_points
+
+    if dp == 1:
+        return {"zero0": (1, 1, 1)}
+    named = {(1, 1, 1): "zero0", (1, 1, dp): "zero1", (1, dp, dp): "zero2", (dp, dp, dp): "zero3"}
+    in_node = max(1, min(dp, devices_per_node // tp))
+    if 1 < in_node < dp:
+        named.setdefault((in_node, in_node, in_node), "hsdp")
+    return {named.get(point, "lins-%d-%d-%d" % point): point for point in lins_points(dp, dp_per_node=in_node)}
 
 
 def plan_from_trial(trial, base: Plan, problem: Problem) -> Plan:
