@@ -305,7 +305,7 @@ def _cache_fetch_s(plan, cluster, *, layer_bytes: float) -> dict[str, float]:
 
 
 def _sharding_comm(plan, cluster, *, tiers: list[str], layer_bytes: float, grad_bytes: float,
-                   end_bytes: float) -> _ShardingComm:
+                   end_bytes: float, device_gather_fraction: float = 1.0) -> _ShardingComm:
     """Per micro-batch DP/ZeRO communication of one chunk whose layers use MAZ3 `tiers` (in layer
     order), following the plan's sharding degrees (see _ShardingComm)."""
     tp, s_p, s_g = plan.tp, plan.param_shard, plan.grad_shard
@@ -314,8 +314,11 @@ def _sharding_comm(plan, cluster, *, tiers: list[str], layer_bytes: float, grad_
         fetch = _cache_fetch_s(plan, cluster, layer_bytes=layer_bytes)
         gather_s = fetch["none"]
         end_s = collective_time_s(cluster, collective="all_gather", size_bytes=end_bytes, group_size=s_p, stride=tp)
-        # The first layer's gather cannot be prefetched behind compute; the rest are.
-        fwd_first, fwd_rest = gather_s, (len(tiers) - 1) * gather_s + end_s
+        # The first layer's gather cannot be prefetched behind compute; the rest are. A device-tier
+        # layer stays gathered while any micro-batch of its chunk is in flight, so only the forwards
+        # that find none in flight gather it (`device_gather_fraction` of them).
+        forward_gather = [gather_s * (device_gather_fraction if t == "device" else 1.0) for t in tiers]
+        fwd_first, fwd_rest = forward_gather[0], sum(forward_gather[1:]) + end_s
         fwd_rest += tiers.count("host") * fetch["host"]  # device-to-host copy of each host-tier layer
         # Backward runs the layers last to first: the last layer's fetch is the one that waits.
         bwd = [fetch[t] for t in reversed(tiers)]
@@ -373,8 +376,12 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
     param_bytes, grad_bytes, _ = state_bytes_per_param(job.precision)
     layer_bytes = layer_params * param_bytes
     end_bytes = ((end_params[0] if first else 0.0) + (end_params[1] if last else 0.0)) * param_bytes
+    fraction = 1.0
+    if "device" in tiers and plan.pp > 1:
+        fresh = _fresh_forwards(plan.schedule, plan.pp, plan.virtual_stages, plan.num_micro_batches)[chunk]
+        fraction = fresh / plan.num_micro_batches
     comm = _sharding_comm(plan, cluster, tiers=tiers, layer_bytes=layer_bytes, grad_bytes=num_params * grad_bytes,
-                          end_bytes=end_bytes)
+                          end_bytes=end_bytes, device_gather_fraction=fraction)
     backward = total - forward
     reduce_s, last_bucket_s = _boundary_reduce(plan, cluster, grad_bytes=num_params * grad_bytes)
     per_node = cluster.ranks_per_node_in_group(size=plan.param_shard, stride=plan.tp)
@@ -392,6 +399,25 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
         shift_reduce_s=comm.rs_s + reduce_s, forward_compute_s=forward, forward_comm_s=comm.fwd_first_s + comm.fwd_rest_s,
         backward_compute_s=backward, comm=comm,
         cache_bytes=cache, host_cache_bytes=layer_bytes * tiers.count("host"), recompute_working_bytes=working)
+
+
+@functools.lru_cache(maxsize=512)
+def _fresh_forwards(schedule: str, pp: int, virtual_stages: int, num_micro_batches: int) -> tuple[int, ...]:
+    """Per chunk, the forwards that start with no micro-batch of the chunk in flight: where a MAZ3
+    device-tier layer must gather (runners/sharding.py keeps it until the last in-flight backward).
+    1F1B's last stage alternates forward and backward (every forward); earlier stages keep micro-batches
+    in flight through the steady state (one per step)."""
+    counts = [0] * (pp * virtual_stages)
+    for actions in rank_actions(schedule=schedule, pp=pp, virtual_stages=virtual_stages,
+                                num_micro_batches=num_micro_batches):
+        live: dict[int, int] = {}
+        for a in actions:
+            if a.kind == "F":
+                counts[a.chunk] += live.get(a.chunk, 0) == 0
+                live[a.chunk] = live.get(a.chunk, 0) + 1
+            else:
+                live[a.chunk] -= 1
+    return tuple(counts)
 
 
 @functools.lru_cache(maxsize=512)
@@ -446,8 +472,10 @@ def _chunk_prices(plan, costs: LayerCosts, cluster, *, model, job) -> list[_Chun
     chunks, priced = [], {}
     for c, layers in enumerate(plan.chunk_layer_ranges(model.num_layers)):
         # Chunks with the same layer settings cost the same: price each kind once.
-        key = (c == 0, c == plan.num_chunks - 1, tuple(plan.layer_recompute(i) for i in layers),
-               tuple(plan.layer_cache(i) for i in layers))
+        tiers = tuple(plan.layer_cache(i) for i in layers)
+        fresh = (_fresh_forwards(plan.schedule, plan.pp, plan.virtual_stages, plan.num_micro_batches)[c]
+                 if plan.pp > 1 and "device" in tiers else 0)
+        key = (c == 0, c == plan.num_chunks - 1, tuple(plan.layer_recompute(i) for i in layers), tiers, fresh)
         if key not in priced:
             priced[key] = _price_chunk(plan, costs, cluster, model=model, job=job, chunk=c, layers=layers,
                                        end_params=end_params)

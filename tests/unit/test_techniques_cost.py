@@ -278,3 +278,22 @@ def test_search_turns_commshift_on_when_it_helps():
             pytest.fail(f"{cand.plan.describe()} is priced, but flipping commshift is faster")
     if result.winner.plan.pp > 1 and result.winner.plan.dp > 1:
         assert result.winner.plan.commshift
+
+
+def test_device_tier_gathers_forward_only_when_nothing_is_in_flight():
+    """1F1B, pp 2, m 4: rank 0 keeps a micro-batch of its chunk in flight from its first forward to its
+    last backward (one forward gather per step); rank 1 alternates forward and backward (four)."""
+    assert est._fresh_forwards("1f1b", 2, 1, 4) == (1, 4)
+    assert est._fresh_forwards("gpipe", 2, 1, 4) == (1, 1)
+    cluster = Cluster(num_nodes=2, devices_per_node=8, hardware=_slow_inter_node())
+    plan = Plan(dp=8, pp=2, num_micro_batches=4, param_shard=8, grad_shard=8, optim_shard=8)
+    job = Job(global_batch=32, seq_len=4096)
+    costs = est.layer_costs(plan, model=LLAMA8, cluster=cluster, job=job)
+    none = est._chunk_prices(plan, costs, cluster, model=LLAMA8, job=job)
+    device = est._chunk_prices(plan.replace(param_cache="device"), costs, cluster, model=LLAMA8, job=job)
+    gather = est.collective_time_s(cluster, collective="all_gather", size_bytes=est.layer_params_per_device(LLAMA8, tp=1) * 2,
+                                   group_size=8, stride=1)
+    layers = LLAMA8.num_layers // 2
+    # Per micro-batch: rank 1 saves its backward gathers; rank 0 also 3 of every 4 forward gathers.
+    assert none[1].dp_comm_s - device[1].dp_comm_s == pytest.approx(layers * gather, rel=1e-6)
+    assert none[0].dp_comm_s - device[0].dp_comm_s == pytest.approx(layers * gather * (1 + 3 / 4), rel=1e-6)
