@@ -147,7 +147,8 @@ class Trainer:
         self.names = canonical_names(self.chunks, self.chunk_ids)
         self.engine = ShardedDataParallel(self.chunks, plan=self.plan, mesh=self.mesh, comm=self.comm,
                                           num_micro_batches=self.plan.num_micro_batches, lr=cfg.lr,
-                                          defer_grad_sync=self.plan.commshift and self.plan.pp > 1)
+                                          defer_grad_sync=self.plan.commshift and self.plan.pp > 1,
+                                          param_dtype=compute_dtype(cfg))  # bf16/fp16: 2-byte params and grads
         self.holds_loss = self.chunk_ids[-1] == self.plan.num_chunks - 1 and self.mesh.tp_rank == 0
         self.tied_units, self.tied_group = self._tied_embedding_units()
 
