@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -103,12 +104,21 @@ def suspects(*, grace_s: float = 3.0) -> tuple[list[int], dict[int, int]]:
     return sorted(r for r, s in silent.items() if s == low), progress
 
 
+_COMM_FAILURE = re.compile(r"gloo|nccl|timed out|timeout|connection|socket|peer|broken pipe", re.I)
+
+
+def is_communication_failure(exc: BaseException) -> bool:
+    """A collective that timed out or lost its peer (not a bug or bad input on this rank)."""
+    return isinstance(exc, getattr(dist, "DistError", ())) or (
+        isinstance(exc, RuntimeError) and bool(_COMM_FAILURE.search(str(exc))))
+
+
 def describe_failure(exc: BaseException) -> str:
     """The exception's first line, led by the ranks that stopped (hung or died) when a collective timed
     out or broke."""
     message = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
-    if not dist.is_initialized():
-        return message
+    if not dist.is_initialized() or not is_communication_failure(exc):
+        return message  # this rank's own error: it is the failed rank, the others did nothing wrong
     stopped, progress = suspects()
     if stopped:
         names = ", ".join(f"rank {r} (last seen at step {progress[r]})" if progress[r] >= 0 else f"rank {r} (never started)"

@@ -38,6 +38,7 @@ CASES = {
     "dp2->pp2": (_z(2, 0, micro_batch=1, num_micro_batches=4), Plan(pp=2, micro_batch=1, num_micro_batches=8)),
     "tp2-sp->zero2-dp2": (Plan(tp=2, sequence_parallel=True, micro_batch=4, num_micro_batches=2),
                           _z(2, 2, micro_batch=1, num_micro_batches=4)),
+    "tied-pp2->zero2-dp2": (Plan(pp=2, micro_batch=1, num_micro_batches=8), _z(2, 2, micro_batch=2, num_micro_batches=2)),
     "zero3-dp4->tp2xdp2": (_z(4, 3, micro_batch=1, num_micro_batches=2),
                            Plan(dp=2, tp=2, optim_shard=2, micro_batch=2, num_micro_batches=2)),
     "zero1-dp4->pp2xdp2": (_z(4, 1, micro_batch=2, num_micro_batches=1),
@@ -46,7 +47,13 @@ CASES = {
                                                        num_micro_batches=2),
                                                   _z(2, 1, micro_batch=4, num_micro_batches=1)),
 }
+MODEL_CHANGES = {"tied-pp2->zero2-dp2": {"tied_embeddings": True}}
+# Tied embeddings: two copies with summed gradients drift from the one-process shared parameter by up to
+# ~1e-3 by step 6 with or without checkpoints (Adam magnifies the order of summing near-zero gradients
+# of rare tokens), so these cases compare with the saving plan's own uninterrupted run.
+AGAINST_UNINTERRUPTED = {"tied-pp2->zero2-dp2"}
 _results: dict[str, tuple[dict, dict, dict, dict]] = {}
+_uninterrupted: dict[str, tuple[dict, dict]] = {}
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +64,11 @@ def ckpt_root(tmp_path_factory) -> Path:
 def _configs(name: str, root: Path):
     plan_a, plan_b = CASES[name]
     folder = str(root / name.split(" ")[0].replace(">", ""))
-    save = dataclasses.replace(tiny_config(plan_a, steps=SAVE_STEPS), checkpoint_dir=folder, checkpoint_every=2)
-    resume = dataclasses.replace(tiny_config(plan_b, steps=TOTAL_STEPS), checkpoint_dir=folder, checkpoint_every=2,
-                                 resume=True)
+    changes = MODEL_CHANGES.get(name, {})
+    save = dataclasses.replace(tiny_config(plan_a, steps=SAVE_STEPS, **changes), checkpoint_dir=folder,
+                               checkpoint_every=2)
+    resume = dataclasses.replace(tiny_config(plan_b, steps=TOTAL_STEPS, **changes), checkpoint_dir=folder,
+                                 checkpoint_every=2, resume=True)
     return save, resume
 
 
@@ -71,6 +80,9 @@ def _run_all(root: Path) -> None:
         by_world.setdefault(save.plan.world_size, []).append(("save", name, save))
     for name, (save, resume) in pairs.items():
         by_world.setdefault(resume.plan.world_size, []).append(("resume", name, resume))
+        if name in AGAINST_UNINTERRUPTED:
+            whole = dataclasses.replace(save, steps=TOTAL_STEPS, checkpoint_dir=None, checkpoint_every=0)
+            by_world.setdefault(save.plan.world_size, []).append(("whole", name, whole))
     results: dict[tuple[str, str], tuple] = {}
     for world in sorted(by_world, reverse=True):
         entries = by_world[world]
@@ -78,6 +90,8 @@ def _run_all(root: Path) -> None:
             results[(kind, name)] = result
     for name in CASES:
         _results[name] = (*results[("save", name)], *results[("resume", name)])
+        if name in AGAINST_UNINTERRUPTED:
+            _uninterrupted[name] = results[("whole", name)]
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -86,7 +100,11 @@ def test_resume_under_another_plan_continues_exactly(name, ckpt_root):
         _run_all(ckpt_root)
     save_cfg, resume_cfg = _configs(name, ckpt_root)
     save_metrics, _, resume_metrics, params = _results[name]
-    ref_losses, ref_params = train_reference(dataclasses.replace(resume_cfg, checkpoint_dir=None, resume=False))
+    if name in AGAINST_UNINTERRUPTED:
+        whole_metrics, ref_params = _uninterrupted[name]
+        ref_losses = [s["loss"] for s in whole_metrics["steps"]]
+    else:
+        ref_losses, ref_params = train_reference(dataclasses.replace(resume_cfg, checkpoint_dir=None, resume=False))
     assert [s["step"] for s in save_metrics["steps"]] == list(range(SAVE_STEPS))
     assert [s["step"] for s in resume_metrics["steps"]] == list(range(SAVE_STEPS, TOTAL_STEPS))
     losses = [s["loss"] for s in save_metrics["steps"] + resume_metrics["steps"]]

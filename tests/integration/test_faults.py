@@ -246,3 +246,15 @@ def test_cli_resume_under_another_plan_continues_the_losses(tmp_path, monkeypatc
     losses = [s["loss"] for s in first["steps"] + rest["steps"]]
     expected = [s["loss"] for s in whole["steps"]]
     assert max(abs(a - b) for a, b in zip(losses, expected)) <= 1e-4, (losses, expected)
+
+
+def test_only_communication_failures_consult_the_progress_board():
+    """A rank's own bug names that rank; only a broken or timed-out collective blames the silent ranks."""
+    from runners.faults import is_communication_failure
+
+    assert is_communication_failure(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [10.77.0.2]:1234: "
+                                                 "Connection reset by peer"))
+    assert is_communication_failure(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+                                                 "10000ms for recv operation to complete"))
+    assert not is_communication_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)"))
+    assert not is_communication_failure(ZeroDivisionError("float division by zero"))

@@ -70,6 +70,7 @@ def _cli_cases() -> list[tuple[str, list[str]]]:
         "timeout-not-a-number": [*RUN, "--timeout", "soon"],
         "lr-negative": [*RUN, "--lr", "-0.1"],
         "schedule-unknown": [*RUN, "--pp", "2", "--schedule", "zigzag"],
+        "checkpoint-with-torch-engine": [*RUN, "--engine", "torch", "--checkpoint-dir", "/tmp/x"],
     }
     cases += list(flags.items())
     return cases
