@@ -555,6 +555,31 @@ def _time_breakdown(plan, *, chunks: list[_ChunkPrice], pipe, tails, post_total_
         "critical_rank": float(rank)}
 
 
+def _step_end_durations(plan, cluster, *, chunks: list[_ChunkPrice], p2p_s: float) -> tuple[ChunkDurations, bool]:
+    """The chunks' action durations and whether each chunk's step-end reduction leaves its last backward
+    (the timeline's commshift mode).
+
+    With commshift the last micro-batch's reduce-scatter and all-reduce are issued after the last send.
+    Without it, on GPUs (NCCL) the reduction shares the ordered stream with the pipeline's send, so the
+    send waits for it (what Commshift removes). gloo runs each process group's collectives on its own
+    threads, so on CPU the send does not wait: the reduction still overlaps the last backward, and the
+    part of it left when that backward ends, max(b, r - last bucket) + last bucket - b, runs beside the
+    rest of the pipeline; Commshift can then only start it later.
+    """
+    forward_s, backward_s = tuple(c.forward_s for c in chunks), tuple(c.backward_s for c in chunks)
+    last_bucket_s = tuple(c.last_bucket_s for c in chunks)
+    if plan.commshift:
+        reduce_s, shift_backward_s = tuple(c.shift_reduce_s for c in chunks), tuple(c.shift_backward_s for c in chunks)
+    elif cluster.hardware.device_type != "cuda":
+        reduce_s = tuple(0.0 if c.reduce_s <= 0.0 else max(c.backward_s, c.reduce_s - c.last_bucket_s)
+                         + c.last_bucket_s - c.backward_s for c in chunks)
+        shift_backward_s = backward_s
+    else:
+        durations = ChunkDurations(forward_s, backward_s, p2p_s, tuple(c.reduce_s for c in chunks), last_bucket_s)
+        return durations, False
+    return ChunkDurations(forward_s, backward_s, p2p_s, reduce_s, last_bucket_s, shift_backward_s), True
+
+
 def estimate(plan, *, model, cluster, job) -> Estimate:
     """Price one training step of `plan`: the pipeline timeline of its chunks (compute.py, comm.py,
     timeline.py) and the worst rank's memory (memory.py). Raises PlannerError for a plan that does not
@@ -564,13 +589,9 @@ def estimate(plan, *, model, cluster, job) -> Estimate:
     costs = layer_costs(plan, model=model, cluster=cluster, job=job)
     chunks = _chunk_prices(plan, costs, cluster, model=model, job=job)
     p2p_s = _p2p_time_s(plan, cluster, model=model, job=job)
-    durations = ChunkDurations(
-        forward_s=tuple(c.forward_s for c in chunks), backward_s=tuple(c.backward_s for c in chunks), p2p_s=p2p_s,
-        reduce_s=tuple((c.shift_reduce_s if plan.commshift else c.reduce_s) for c in chunks),
-        last_bucket_s=tuple(c.last_bucket_s for c in chunks),
-        shift_backward_s=tuple(c.shift_backward_s for c in chunks))
+    durations, off_the_send = _step_end_durations(plan, cluster, chunks=chunks, p2p_s=p2p_s)
     pipe = simulate(schedule=plan.schedule, pp=pp, virtual_stages=plan.virtual_stages,
-                    num_micro_batches=plan.num_micro_batches, durations=durations, commshift=plan.commshift)
+                    num_micro_batches=plan.num_micro_batches, durations=durations, commshift=off_the_send)
     post_total_s: list[float] = []
     tails = _rank_tails(plan, cluster, chunks=chunks, job=job, model=model, totals=post_total_s)
     ends = [max(pipe.compute_end_s[r], pipe.comm_end_s[r]) + sum(tails[r]) for r in range(pp)]

@@ -297,3 +297,18 @@ def test_device_tier_gathers_forward_only_when_nothing_is_in_flight():
     # Per micro-batch: rank 1 saves its backward gathers; rank 0 also 3 of every 4 forward gathers.
     assert none[1].dp_comm_s - device[1].dp_comm_s == pytest.approx(layers * gather, rel=1e-6)
     assert none[0].dp_comm_s - device[0].dp_comm_s == pytest.approx(layers * gather * (1 + 3 / 4), rel=1e-6)
+
+
+def test_on_gloo_the_reduction_does_not_hold_back_the_send():
+    """CPU (gloo: one set of threads per process group): without commshift the step-end reduction
+    overlaps the last backward and the upstream send goes out anyway, so Commshift cannot help; on GPUs
+    (one ordered NCCL stream) the same plan gains from it."""
+    job = Job(global_batch=16, seq_len=128, precision="fp32")
+    model = PRESETS["tiny"]
+    plan = Plan(dp=2, pp=2, num_micro_batches=8, optim_shard=2)
+    cpu = dataclasses.replace(HW["cpu"], inter_node=dataclasses.replace(HW["cpu"].inter_node, bandwidth_bytes_per_s=1e6))
+    for hw, helps in ((cpu, False), (dataclasses.replace(cpu, device_type="cuda"), True)):
+        cluster = Cluster(num_nodes=4, devices_per_node=1, hardware=hw)
+        without = estimate(plan, model=model, cluster=cluster, job=job).step_time_s
+        shifted = estimate(plan.replace(commshift=True), model=model, cluster=cluster, job=job).step_time_s
+        assert (shifted < without * 0.99) == helps

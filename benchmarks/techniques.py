@@ -1,0 +1,286 @@
+"""sudo python benchmarks/techniques.py [--bandwidth 1gbit] [--repeats 3] [--steps 3] [--profile P.json]
+
+Lins, MAZ3 and Commshift measured side by side against their baselines, with the cost model's prediction:
+
+- MAZ3 device tier vs ZeRO-3 (targets: all-gather bytes <= 0.70x, step time <= 0.9x on the shaped link);
+- Lins (s_p, s_g, s_os) = (2, 2, 4), parameters and gradients sharded inside the node and optimizer states
+  over all of DP, vs ZeRO-3 (fewer inter-node bytes; step time <= 0.8x);
+- Commshift vs the same pp2 x dp2 plan (ZeRO-1) without it (step time <= 0.95x);
+- the cost model, priced with a profile measured on the same emulated cluster, predicts each measured
+  step-time ratio within 10%.
+
+Two runs of the same plans:
+1. byte counters on 4 local gloo processes grouped into nodes as on the plan's cluster (`ranks_per_node`:
+   the ring edges that join ranks of different groups count as inter-node), one short run per plan;
+2. step times on the emulated clusters (runners/netns_cluster.py: network-namespace nodes, each node's NIC
+   shaped to --bandwidth; needs root): 2 nodes of 2 processes for MAZ3 and Lins, 4 nodes of 1 for
+   Commshift (see SHAPES). One set of processes runs every plan `--repeats`
+   times, plans interleaved and each pair's order alternated so that load drift hits both sides alike;
+   each run's first step is dropped, and a ratio is the median over repeats of the within-repeat ratio of
+   median step times ("paired"), next to the ratio of overall medians.
+The prediction prices each plan with `--profile` (a `planner profile --cluster` JSON of the 2 x 2 cluster,
+whose inter-node fit is the same NIC for 4 x 1), or with a quick profile measured on it first. The cluster is removed at the end, also on failure.
+
+The model is the tiny llama made wider and deeper so that parameter traffic matters on the shaped link
+while a step stays a few seconds on a shared 2-core host (fp32: CPUs have no fast bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from planner.job import Job  # noqa: E402
+from planner.model import PRESETS  # noqa: E402
+from planner.plan import Plan  # noqa: E402
+
+PREFIX = "pltech"
+WORLD = 4
+# Emulated cluster shapes (nodes, processes per node). Lins and MAZ3 run on 2 nodes of 2, where their
+# groups have an intra-node part; Commshift on 4 nodes of 1, so that pp2 x dp2's DP reduction crosses
+# the shaped link (on 2 x 2 the Megatron rank order puts each stage's DP pair inside one node, where the
+# reduction is too cheap to delay anything).
+SHAPES = {"2x2": (2, 2), "4x1": (4, 1)}
+SEQ_LEN = 64
+MODEL = dataclasses.replace(PRESETS["tiny"], name="tiny-h256-l8", hidden_size=256, num_heads=8, num_kv_heads=4,
+                            ffn_hidden_size=704, num_layers=8, max_seq_len=SEQ_LEN)
+M = 4  # micro-batches per step
+
+PLANS = {
+    "zero3": ("2x2", Plan(dp=4, param_shard=4, grad_shard=4, optim_shard=4, num_micro_batches=M)),
+    "maz3-device": ("2x2", Plan(dp=4, param_shard=4, grad_shard=4, optim_shard=4, num_micro_batches=M,
+                                param_cache="device")),
+    "lins-2-2-4": ("2x2", Plan(dp=4, param_shard=2, grad_shard=2, optim_shard=4, num_micro_batches=M)),
+    "pp2-dp2": ("4x1", Plan(dp=2, pp=2, optim_shard=2, num_micro_batches=2 * M, schedule="1f1b")),
+    "pp2-dp2-commshift": ("4x1", Plan(dp=2, pp=2, optim_shard=2, num_micro_batches=2 * M, schedule="1f1b",
+                                      commshift=True)),
+}
+# (name, technique plan, baseline plan, step-time target, (counter, byte-ratio target) or None)
+PAIRS = [
+    ("MAZ3 device vs ZeRO-3", "maz3-device", "zero3", 0.90, ("all_gather", 0.70)),
+    ("Lins (2,2,4) vs ZeRO-3", "lins-2-2-4", "zero3", 0.80, ("inter_node", 0.999)),
+    ("Commshift vs pp2 x dp2", "pp2-dp2-commshift", "pp2-dp2", 0.95, None),
+]
+
+
+def run_config(name: str, *, steps: int):
+    from runners.train import RunConfig
+
+    shape, plan = PLANS[name]
+    job = Job(global_batch=plan.global_batch, seq_len=SEQ_LEN, precision="fp32")
+    return RunConfig(plan=plan, model=MODEL, job=job, steps=steps, seed=0, ranks_per_node=SHAPES[shape][1],
+                     hardware="cpu", timeout_s=1800)
+
+
+def interleaved_jobs(shape: str, *, repeats: int, steps: int) -> list[tuple[str, dict]]:
+    """(label, run config dict) in run order for the pairs on `shape`: each pair's two plans adjacent,
+    their order alternating over repeats."""
+    jobs = []
+    for r in range(repeats):
+        for i, (_, a, b, _, _) in enumerate(PAIRS):
+            if PLANS[a][0] != shape:
+                continue
+            for name in ((a, b) if (r + i) % 2 == 0 else (b, a)):
+                jobs.append((f"{name}|{i}|{r}", run_config(name, steps=steps).to_dict()))
+    return jobs
+
+
+# --- the worker: one process of the run, under torchrun (locally or in a cluster node) ---------------
+def worker(jobs_path: Path, out_path: Path) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from runners.train import RunConfig, train
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=1800))
+    results = []
+    for label, cfg in json.loads(jobs_path.read_text()):
+        metrics, trainer = train(RunConfig.from_dict(cfg), device=torch.device("cpu"))
+        del trainer
+        results.append({"label": label, "steps": metrics["steps"], "summary": metrics["summary"]})
+    if dist.get_rank() == 0:
+        out_path.write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _worker_argv(jobs_path: Path, out_path: Path) -> list[str]:
+    return [str(Path(__file__).resolve()), "--worker", "--jobs", str(jobs_path), "--out", str(out_path)]
+
+
+def run_local(jobs: list[tuple[str, dict]]) -> list[dict]:
+    """The jobs on WORLD local processes (one emulated grouping: ranks_per_node in each config)."""
+    with tempfile.TemporaryDirectory(prefix="techniques-") as tmp:
+        jobs_path, out_path = Path(tmp) / "jobs.json", Path(tmp) / "out.json"
+        jobs_path.write_text(json.dumps(jobs))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
+               *_worker_argv(jobs_path, out_path)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+        return json.loads(out_path.read_text())
+
+
+def run_on_cluster(state, jobs: list[tuple[str, dict]]) -> list[dict]:
+    from runners import netns_cluster as nc
+
+    # The namespaces share the file system; /tmp is visible from every node.
+    with tempfile.TemporaryDirectory(prefix="techniques-") as tmp:
+        jobs_path, out_path = Path(tmp) / "jobs.json", Path(tmp) / "out.json"
+        jobs_path.write_text(json.dumps(jobs))
+        argv = [nc.torchrun_argv(state, node, _worker_argv(jobs_path, out_path)) for node in range(state.num_nodes)]
+        lines: list[str] = []
+        code = nc.launch_on_cluster(state, argv, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+                                    on_line=lambda node, line: lines.append(f"[n{node}] {line}"))
+        if code != 0:
+            raise RuntimeError("cluster run failed:\n" + "\n".join(lines[-40:]))
+        return json.loads(out_path.read_text())
+
+
+# --- analysis ------------------------------------------------------------------------------------------
+def step_times_by_plan(results: list[dict]) -> dict[tuple[str, int], list[list[float]]]:
+    """(plan, pair index) -> per repeat, that run's step times after the first (a baseline shared by two
+    pairs runs once for each, next to its partner)."""
+    out: dict[tuple[str, int], list[list[float]]] = {}
+    for r in results:
+        name, pair, _ = r["label"].split("|")
+        out.setdefault((name, int(pair)), []).append([s["step_time_s"] for s in r["steps"][1:]])
+    return out
+
+
+def ratios(times: dict, a: tuple[str, int], b: tuple[str, int]) -> tuple[float, float, float, float]:
+    """(median step a, median step b, ratio of the medians, paired ratio: median over repeats of a / b)."""
+    ma, mb = (statistics.median(t for run in times[x] for t in run) for x in (a, b))
+    paired = statistics.median(statistics.median(x) / statistics.median(y) for x, y in zip(times[a], times[b]))
+    return ma, mb, ma / mb, paired
+
+
+def predicted_step_s(hardware, name: str) -> float:
+    from cost_models.estimate import estimate
+    from planner.cluster import Cluster
+
+    cfg = run_config(name, steps=1)
+    num_nodes, per_node = SHAPES[PLANS[name][0]]
+    cluster = Cluster(num_nodes=num_nodes, devices_per_node=per_node, hardware=hardware)
+    return estimate(cfg.plan, model=MODEL, cluster=cluster, job=cfg.job).step_time_s
+
+
+def print_bytes(results: list[dict]) -> None:
+    counters = {r["label"].split("|")[0]: r["summary"]["comm_bytes"] for r in results}
+    print(f"Byte counters per step (all ranks), {WORLD} local processes grouped into nodes as on their cluster:")
+    print(f"{'plan':<20} {'nodes':>5} {'all_gather':>11} {'reduce_sc':>11} {'all_reduce':>11} {'p2p':>10} "
+          f"{'host_dev':>10} {'intra':>11} {'inter':>11}")
+    for name, c in counters.items():
+        print(f"{name:<20} {PLANS[name][0]:>5} {c.get('all_gather', 0):>11} {c.get('reduce_scatter', 0):>11} "
+              f"{c.get('all_reduce', 0):>11} {c.get('p2p', 0):>10} {c.get('host_device', 0):>10} "
+              f"{c.get('intra_node', 0):>11} {c.get('inter_node', 0):>11}")
+    for title, a, b, _, byte_target in PAIRS:
+        if byte_target is None:
+            continue
+        key, target = byte_target
+        ratio = counters[a][key] / counters[b][key]
+        print(f"  {title}: {key} bytes {ratio:.3f}x (target <= {target:.2f}x: {'OK' if ratio <= target else 'MISSED'})")
+
+
+def print_times(results: list[dict], hardware, *, bandwidth: str, repeats: int) -> None:
+    times = step_times_by_plan(results)
+    print(f"Step times on the emulated clusters (inter-node NIC {bandwidth}), {MODEL.name}, seq {SEQ_LEN}, "
+          f"{repeats} interleaved repeats x {len(next(iter(times.values()))[0])} timed steps; ratio = technique / baseline:")
+    print(f"{'pair':<24} {'nodes':>5} {'tech s':>8} {'base s':>8} {'ratio':>7} {'paired':>7} {'target':>7}  "
+          f"{'pred ratio':>10} {'pred err':>8}")
+    for i, (title, a, b, target, _) in enumerate(PAIRS):
+        if (a, i) not in times or (b, i) not in times:
+            continue
+        ta, tb, ratio, paired = ratios(times, (a, i), (b, i))
+        pred = predicted_step_s(hardware, a) / predicted_step_s(hardware, b)
+        err = pred / paired - 1
+        print(f"{title:<24} {PLANS[a][0]:>5} {ta:>8.3f} {tb:>8.3f} {ratio:>7.3f} {paired:>7.3f} {target:>7.2f}  "
+              f"{pred:>10.3f} {err:>+8.1%}  {'OK' if paired <= target else 'MISSED'} / "
+              f"{'OK' if abs(err) <= 0.10 else 'MISSED'}")
+    print("Predicted step seconds: " + ", ".join(f"{n} {predicted_step_s(hardware, n):.3f}" for n in PLANS))
+
+
+def load_or_measure_profile(args):
+    """The --profile JSON, or a quick profile measured on the (up) 2 x 2 cluster and saved beside it."""
+    from planner.jsonio import write_json_atomic
+    from profilers.hardware import resolve_hardware
+    from profilers.profile import ProfileOptions, run_profile
+
+    if args.profile and Path(args.profile).exists():
+        return resolve_hardware(args.profile)
+    hw = run_profile(ProfileOptions(quick=True, cluster_prefix=PREFIX))
+    if args.profile:
+        write_json_atomic(Path(args.profile), hw.to_dict())
+    return hw
+
+
+def run_shape(shape: str, args, *, need_profile: bool):
+    """Bring up the emulated cluster `shape`, (profile it,) run its pairs interleaved, tear it down."""
+    from runners import netns_cluster as nc
+
+    num_nodes, per_node = SHAPES[shape]
+    nc.down(prefix=PREFIX)
+    state = nc.up(num_nodes=num_nodes, procs_per_node=per_node, inter_node_bandwidth=args.bandwidth,
+                  inter_node_latency=None, prefix=PREFIX)
+    try:
+        hardware = load_or_measure_profile(args) if need_profile else None
+        jobs = interleaved_jobs(shape, repeats=args.repeats, steps=args.steps)
+        return (run_on_cluster(state, jobs) if jobs else []), hardware
+    finally:
+        nc.down(prefix=PREFIX)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bandwidth", default="1gbit", help="inter-node NIC rate (tc syntax)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="steps per run; the first is dropped")
+    parser.add_argument("--profile", help="profile JSON of the 2 x 2 emulated cluster: read if it exists, else "
+                        "measured (quick) and written there")
+    parser.add_argument("--shapes", default="2x2,4x1", help="which emulated clusters to time")
+    parser.add_argument("--local-only", action="store_true", help="byte counters only, no emulated cluster")
+    parser.add_argument("--results", help="also write the raw per-run step times and counters (JSON) here")
+    parser.add_argument("--analyse", help="print the step-time table of a --results file (with --profile), no runs")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--jobs", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.jobs, args.out)
+
+    if args.analyse:
+        from profilers.hardware import resolve_hardware
+
+        print_times(json.loads(Path(args.analyse).read_text()), resolve_hardware(args.profile),
+                    bandwidth=args.bandwidth, repeats=args.repeats)
+        return 0
+    byte_jobs = [(f"{name}|0|0", run_config(name, steps=2).to_dict()) for name in PLANS]
+    print_bytes(run_local(byte_jobs))
+    sys.stdout.flush()
+    if args.local_only:
+        return 0
+    results, hardware = [], None
+    for shape in args.shapes.split(","):
+        got, hw = run_shape(shape, args, need_profile=hardware is None)
+        results.extend(got)
+        hardware = hardware or hw
+    if args.results:
+        Path(args.results).write_text(json.dumps(results))
+    print_times(results, hardware, bandwidth=args.bandwidth, repeats=args.repeats)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
