@@ -63,6 +63,10 @@ def build_run(request: RunRequest, flags: PlanFlags):
         plan = load_plan(request.plan_file, problem)
     else:
         plan = plan_from_flags(flags, problem)
+    if request.engine == "torch":
+        from runners.torch_engine import torch_strategy
+
+        torch_strategy(plan)  # refuse a plan torch cannot express before any process starts
     try:
         return RunConfig(plan=plan, model=problem.model, job=problem.job, steps=request.steps, seed=request.seed,
                          lr=request.lr, data=request.data, ranks_per_node=per_node, engine=request.engine,
