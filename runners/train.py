@@ -166,7 +166,7 @@ class Trainer:
             for dp_rank in range(self.plan.dp):
                 for tp_rank in range(self.plan.tp):
                     ends = [self.mesh.global_rank(pp_rank=p, dp_rank=dp_rank, tp_rank=tp_rank) for p in (0, self.plan.pp - 1)]
-                    handle = dist.new_group(ends)
+                    handle = dist.new_group(ends, timeout=datetime.timedelta(seconds=self.cfg.timeout_s))
                     if self.mesh.rank in ends:
                         group = handle
         return units, group
