@@ -6,8 +6,9 @@
     result = search(problem, options=SearchOptions(top_k=5))
 
 Branch and bound over the plan space. A *slot* fixes the degrees (dp, tp, pp), virtual stages, schedule,
-micro-batch, recomputation and sequence parallelism; its *variants* add the DP sharding point (ZeRO-0..3,
-HSDP), commshift and the MAZ3 cache tier. Every slot gets a step-time lower bound from the per-layer
+micro-batch, recomputation and sequence parallelism; its *variants* add the DP sharding point (every
+Lins point `lins_points`: ZeRO-0..3, HSDP and the mixes such as parameters and gradients inside a node with
+optimizer states over all of DP), commshift and a uniform MAZ3 cache tier. Every slot gets a step-time lower bound from the per-layer
 costs alone (the pipeline's compute critical path, no communication or bubble beyond it), and every
 variant a memory lower bound (model states, ZeRO accounting, plus the activations the schedule keeps in
 flight). Slots are priced in order of their bound and the search stops when the next bound cannot beat
@@ -15,8 +16,10 @@ the k-th best plan found: exact whenever the bounds are true lower bounds of the
 tests check, and the search counts any violation it sees (`bound_violations`).
 
 The per-layer costs depend only on (tp, sequence parallel, micro-batch), so they are computed once per
-such key and shared by every slot. The ILP (planner/ilp.py) then refines the best few plans with unequal
-stages and per-layer recomputation.
+such key and shared by every slot. The ILPs (planner/ilp.py) then refine the best few plans: unequal
+stages and per-layer recomputation, and each layer's MAZ3 tier (`_refine_cache_with_ilp`). A variant
+that only adds a cache tier or commshift to its plain plan is skipped when the plain plan's compute,
+recomputation and optimizer time already cannot beat the k-th best (`_BranchAndBound._cannot_help`).
 """
 
 from __future__ import annotations
