@@ -433,7 +433,7 @@ class _BranchAndBound:
                 self.num_pruned += 1
                 continue
             base = plain.get(shards)
-            if base is not None and not self.options.exhaustive and self._cannot_help(base, cache):
+            if base is not None and not self.options.exhaustive and self._cannot_help(base):
                 self.num_pruned += 1
                 continue
             cand = self.pricer.price(slot.plan(shards=shards, cache=cache, commshift=shift))
@@ -441,14 +441,11 @@ class _BranchAndBound:
                 plain[shards] = cand
             self.add(cand, bound)
 
-    def _cannot_help(self, base: Candidate, cache: str) -> bool:
+    def _cannot_help(self, base: Candidate) -> bool:
         """Whether a MAZ3 tier or commshift on top of `base` (the same plan without them, priced first)
-        can be skipped: a device or secondary copy only adds device memory, so it cannot fit where base
-        does not; and neither changes compute, recomputation or the optimizer, so the critical rank's
-        sum of those bounds the variant from below and it cannot enter a full top k it does not beat."""
+        can be skipped: neither changes compute, recomputation or the optimizer, so the critical rank's
+        sum of those bounds the variant from below, and it cannot enter a full top k it does not beat."""
         est = base.estimate
-        if cache in ("device", "secondary") and est.peak_memory_bytes > est.memory_limit_bytes:
-            return True
         if len(self.top_times) < self.options.top_k:
             return False
         floor_s = est.breakdown.get("compute_s", 0.0) + est.breakdown.get("recompute_s", 0.0) + est.breakdown.get(
