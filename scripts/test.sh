@@ -3,10 +3,7 @@
 #   bash scripts/test.sh [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv
-. .venv/bin/activate
-python -m pip install -q --upgrade pip >/dev/null
-python -m pip install -q "torch==2.13.0" -e ".[test]"
+. scripts/install.sh test
 set +e
 python -m pytest "$@"
 rc=$?

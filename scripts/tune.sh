@@ -5,8 +5,5 @@
 #   bash scripts/tune.sh [--nproc 4 --global-batch 16 ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv
-. .venv/bin/activate
-python -m pip install -q --upgrade pip >/dev/null
-python -m pip install -q "torch==2.13.0" -e .
+. scripts/install.sh ""  # an explicit empty argument: a sourced script would see tune.sh's own
 exec planner tune "$@"
