@@ -5,5 +5,5 @@
 #   bash scripts/tune.sh [--nproc 4 --global-batch 16 ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-. scripts/install.sh ""  # an explicit empty argument: a sourced script would see tune.sh's own
+. scripts/install.sh ""  # an explicit empty argument: a sourced script would see tune.sh's own arguments
 exec planner tune "$@"
