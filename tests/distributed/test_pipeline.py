@@ -20,7 +20,7 @@ from cost_models.schedule import max_in_flight, rank_actions
 from planner.plan import Plan
 from runners.comm import Comm
 from runners.pipeline import GRADIENT, Message, message_tag, run_pipeline
-from spawn import run_on_ranks
+from tests.distributed.spawn import run_on_ranks
 
 VOCAB, HIDDEN, SEQ, MICRO_BATCH, STEPS, LR, SEED = 16, 8, 4, 2, 8, 1e-2, 7
 LOSS_TOL, PARAM_TOL = 1e-4, 1e-3

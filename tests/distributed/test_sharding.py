@@ -21,7 +21,7 @@ from planner.plan import Plan
 from runners.comm import Comm
 from runners.mesh import build_mesh
 from runners.sharding import ShardedDataParallel, shard_chunks, state_bytes_per_param
-from spawn import run_on_ranks
+from tests.distributed.spawn import run_on_ranks
 
 NUM_STEPS = 8
 MICRO_BATCH = 2
