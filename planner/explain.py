@@ -55,7 +55,7 @@ class Explanation:
 def explain(plan: Plan, problem: Problem) -> Explanation:
     """Price `plan` and lay out its step (module docstring)."""
     from cost_models import estimate as est
-    from cost_models.timeline import ChunkDurations, action_spans
+    from cost_models.timeline import action_spans
 
     model, cluster, job = problem.model, problem.cluster, problem.job
     estimate = est.estimate(plan, model=model, cluster=cluster, job=job)
@@ -73,12 +73,11 @@ def explain(plan: Plan, problem: Problem) -> Explanation:
                                 backward_exposed_comm_s=b_exposed,
                                 hidden_comm_s=max(0.0, c.tp_comm_s + c.dp_comm_s - f_exposed - b_exposed),
                                 reduce_s=c.reduce_s))
-    durations = ChunkDurations(
-        forward_s=tuple(c.forward_s for c in priced), backward_s=tuple(c.backward_s for c in priced),
-        p2p_s=est._p2p_time_s(plan, cluster, model=model, job=job), reduce_s=tuple(c.reduce_s for c in priced),
-        last_bucket_s=tuple(c.last_bucket_s for c in priced))
+    # The very durations estimate() simulates, step-end reductions placed as it places them.
+    durations, off_the_send = est._step_end_durations(plan, cluster, chunks=priced,
+                                                      p2p_s=est._p2p_time_s(plan, cluster, model=model, job=job))
     spans = action_spans(schedule=plan.schedule, pp=plan.pp, virtual_stages=plan.virtual_stages,
-                         num_micro_batches=plan.num_micro_batches, durations=durations, commshift=plan.commshift)
+                         num_micro_batches=plan.num_micro_batches, durations=durations, commshift=off_the_send)
     tails = est._rank_tails(plan, cluster, chunks=priced, job=job, model=model)
     compute_end = tuple(max((s.end_s for s in spans if s.rank == r), default=0.0) for r in range(plan.pp))
     return Explanation(plan=plan, estimate=estimate, spans=tuple(spans), chunks=tuple(chunks), tails_s=tuple(tails),
