@@ -148,6 +148,12 @@ class _Unit:
         self.exp_avg_sq = torch.zeros_like(self.master)
         # Gradients in the compute dtype (ZeRO's 2-byte gradients under mixed precision).
         self.grad = torch.zeros(self.padded if s_g == 1 else self.padded // s_g, dtype=dtype, device=device)
+        # Unsharded gradients (s_g == 1): each p.grad is a view of the flat buffer, so autograd's
+        # AccumulateGrad adds in place and no copy is needed (torch DDP's gradient_as_bucket_view).
+        self.grad_views = s_g == 1
+        if self.grad_views:
+            for p, off in zip(params, self.offsets):
+                p.grad = self.grad[off:off + p.numel()].view(p.shape)
         self.grad_scratch: torch.Tensor | None = None
         self.deferred_scratch: torch.Tensor | None = None  # last micro-batch's, held for start_grad_sync
         # MAZ3 copies of the forward-gathered parameters: host (kept allocated, pinned on CUDA) and the
@@ -376,16 +382,16 @@ class ShardedDataParallel:
     def _on_grad(self, u: _Unit, i: int) -> None:
         """A parameter's gradient of this micro-batch is complete: move it into the flat gradient storage."""
         p = u.params[i]
-        s_g = self.degrees[1]
-        if s_g == 1:
-            target = u.grad
-        else:
-            if u.grad_scratch is None:
-                u.grad_scratch = torch.zeros(u.padded, dtype=u.grad.dtype, device=u.grad.device)
-            target = u.grad_scratch
-        with torch.no_grad():
-            target[u.offsets[i]:u.offsets[i] + p.numel()].add_(p.grad.reshape(-1))
-        p.grad = None
+        if not u.grad_views or p.grad.data_ptr() != u.grad[u.offsets[i]:].data_ptr():
+            if u.grad_views:  # autograd replaced the view (it may, e.g. for a grad of another layout)
+                target = u.grad
+            else:
+                if u.grad_scratch is None:
+                    u.grad_scratch = torch.zeros(u.padded, dtype=u.grad.dtype, device=u.grad.device)
+                target = u.grad_scratch
+            with torch.no_grad():
+                target[u.offsets[i]:u.offsets[i] + p.numel()].add_(p.grad.reshape(-1))
+            p.grad = u.grad[u.offsets[i]:u.offsets[i] + p.numel()].view(p.shape) if u.grad_views else None
         u.num_grads_ready += 1
         if u.num_grads_ready == len(u.params):
             u.num_grads_ready = 0
