@@ -84,11 +84,12 @@ def max_in_flight(actions: list[Action]) -> int:
     return peak
 
 
-def check_executable(per_rank: list[list[Action]], *, num_chunks: int) -> None:
-    """Run the action lists against their data dependencies; raise if any rank would wait forever.
+def execution_order(per_rank: list[list[Action]], *, num_chunks: int):
+    """Interleave the ranks' lists into one order in which every action follows its inputs.
 
-    Sends are asynchronous, so a rank blocks only on the input it needs next; the lists are
-    executable iff repeatedly running every rank's next ready action finishes them all.
+    Sends are asynchronous, so a rank blocks only on the input it needs next: repeatedly run every
+    rank's next ready action. Yields (rank, position in the rank's list, action, the key of the
+    cross-chunk action it waits for or None); raises ValueError if some rank would wait forever.
     """
     done: set[tuple[str, int, int]] = set()
     cursor = [0] * len(per_rank)
@@ -99,12 +100,14 @@ def check_executable(per_rank: list[list[Action]], *, num_chunks: int) -> None:
             while cursor[rank] < len(actions):
                 a = actions[cursor[rank]]
                 if a.kind == FORWARD:
-                    ready = a.chunk == 0 or (FORWARD, a.chunk - 1, a.micro_batch) in done
+                    dep = None if a.chunk == 0 else (FORWARD, a.chunk - 1, a.micro_batch)
+                    ready = dep is None or dep in done
                 else:
-                    ready = (FORWARD, a.chunk, a.micro_batch) in done and (
-                        a.chunk == num_chunks - 1 or (BACKWARD, a.chunk + 1, a.micro_batch) in done)
+                    dep = None if a.chunk == num_chunks - 1 else (BACKWARD, a.chunk + 1, a.micro_batch)
+                    ready = (FORWARD, a.chunk, a.micro_batch) in done and (dep is None or dep in done)
                 if not ready:
                     break
+                yield rank, cursor[rank], a, dep
                 done.add((a.kind, a.chunk, a.micro_batch))
                 cursor[rank] += 1
                 remaining -= 1
@@ -112,3 +115,9 @@ def check_executable(per_rank: list[list[Action]], *, num_chunks: int) -> None:
         if not progressed:
             stuck = {r: per_rank[r][cursor[r]] for r in range(len(per_rank)) if cursor[r] < len(per_rank[r])}
             raise ValueError(f"schedule deadlocks; next actions per rank: {stuck}")
+
+
+def check_executable(per_rank: list[list[Action]], *, num_chunks: int) -> None:
+    """Raise ValueError if the action lists cannot all run to completion (see execution_order)."""
+    for _ in execution_order(per_rank, num_chunks=num_chunks):
+        pass

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cost_models.schedule import FORWARD, rank_actions
+from cost_models.schedule import FORWARD, execution_order, rank_actions
 
 
 @dataclass(frozen=True)
@@ -109,28 +109,12 @@ def _topological(per_rank, num_chunks: int):
     index: dict[tuple[str, int, int], int] = {}
     order: list[tuple] = []
     position: list[tuple[int, int]] = []  # (rank, position in the rank's list) of each order entry
-    cursor = [0] * len(per_rank)
-    remaining = sum(len(a) for a in per_rank)
-    while remaining:
-        progressed = False
-        for rank, actions in enumerate(per_rank):
-            while cursor[rank] < len(actions):
-                a = actions[cursor[rank]]
-                forward = a.kind == FORWARD
-                if forward:
-                    dep = None if a.chunk == 0 else (FORWARD, a.chunk - 1, a.micro_batch)
-                else:
-                    dep = None if a.chunk == num_chunks - 1 else (a.kind, a.chunk + 1, a.micro_batch)
-                if dep is not None and dep not in index:
-                    break
-                index[(a.kind, a.chunk, a.micro_batch)] = len(order)
-                order.append((rank, forward, a.chunk, -1 if dep is None else index[dep],
-                              (not forward) and last_backward[a.chunk] == a.micro_batch))
-                position.append((rank, cursor[rank]))
-                cursor[rank] += 1
-                remaining -= 1
-                progressed = True
-        assert progressed, "schedule deadlocks"
+    for rank, pos, a, dep in execution_order(per_rank, num_chunks=num_chunks):
+        forward = a.kind == FORWARD
+        index[(a.kind, a.chunk, a.micro_batch)] = len(order)
+        order.append((rank, forward, a.chunk, -1 if dep is None else index[dep],
+                      (not forward) and last_backward[a.chunk] == a.micro_batch))
+        position.append((rank, pos))
     return order, position
 
 
