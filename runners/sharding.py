@@ -107,6 +107,54 @@ class _Pending:
     keep: tuple
 
 
+class _RSBucket:
+    """Consecutive units of one chunk (backward order) whose gradients are reduce-scattered together.
+
+    Each micro-batch's gradients are written straight into `send`, laid out rank-major (row r holds
+    gradient chunk g(r) of every unit, units side by side), so the collective needs no packing copy and no
+    full-size per-unit scratch. The units' reduced gradient shards are views of one contiguous `grad`, so
+    the first micro-batch of a step reduce-scatters into it directly."""
+
+    def __init__(self, units: list, *, s_g: int, degrees: tuple[int, int, int], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.units, self.s_g, self.dtype, self.device = units, s_g, dtype, device
+        self.row = sum(u.padded // s_g for u in units)
+        self.grad = _span([u.grad for u in units])
+        assert self.grad is not None, "a reduce-scatter bucket's gradient shards are not adjacent"
+        rank_of_chunk = [0] * s_g  # the gradient group rank that receives chunk k
+        for r in range(s_g):
+            rank_of_chunk[shard_chunks(r, degrees=degrees)[1]] = r
+        self.pad_segments: list[tuple[int, int]] = []  # (destination, length) to zero in a new send
+        offset = 0
+        for u in units:
+            size = u.padded // s_g
+            u.rs_bucket = self
+            # For each parameter (and the padding tail): pieces (source offset, length, destination).
+            u.rs_segments = [self._pieces(u, off, p.numel(), size, offset, rank_of_chunk)
+                             for p, off in zip(u.params, u.offsets)]
+            self.pad_segments += [(dst, n) for _, n, dst in
+                                  self._pieces(u, u.numel, u.padded - u.numel, size, offset, rank_of_chunk)]
+            offset += size
+        self.send: torch.Tensor | None = None
+        self.num_done = 0
+        self.boundary = False
+
+    def _pieces(self, u, start: int, length: int, size: int, offset: int, rank_of_chunk: list[int]):
+        pieces, pos = [], start
+        while pos < start + length:
+            k = pos // size
+            end = min(start + length, (k + 1) * size)
+            pieces.append((pos - start, end - pos, rank_of_chunk[k] * self.row + offset + pos - k * size))
+            pos = end
+        return pieces
+
+    def new_send(self) -> torch.Tensor:
+        send = torch.empty(self.s_g * self.row, dtype=self.dtype, device=self.device)
+        for dst, n in self.pad_segments:
+            send[dst:dst + n].zero_()
+        return send
+
+
 class _Unit:
     """One unit's flat parameter buffer, its shards and its per-step bookkeeping."""
 
@@ -146,16 +194,14 @@ class _Unit:
         del original
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
-        # Gradients in the compute dtype (ZeRO's 2-byte gradients under mixed precision).
-        self.grad = torch.zeros(self.padded if s_g == 1 else self.padded // s_g, dtype=dtype, device=device)
-        # Unsharded gradients (s_g == 1): each p.grad is a view of the flat buffer, so autograd's
-        # AccumulateGrad adds in place and no copy is needed (torch DDP's gradient_as_bucket_view).
+        # Gradients in the compute dtype (ZeRO's 2-byte gradients under mixed precision): the whole
+        # padded buffer (s_g == 1) or my 1/s_g chunk; a view of its chunk's gradient buffer, assigned by
+        # ShardedDataParallel._layout_grads.
+        self.grad_numel = self.padded if s_g == 1 else self.padded // s_g
+        self.grad = torch.empty(0, dtype=dtype, device=device)
         self.grad_views = s_g == 1
-        if self.grad_views:
-            for p, off in zip(params, self.offsets):
-                p.grad = self.grad[off:off + p.numel()].view(p.shape)
-        self.grad_scratch: torch.Tensor | None = None
-        self.deferred_scratch: torch.Tensor | None = None  # last micro-batch's, held for start_grad_sync
+        self.rs_bucket: _RSBucket | None = None  # s_g > 1: set by ShardedDataParallel._build_rs_buckets
+        self.rs_segments: list = []
         # MAZ3 copies of the forward-gathered parameters: host (kept allocated, pinned on CUDA) and the
         # secondary slice (device, dropped when nothing is in flight); forwards awaiting their backward.
         self.host: torch.Tensor | None = None
@@ -211,13 +257,15 @@ class ShardedDataParallel:
         self.num_steps = 0
         self._pending: deque[_Pending] = deque()
         self._boundary_queue: deque[_Unit] = deque()
-        self._rs_bucket: list[tuple[_Unit, torch.Tensor, bool]] = []
+        self._deferred_rs: list[list[_RSBucket]] = []  # per chunk: last micro-batch's, for start_grad_sync
         self._boundary_bucket: list[_Unit] = []
         self._released: set[int] = set()
         self._redistributions: deque[_Redistribution] = deque()
         self._copy_stream = None  # CUDA side stream of the MAZ3 device-to-host copies
         self.peak_param_bytes = 0
         self._build_units(param_dtype)
+        self._layout_grads()
+        self._build_rs_buckets()
         self._register_hooks()
 
     # --- construction ----------------------------------------------------------------------------
@@ -253,11 +301,50 @@ class ShardedDataParallel:
                                     for u in self.units)
         self.peak_param_bytes = self.live_param_bytes
 
+    def _layout_grads(self) -> None:
+        """One gradient buffer per chunk, its units in backward order, so every bucket (consecutive units
+        of a chunk in backward order) is one contiguous view that its collective reduces in place. Under
+        s_g == 1 each p.grad is a view of it, so autograd's AccumulateGrad adds in place and no copy is
+        needed (torch DDP's gradient_as_bucket_view)."""
+        for units in self.units_by_chunk:
+            if not units:
+                continue
+            buffer = torch.zeros(sum(u.grad_numel for u in units), dtype=units[0].grad.dtype,
+                                 device=units[0].grad.device)
+            offset = 0
+            for u in reversed(units):
+                assert u.grad.dtype == buffer.dtype, "one chunk's units have different gradient dtypes"
+                u.grad = buffer[offset:offset + u.grad_numel]
+                offset += u.grad_numel
+                if u.grad_views:
+                    for p, off in zip(u.params, u.offsets):
+                        p.grad = u.grad[off:off + p.numel()].view(p.shape)
+
+    def _build_rs_buckets(self) -> None:
+        """Group each chunk's units in backward order into reduce-scatter buckets of at least
+        bucket_size_bytes of full gradient (a chunk's first unit closes its last bucket)."""
+        self._deferred_rs = [[] for _ in self.units_by_chunk]
+        s_g = self.degrees[1]
+        if s_g == 1:
+            return
+        for units in self.units_by_chunk:
+            current: list[_Unit] = []
+            for u in reversed(units):
+                current.append(u)
+                full = sum(x.padded * x.grad.element_size() for x in current) >= self.plan.bucket_size_bytes
+                if full or u.position == 0:
+                    dtypes = {x.grad.dtype for x in current}
+                    assert len(dtypes) == 1, "one reduce-scatter bucket mixes gradient dtypes"
+                    _RSBucket(current, s_g=s_g, degrees=self.degrees, dtype=current[0].grad.dtype,
+                              device=current[0].grad.device)
+                    current = []
+
     def _register_hooks(self) -> None:
         for u in self.units:
             u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
-            u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u))
-            u.module.register_full_backward_pre_hook(lambda m, grad_out, u=u: self._pre_backward(u))
+            if self.degrees[0] > 1:  # parameters to free after forward and gather before backward
+                u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u))
+                u.module.register_full_backward_pre_hook(lambda m, grad_out, u=u: self._pre_backward(u))
             for i, p in enumerate(u.params):
                 p.register_post_accumulate_grad_hook(lambda p, u=u, i=i: self._on_grad(u, i))
 
@@ -380,18 +467,24 @@ class ShardedDataParallel:
 
     # --- gradients ------------------------------------------------------------------------------
     def _on_grad(self, u: _Unit, i: int) -> None:
-        """A parameter's gradient of this micro-batch is complete: move it into the flat gradient storage."""
+        """A parameter's gradient of this micro-batch is complete: move it into the flat gradient storage
+        (s_g == 1, normally already there as a view) or its bucket's rank-major send buffer (s_g > 1)."""
         p = u.params[i]
-        if not u.grad_views or p.grad.data_ptr() != u.grad[u.offsets[i]:].data_ptr():
-            if u.grad_views:  # autograd replaced the view (it may, e.g. for a grad of another layout)
-                target = u.grad
-            else:
-                if u.grad_scratch is None:
-                    u.grad_scratch = torch.zeros(u.padded, dtype=u.grad.dtype, device=u.grad.device)
-                target = u.grad_scratch
+        if u.grad_views:
+            if p.grad.data_ptr() != u.grad[u.offsets[i]:].data_ptr():
+                # autograd replaced the view (it may, e.g. for a gradient of another layout)
+                with torch.no_grad():
+                    u.grad[u.offsets[i]:u.offsets[i] + p.numel()].add_(p.grad.reshape(-1))
+                p.grad = u.grad[u.offsets[i]:u.offsets[i] + p.numel()].view(p.shape)
+        else:
+            bucket = u.rs_bucket
+            if bucket.send is None:
+                bucket.send = bucket.new_send()
+            grad = p.grad.reshape(-1)
             with torch.no_grad():
-                target[u.offsets[i]:u.offsets[i] + p.numel()].add_(p.grad.reshape(-1))
-            p.grad = u.grad[u.offsets[i]:u.offsets[i] + p.numel()].view(p.shape) if u.grad_views else None
+                for src, n, dst in u.rs_segments[i]:
+                    bucket.send[dst:dst + n].copy_(grad[src:src + n])
+            p.grad = None
         u.num_grads_ready += 1
         if u.num_grads_ready == len(u.params):
             u.num_grads_ready = 0
@@ -410,47 +503,31 @@ class ShardedDataParallel:
             self._free(u)
         boundary = u.num_backward == self.num_micro_batches
         if self.degrees[1] > 1:
-            scratch, u.grad_scratch = u.grad_scratch, None
-            if boundary and self.defer_grad_sync:  # Commshift: reduce at start_grad_sync(chunk)
-                u.deferred_scratch = scratch
-                if u.position == 0 and self._rs_bucket:
-                    self._flush_rs()
-            else:
-                self._add_to_rs_bucket(u, scratch, boundary=boundary)
+            bucket = u.rs_bucket
+            bucket.num_done += 1
+            if bucket.num_done == len(bucket.units):
+                bucket.num_done, bucket.boundary = 0, boundary
+                if boundary and self.defer_grad_sync:  # Commshift: reduce at start_grad_sync(chunk)
+                    self._deferred_rs[u.chunk].append(bucket)
+                else:
+                    self._flush_rs(bucket)
         if boundary:
             u.boundary_done = True
             if not self.defer_grad_sync:
                 self._queue_boundary(u)
         self._poll()
 
-    def _add_to_rs_bucket(self, u: _Unit, scratch: torch.Tensor, *, boundary: bool) -> None:
-        self._rs_bucket.append((u, scratch, boundary))
-        full = sum(x.numel() * x.element_size() for _, x, _ in self._rs_bucket) >= self.plan.bucket_size_bytes
-        if full or u.position == 0:
-            self._flush_rs()
-
-    def _flush_rs(self) -> None:
-        """Reduce-scatter the bucket in the s_g group; chunk g(r) of each unit goes to group rank r."""
-        entries, self._rs_bucket = self._rs_bucket, []
-        s_g = self.degrees[1]
-        sizes = [u.padded // s_g for u, _, _ in entries]
-        dtype = entries[0][1].dtype
-        assert all(x.dtype == dtype for _, x, _ in entries), "one reduce-scatter bucket mixes gradient dtypes"
-        send = torch.empty(sum(sizes) * s_g, dtype=dtype, device=entries[0][1].device)
-        pos = 0
-        for r in range(s_g):
-            g = shard_chunks(r, degrees=self.degrees)[1]
-            for (u, scratch, _), size in zip(entries, sizes):
-                send[pos:pos + size].copy_(scratch.view(s_g, -1)[g])
-                pos += size
-        recv = torch.empty(sum(sizes), dtype=dtype, device=send.device)
-        boundary = [u for u, _, at_boundary in entries if at_boundary]
+    def _flush_rs(self, bucket: _RSBucket) -> None:
+        """Reduce-scatter a bucket's send buffer in the s_g group; row r (chunk g(r) of each unit) goes to
+        group rank r. The first micro-batch of the step lands straight in the bucket's gradient shards."""
+        send, bucket.send = bucket.send, None
+        first = bucket.units[0].num_backward == 1
+        recv = bucket.grad if first else torch.empty_like(bucket.grad)
+        boundary = bucket.units if bucket.boundary else []
 
         def on_done() -> None:
-            offset = 0
-            for (u, _, _), size in zip(entries, sizes):
-                u.grad.add_(recv[offset:offset + size])
-                offset += size
+            if not first:
+                bucket.grad.add_(recv)
             for u in boundary:
                 u.rs_reduced = True
 
@@ -477,12 +554,9 @@ class ShardedDataParallel:
             if not u.boundary_done:
                 raise RuntimeError(f"start_grad_sync({chunk}) before unit {u.position}'s last backward of the step")
         self._released.add(v)
-        for u in reversed(units):  # backward order, as the hooks would have issued them
-            if u.deferred_scratch is not None:
-                scratch, u.deferred_scratch = u.deferred_scratch, None
-                self._add_to_rs_bucket(u, scratch, boundary=True)
-        if self._rs_bucket:
-            self._flush_rs()
+        deferred, self._deferred_rs[v] = self._deferred_rs[v], []
+        for bucket in deferred:  # backward order, as the hooks would have issued them
+            self._flush_rs(bucket)
         for u in reversed(units):
             self._queue_boundary(u)
 
@@ -504,8 +578,9 @@ class ShardedDataParallel:
 
     def _flush_boundary(self, group) -> None:
         units, self._boundary_bucket = self._boundary_bucket, []
-        if len(units) == 1:
-            work = self.comm.all_reduce(units[0].grad, group, async_op=True)
+        span = _span([u.grad for u in units])
+        if span is not None:  # consecutive units of a chunk: reduce their buffer in place
+            work = self.comm.all_reduce(span, group, async_op=True)
             self._pending.append(_Pending(work, lambda: None, ()))
             return
         buffer = torch.cat([u.grad for u in units])
@@ -535,8 +610,6 @@ class ShardedDataParallel:
 
     def _drain(self) -> None:
         """Wait for every gradient collective, issuing the boundary ones that depend on earlier ones."""
-        if self._rs_bucket:
-            self._flush_rs()
         while self._pending or self._boundary_queue:
             assert self._pending, "boundary queue stalled with nothing in flight"
             self._finish(self._pending.popleft())
@@ -719,6 +792,18 @@ class ShardedDataParallel:
             kinds["grads"] += size(u.grad)
             kinds["optimizer"] += size(u.master) + size(u.exp_avg) + size(u.exp_avg_sq)
         return kinds
+
+
+def _span(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One 1-D view covering `tensors` if they lie back to back in one storage, in this order; else None."""
+    first = tensors[0]
+    offset = first.storage_offset()
+    for t in tensors:
+        if (t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or t.dim() != 1
+                or t.storage_offset() != offset):
+            return None
+        offset += t.numel()
+    return first.as_strided((offset - first.storage_offset(),), (1,), first.storage_offset())
 
 
 class _Done:
