@@ -71,25 +71,13 @@ class TorchMesh:
     device_mesh: object
     tp_rank: int = 0
     pp_rank: int = 0
+    dp_mesh: object = None  # the DP (sub-)mesh FSDP2 shards over
+    tp_mesh: object = None  # the TP sub-mesh (tp > 1)
 
 
-def torch_strategy(plan) -> str:
-    """'ddp', 'zero1', 'zero2', 'zero3', 'hsdp' or 'pipeline' for a plan torch can run; PlannerError naming
-    the knob otherwise."""
-    if plan.tp > 1:
-        raise PlannerError(f"--engine torch does not run tensor parallelism (tp {plan.tp}): our units use F.linear "
-                           "on raw parameters, which DTensor's parallelize_module cannot shard; use tp 1")
-    if plan.param_cache != "none":
-        raise PlannerError(f"--engine torch has no MAZ3 parameter cache (param_cache {plan.param_cache!r}); "
-                           "use param_cache none")
-    if plan.commshift:
-        raise PlannerError("--engine torch has no commshift (torch's schedules reduce gradients outside the "
-                           "pipeline); drop commshift")
-    if plan.pp > 1:
-        if plan.dp > 1:
-            raise PlannerError(f"--engine torch runs pipeline parallelism (pp {plan.pp}) only without data "
-                               f"parallelism; got dp {plan.dp}")
-        return "pipeline"
+def dp_component(plan) -> str:
+    """'ddp', 'zero1', 'zero2', 'zero3' or 'hsdp': torch's component for the plan's DP sharding degrees;
+    PlannerError naming the degrees torch has no component for."""
     s_p, s_g, s_os = plan.shard_degrees
     dp = plan.dp
     table = {(1, 1, 1): "ddp", (1, 1, dp): "zero1", (1, dp, dp): "zero2", (dp, dp, dp): "zero3"}
@@ -99,6 +87,33 @@ def torch_strategy(plan) -> str:
         return "hsdp"
     raise PlannerError(f"--engine torch cannot express sharding (param_shard, grad_shard, optim_shard) = "
                        f"({s_p}, {s_g}, {s_os}) over dp {dp}: torch has ZeRO-0..3 and HSDP (g, g, g) only")
+
+
+def torch_strategy(plan) -> str:
+    """'ddp', 'zero1', 'zero2', 'zero3', 'hsdp', 'tp' (DTensor tensor parallelism alone) or 'pipeline' for a
+    plan torch can run (tp > 1 with dp > 1 names its FSDP2 component); PlannerError naming the knob
+    otherwise."""
+    if plan.param_cache != "none":
+        raise PlannerError(f"--engine torch has no MAZ3 parameter cache (param_cache {plan.param_cache!r}); "
+                           "use param_cache none")
+    if plan.commshift:
+        raise PlannerError("--engine torch has no commshift (torch's schedules reduce gradients outside the "
+                           "pipeline); drop commshift")
+    if plan.pp > 1:
+        if plan.tp > 1:
+            raise PlannerError(f"--engine torch does not combine pipeline (pp {plan.pp}) with tensor parallelism "
+                               f"(tp {plan.tp}): PipelineStage would exchange DTensor activations; use tp 1 or pp 1")
+        if plan.dp > 1:
+            dp_component(plan)  # every DP component composes with the stages; refuse the others here
+        return "pipeline"
+    if plan.tp > 1 and plan.dp == 1:
+        return "tp"
+    component = dp_component(plan)
+    if plan.tp > 1 and component in ("ddp", "zero1"):
+        raise PlannerError(f"--engine torch runs tensor parallelism (tp {plan.tp}) with data parallelism (dp "
+                           f"{plan.dp}) only on FSDP2 (grad_shard = dp, i.e. ZeRO-2/3 or HSDP): DDP cannot hold "
+                           f"DTensor parameters (ZeRO-{0 if component == 'ddp' else 1} here)")
+    return component
 
 
 def _sum_all_reduce_hook(group, bucket):
@@ -132,15 +147,27 @@ class TorchDataParallelTrainer:
         ranks_per_node = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         self.comm = Comm(ranks_per_node=ranks_per_node)
         self.mesh = self._build_mesh()
+        # Full, unsharded chunk (tp 1): the one-process model; DTensor shards it below when tp > 1.
         _, (chunk,) = build_local_chunks(cfg, pp_rank=0, tp=TPContext.single(), device=device)
-        # fully_shard swaps parameters for new DTensor ones, dropping our attributes: take names first.
-        self.names = {name: p.canonical_name for name, p in chunk.named_parameters()}
         self.tied = cfg.model.tied_embeddings
         if self.tied:  # one Parameter, as the one-process reference (build_chunk's share_tied) holds it
             chunk.units[-1].weight = chunk.units[0].weight
+        if self.plan.tp > 1:
+            from runners.torch_tp import torch_native_chunk
+
+            chunk = torch_native_chunk(chunk)
+        # DTensor and fully_shard swap parameters for new ones, dropping our attributes: take names first.
+        self.names = {name: p.canonical_name for name, p in chunk.named_parameters()}
+        if self.plan.tp > 1:
+            from runners.torch_tp import parallelize_chunk
+
+            parallelize_chunk(chunk, tp_mesh=self.mesh.tp_mesh, sequence_parallel=self.plan.sequence_parallel)
         self.chunk = chunk
-        self.holds_loss = True  # pp 1, tp 1: every rank computes its micro-batches' loss
-        if self.strategy in ("ddp", "zero1"):
+        # pp 1: every rank computes its micro-batches' loss; the TP ranks of one DP rank share theirs.
+        self.holds_loss = self.mesh.tp_rank == 0
+        if self.strategy == "tp":
+            self.model, self.optimizer = chunk, self._adam(chunk.parameters())
+        elif self.strategy in ("ddp", "zero1"):
             self.model, self.optimizer = self._wrap_ddp(chunk)
         else:
             self.model, self.optimizer = self._wrap_fsdp(chunk)
@@ -151,12 +178,16 @@ class TorchDataParallelTrainer:
         plan = self.plan
         if self.strategy == "hsdp":
             # Row-major (replicate, shard): shard groups are consecutive ranks, runners/mesh.py's layout.
-            mesh = init_device_mesh(self.device.type, (plan.dp // plan.param_shard, plan.param_shard),
-                                    mesh_dim_names=("replicate", "shard"))
+            shape, names = (plan.dp // plan.param_shard, plan.param_shard), ("replicate", "shard")
         else:
-            mesh = init_device_mesh(self.device.type, (plan.dp,), mesh_dim_names=("dp",))
+            shape, names = (plan.dp,), ("dp",)
+        if plan.tp > 1:  # TP innermost, as runners/mesh.py: rank = dp_rank * tp + tp_rank
+            shape, names = shape + (plan.tp,), names + ("tp",)
+        mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
         rank = dist.get_rank()
-        return TorchMesh(rank=rank, dp=plan.dp, dp_rank=rank, device_mesh=mesh)
+        dp_mesh = mesh[names[:-1]] if plan.tp > 1 else mesh
+        return TorchMesh(rank=rank, dp=plan.dp, dp_rank=rank // plan.tp, device_mesh=mesh, tp_rank=rank % plan.tp,
+                         dp_mesh=dp_mesh, tp_mesh=mesh["tp"] if plan.tp > 1 else None)
 
     def _adam(self, params):
         return torch.optim.Adam(params, lr=self.cfg.lr, betas=ADAM_BETAS, eps=ADAM_EPS)
@@ -183,7 +214,7 @@ class TorchDataParallelTrainer:
         mp_policy = MixedPrecisionPolicy(param_dtype=None if self.dtype == torch.float32 else self.dtype,
                                          reduce_dtype=torch.float32)
         reshard = self.strategy != "zero2"
-        mesh = self.mesh.device_mesh
+        mesh = self.mesh.dp_mesh  # TP parameters are DTensors on the TP sub-mesh: FSDP2 shards them 2-D
         # One FSDP group per unit, our engine's sharding granularity; a tied embedding and head share one
         # Parameter, which must live in one group.
         units = list(chunk.units)
@@ -203,6 +234,8 @@ class TorchDataParallelTrainer:
         last = index == count - 1
         if self.strategy in ("ddp", "zero1"):
             return contextlib.nullcontext() if last else self.model.no_sync()
+        if self.strategy == "tp":
+            return contextlib.nullcontext()
         if self.strategy == "hsdp":
             self.model.set_requires_all_reduce(last)
         if self.strategy == "zero2":
@@ -213,7 +246,7 @@ class TorchDataParallelTrainer:
         """Accumulate the step's gradients (reduced over DP after the last micro-batch); the sum of the losses."""
         total = 0.0
         for i, (tokens, targets) in enumerate(micro_batches):
-            with self._micro_batch_context(i, len(micro_batches)):
+            with self._micro_batch_context(i, len(micro_batches)), _loss_parallel(self.plan):
                 loss = self.model(tokens, targets)
                 loss.backward()
             total += loss.item()
@@ -340,6 +373,15 @@ class TorchPipelineTrainer:
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         return self._gather_by_name(lambda p: p.grad)
+
+
+def _loss_parallel(plan):
+    """torch's vocab-parallel cross entropy must enclose the loss's forward and backward (tp > 1)."""
+    if plan.tp == 1:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
 
 
 def _loss_fn(loss_scale: float):
