@@ -16,13 +16,16 @@ inter-node bandwidth by r, and a group with one member per node (e.g. DP across 
 NIC's bandwidth.
 
 When the profile has a measured `CollectiveFit` for the collective and link class, it replaces the
-datasheet link: time = latency_s + factor(n) * B / bus_bandwidth, with factor 2(n-1)/n for all-reduce,
+datasheet link (the fit measured at group size n, else the nearest measured one with its latency scaled
+by the ring's steps): time = latency_s + factor(n) * B / bus_bandwidth, with factor 2(n-1)/n for all-reduce,
 (n-1)/n for all-gather, reduce-scatter and all-to-all, 1 for broadcast and p2p (NCCL-tests'
 bus-bandwidth convention), over the whole group with no hierarchical split (the fit was measured on the
 real topology).
 """
 
 from __future__ import annotations
+
+import math
 
 from planner.cluster import Cluster
 from profilers.hardware import Hardware
@@ -45,11 +48,13 @@ _LATENCY_STEPS = {
 }
 
 
-def _fit(hw: Hardware, collective: str, link: str):
-    for fit in hw.collectives:
-        if fit.collective == collective and fit.link == link:
-            return fit
-    return None
+def _fit(hw: Hardware, collective: str, link: str, group_size: int | None = None):
+    """The profile's fit for this collective and link class: the one measured at `group_size`, else the
+    one at the nearest measured group size (in log2; the larger on a tie); None if there is none."""
+    fits = [f for f in hw.collectives if f.collective == collective and f.link == link]
+    if not fits or group_size is None:
+        return fits[0] if fits else None
+    return min(fits, key=lambda f: (abs(math.log2(f.group_size) - math.log2(group_size)), -f.group_size))
 
 
 def flat_collective_time_s(hw: Hardware, *, collective: str, size_bytes: float, group_size: int, link: str) -> float:
@@ -60,9 +65,13 @@ def flat_collective_time_s(hw: Hardware, *, collective: str, size_bytes: float, 
     if n <= 1 or size_bytes <= 0:
         return 0.0
     scale = hw.calibration.get("comm_time_scale", 1.0)
-    fit = _fit(hw, collective, link)
+    fit = _fit(hw, collective, link, n)
     if fit is not None:
-        return scale * (fit.latency_s + _BUS_FACTOR[collective](n) * size_bytes / fit.bandwidth_bytes_per_s)
+        # A fit measured at another group size: its latency scales with the ring's steps; its bus
+        # bandwidth already is per-device (NCCL-tests' convention), so it carries over.
+        steps = _LATENCY_STEPS[collective]
+        latency_s = fit.latency_s * steps(n) / steps(2 if collective == "p2p" else fit.group_size)
+        return scale * (latency_s + _BUS_FACTOR[collective](n) * size_bytes / fit.bandwidth_bytes_per_s)
     spec = hw.link(link)
     return scale * (_LATENCY_STEPS[collective](n) * spec.latency_s
                     + _BUS_FACTOR[collective](n) * size_bytes / spec.bandwidth_bytes_per_s)

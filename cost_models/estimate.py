@@ -117,8 +117,9 @@ def _overlap(compute_s: float, comm_s: float, cluster) -> float:
     """Seconds of compute with communication issued beside it: max(compute, comm) when the separate
     stream hides it fully (GPUs), compute + comm when nothing hides it; between them with the calibration
     key comm_overlap_efficiency (default 1): on a CPU host the communication thread competes with
-    compute for the same cores, so only part of it hides."""
-    efficiency = min(1.0, max(0.0, cluster.hardware.calibration.get("comm_overlap_efficiency", 1.0)))
+    compute for the same cores, so only part of it hides; below 0 (down to -1) the two slow each other
+    down, which the profile's overlap probe measures on hosts with fewer cores than ranks."""
+    efficiency = min(1.0, max(-1.0, cluster.hardware.calibration.get("comm_overlap_efficiency", 1.0)))
     return compute_s + comm_s - efficiency * min(compute_s, comm_s)
 
 
@@ -305,15 +306,19 @@ def _cache_fetch_s(plan, cluster, *, layer_bytes: float) -> dict[str, float]:
 
 
 def _sharding_comm(plan, cluster, *, tiers: list[str], layer_bytes: float, grad_bytes: float,
-                   end_bytes: float, device_gather_fraction: float = 1.0) -> _ShardingComm:
+                   end_bytes: float, num_end_units: int = 1, device_gather_fraction: float = 1.0) -> _ShardingComm:
     """Per micro-batch DP/ZeRO communication of one chunk whose layers use MAZ3 `tiers` (in layer
-    order), following the plan's sharding degrees (see _ShardingComm)."""
+    order), following the plan's sharding degrees (see _ShardingComm). The chunk's `num_end_units`
+    non-layer units (embedding, learned positions, final norm, head) each gather their own share of
+    `end_bytes`: on a latency-bound link the count matters, not only the bytes."""
     tp, s_p, s_g = plan.tp, plan.param_shard, plan.grad_shard
     fwd_first = fwd_rest = bwd_first = bwd_rest = rs_hideable = rs_last = 0.0
     if s_p > 1:
         fetch = _cache_fetch_s(plan, cluster, layer_bytes=layer_bytes)
         gather_s = fetch["none"]
-        end_s = collective_time_s(cluster, collective="all_gather", size_bytes=end_bytes, group_size=s_p, stride=tp)
+        end_s = num_end_units * collective_time_s(cluster, collective="all_gather",
+                                                  size_bytes=end_bytes / max(1, num_end_units), group_size=s_p,
+                                                  stride=tp) if end_bytes > 0 else 0.0
         # The first layer's gather cannot be prefetched behind compute; the rest are. A device-tier
         # layer stays gathered while any micro-batch of its chunk is in flight, so only the forwards
         # that find none in flight gather it (`device_gather_fraction` of them).
@@ -380,8 +385,11 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
     if "device" in tiers and plan.pp > 1:
         fresh = _fresh_forwards(plan.schedule, plan.pp, plan.virtual_stages, plan.num_micro_batches)[chunk]
         fraction = fresh / plan.num_micro_batches
+    # The runner's units outside the layers (runners/model.py): embedding (+ learned positions) first,
+    # final norm and head last.
+    num_end_units = (1 + int(model.learned_positions) if first else 0) + (2 if last else 0)
     comm = _sharding_comm(plan, cluster, tiers=tiers, layer_bytes=layer_bytes, grad_bytes=num_params * grad_bytes,
-                          end_bytes=end_bytes, device_gather_fraction=fraction)
+                          end_bytes=end_bytes, num_end_units=num_end_units, device_gather_fraction=fraction)
     backward = total - forward
     reduce_s, last_bucket_s = _boundary_reduce(plan, cluster, grad_bytes=num_params * grad_bytes)
     per_node = cluster.ranks_per_node_in_group(size=plan.param_shard, stride=plan.tp)

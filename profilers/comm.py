@@ -70,6 +70,9 @@ class CommSpec:
     budget_s_per_point: float
     max_repeats: int
     timeout_s: float
+    # {"model": ModelSpec.to_dict(), "budget_s": seconds per point}: time one layer on every rank at once
+    # after the collectives (profilers/layer_probe.py); None skips it.
+    layer_probe: dict | None = None
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -187,11 +190,36 @@ def run(spec: CommSpec, *, out_dir: Path, device: torch.device) -> None:
             if rank == 0:
                 curves.append(curve)
             dist.barrier()
+    probe = _layer_probe(spec, device=device) if spec.layer_probe else None
     if rank == 0:
         tmp = out_dir / "comm.json.tmp"
         tmp.write_text(json.dumps({"world_size": dist.get_world_size(), "backend": dist.get_backend(),
-                                   "curves": curves}))
+                                   "curves": curves, "layer_probe": probe}))
         os.replace(tmp, out_dir / "comm.json")
+
+
+def _layer_probe(spec: CommSpec, *, device: torch.device) -> dict:
+    """Every rank times one layer at the same time, then the overlap of an all-gather with it
+    (profilers/layer_probe.py); each point keeps the slowest rank's means, since a synchronous step
+    waits for its slowest rank."""
+    from planner.model import ModelSpec
+    from profilers.layer_probe import measure_layer, measure_overlap
+
+    if dist.get_rank() == 0:
+        print(f"{PROGRESS_PREFIX} 1 1 layer probe", flush=True)
+    model = ModelSpec.from_dict(spec.layer_probe["model"])
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    points = measure_layer(model, device=device, dtype=dtype, budget_s=float(spec.layer_probe["budget_s"]),
+                           barrier=dist.barrier)
+    times = torch.tensor([[p.forward_s, p.forward_backward_s] for p in points], dtype=torch.float64, device=device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    probe = {"points": [{**asdict(p), "forward_s": float(f), "forward_backward_s": float(fb)}
+                        for p, (f, fb) in zip(points, times.tolist())]}
+    if dist.get_world_size() > 1:
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        probe["overlap"] = measure_overlap(model, device=device, dtype=dtype, group=dist.group.WORLD,
+                                           repeats=int(spec.layer_probe.get("overlap_repeats", 10)), all_gather=gather)
+    return probe
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -71,6 +71,18 @@ class GemmPoint:
 
 
 @dataclass(frozen=True)
+class LayerProbePoint:
+    """One transformer layer timed on every rank at once (profilers/layer_probe.py): the slowest rank's
+    mean forward and forward+backward seconds at this micro-batch and sequence length."""
+
+    micro_batch: int
+    seq_len: int
+    dtype: str
+    forward_s: float
+    forward_backward_s: float
+
+
+@dataclass(frozen=True)
 class Hardware:
     """One device type and the links between devices.
 
@@ -99,6 +111,11 @@ class Hardware:
     elementwise_bytes_per_s: dict[str, float] = field(default_factory=dict)
     # Free parameters fitted by `planner calibrate` (names documented in cost_models/).
     calibration: dict[str, float] = field(default_factory=dict)
+    # The layer probe's raw points; on CPU `planner profile` fits op_overhead_s and compute_time_scale
+    # from them into `calibration`.
+    layer_probe: tuple[LayerProbePoint, ...] = ()
+    # The overlap probe (profilers/layer_probe.measure_overlap): compute_s, comm_s, both_s, efficiency.
+    overlap_probe: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.device_type not in ("cuda", "cpu"):

@@ -31,7 +31,8 @@ from planner.model import resolve_model
 from profilers.comm import PROGRESS_PREFIX, CommSpec, plan_groups
 from profilers.compute import ComputeResult, measure_compute
 from profilers.fit import GemmFit, bus_factor, fit_gemm, fit_latency_bandwidth
-from profilers.hardware import COLLECTIVES, PRESETS, CollectiveFit, GemmPoint, Hardware, LinkSpec
+from profilers.hardware import (COLLECTIVES, PRESETS, CollectiveFit, GemmPoint, Hardware, LayerProbePoint, LinkSpec,
+                                with_calibration)
 from profilers.memory import MemoryResult, measure_memory
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class CommRun:
     world_size: int
     ranks_per_node: int
     backend: str
+    layer_probe: dict | None = None  # {"points": [...], "overlap": {...}} from profilers.comm
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
@@ -162,7 +164,9 @@ def run_collectives(options: ProfileOptions, *, progress: Progress = _no_progres
     spec = CommSpec(sizes_bytes=tuple(sizes), collectives=tuple(options.collectives),
                     groups=tuple(plan_groups(world_size=world_size, ranks_per_node=ranks_per_node, quick=options.quick)),
                     budget_s_per_point=0.1 if options.quick else 0.5, max_repeats=20 if options.quick else 50,
-                    timeout_s=options.comm_timeout_s)
+                    timeout_s=options.comm_timeout_s,
+                    layer_probe={"model": resolve_model(options.model).to_dict(),
+                                 "budget_s": 0.6 if options.quick else 2.0})
     tail: deque[str] = deque(maxlen=40)
     lock = threading.Lock()
 
@@ -188,7 +192,7 @@ def run_collectives(options: ProfileOptions, *, progress: Progress = _no_progres
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
     return CommRun(curves=data["curves"], world_size=data["world_size"], ranks_per_node=ranks_per_node,
-                   backend=data["backend"])
+                   backend=data["backend"], layer_probe=data.get("layer_probe"))
 
 
 def fit_collectives(curves: list[dict]) -> list[CollectiveFit]:
@@ -298,7 +302,26 @@ def run_profile(options: ProfileOptions, *, progress: Progress = _no_progress) -
     finally:
         torch.set_num_threads(threads_before)
     base = PRESETS["cpu"] if device.type == "cpu" else PRESETS["h100"]
-    return build_hardware(device=device, compute=compute, memory=memory, fits=fit_collectives(comm.curves), base=base)
+    hardware = build_hardware(device=device, compute=compute, memory=memory, fits=fit_collectives(comm.curves), base=base)
+    return with_layer_probe(hardware, comm.layer_probe or {}, model=model)
+
+
+def with_layer_probe(hardware: Hardware, probe: dict, *, model) -> Hardware:
+    """Keep the layer and overlap probes' measurements and, on CPU, fit op_overhead_s and
+    compute_time_scale from the layer points and take comm_overlap_efficiency from the overlap probe
+    (profilers/layer_probe.py). On CUDA the kernel queue hides per-op dispatch and the collective stream
+    runs beside compute, so the cost model keeps its GPU defaults and the probes are only recorded."""
+    from profilers.layer_probe import fit_overheads
+
+    points = tuple(LayerProbePoint(**p) for p in probe.get("points", []))
+    overlap = dict(probe.get("overlap") or {})
+    hardware = dataclasses.replace(hardware, layer_probe=points, overlap_probe=overlap)
+    if hardware.device_type != "cpu":
+        return hardware
+    calibration = fit_overheads(model, hardware, list(points)) if points else {}
+    if overlap:
+        calibration["comm_overlap_efficiency"] = overlap["efficiency"]
+    return with_calibration(hardware, calibration)
 
 
 def warn_if_mismatch(hardware: Hardware, *, device_type: str, device_name: str | None = None) -> str | None:

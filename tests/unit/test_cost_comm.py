@@ -56,8 +56,11 @@ def test_measured_fit_replaces_the_datasheet():
     fit = CollectiveFit(collective="all_reduce", link="intra_node", group_size=8, latency_s=2e-5,
                         bandwidth_bytes_per_s=200e9)
     hw = dataclasses.replace(A100, collectives=(fit,))
+    # Measured at 8 ranks, used at 4: the ring's 2 (n - 1) latency steps scale it by 6 / 14.
     assert flat_collective_time_s(hw, collective="all_reduce", size_bytes=B, group_size=4, link="intra_node") == \
-        pytest.approx(2e-5 + 1.5 * B / 200e9, rel=1e-12)
+        pytest.approx(2e-5 * 6 / 14 + 1.5 * B / 200e9, rel=1e-12)
+    assert flat_collective_time_s(hw, collective="all_reduce", size_bytes=B, group_size=8, link="intra_node") == \
+        pytest.approx(2e-5 + 1.75 * B / 200e9, rel=1e-12)
     # Collectives without a fit keep the datasheet link.
     assert flat_collective_time_s(hw, collective="all_gather", size_bytes=B, group_size=4, link="intra_node") == \
         flat_collective_time_s(A100, collective="all_gather", size_bytes=B, group_size=4, link="intra_node")
@@ -65,3 +68,21 @@ def test_measured_fit_replaces_the_datasheet():
 
 def test_single_rank_groups_cost_nothing():
     assert collective_time_s(NODES, collective="all_reduce", size_bytes=B, group_size=1, stride=1) == 0.0
+
+
+def test_the_fit_of_the_group_size_used_is_chosen():
+    """A profile measures each collective at several group sizes; a group of 4 must be priced with the
+    4-rank fit, not whichever fit comes first (gloo's 4-rank latency on an oversubscribed host is 3x the
+    2-rank one)."""
+    two = CollectiveFit(collective="all_gather", link="intra_node", group_size=2, latency_s=1e-3,
+                        bandwidth_bytes_per_s=1e9)
+    four = CollectiveFit(collective="all_gather", link="intra_node", group_size=4, latency_s=3e-3,
+                         bandwidth_bytes_per_s=0.5e9)
+    hw = dataclasses.replace(A100, collectives=(two, four))
+    assert flat_collective_time_s(hw, collective="all_gather", size_bytes=B, group_size=4, link="intra_node") == \
+        pytest.approx(3e-3 + 0.75 * B / 0.5e9, rel=1e-12)
+    assert flat_collective_time_s(hw, collective="all_gather", size_bytes=B, group_size=2, link="intra_node") == \
+        pytest.approx(1e-3 + 0.5 * B / 1e9, rel=1e-12)
+    # 8 ranks: the nearest (4) fit, its 3 latency steps scaled to 7.
+    assert flat_collective_time_s(hw, collective="all_gather", size_bytes=B, group_size=8, link="intra_node") == \
+        pytest.approx(3e-3 * 7 / 3 + 0.875 * B / 0.5e9, rel=1e-12)

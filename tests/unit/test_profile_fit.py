@@ -110,3 +110,55 @@ def test_efficiency_is_measured_against_the_datasheet_peak_when_known() -> None:
     assert peaks["bf16"] == 989e12 and peaks["fp32"] * efficiency == pytest.approx(3.5e14)
     peaks, efficiency = efficiency_fields(fit, datasheet_peak=None)
     assert efficiency == 1.0 and peaks == fit.asymptote_flops_per_s
+
+
+def _probe_points(model, hardware, *, scale: float, op_overhead_s: float):
+    """Layer-probe points as the cost model prices them at compute_time_scale `scale` and op_overhead_s."""
+    import dataclasses
+
+    from cost_models.compute import layer_compute_times
+    from cost_models.estimate import BACKWARD_OPS_PER_FORWARD_OP, _num_ops
+    from profilers.hardware import LayerProbePoint
+    from profilers.layer_probe import probe_shapes
+
+    hw = dataclasses.replace(hardware, calibration={"compute_time_scale": scale})
+    n = _num_ops(model)["layer"]
+    points = []
+    for b, s in probe_shapes(model):
+        t = layer_compute_times(model, hw, micro_batch=b, seq_len=s, tp=1, sequence_parallel=False, precision="fp32")
+        forward = t.forward_s + n * op_overhead_s
+        points.append(LayerProbePoint(micro_batch=b, seq_len=s, dtype="float32", forward_s=forward,
+                                      forward_backward_s=forward + t.backward_s + BACKWARD_OPS_PER_FORWARD_OP * n * op_overhead_s))
+    return points
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "gpt3-1.7b"])
+@pytest.mark.parametrize("scale,op_overhead_s", [(1.0, 0.0), (2.5, 2e-5), (6.0, 1e-4), (0.8, 5e-6)])
+def test_layer_probe_fit_recovers_the_scale_and_the_op_overhead(model_name, scale, op_overhead_s) -> None:
+    from planner.model import resolve_model
+    from profilers.hardware import PRESETS
+    from profilers.layer_probe import fit_overheads
+
+    model, hw = resolve_model(model_name), PRESETS["cpu"]
+    fit = fit_overheads(model, hw, _probe_points(model, hw, scale=scale, op_overhead_s=op_overhead_s))
+    assert fit["compute_time_scale"] == pytest.approx(scale, rel=0.02)
+    assert fit["op_overhead_s"] == pytest.approx(op_overhead_s, rel=0.05, abs=2e-7)
+
+
+def test_probes_calibrate_a_cpu_profile_and_are_only_recorded_on_cuda() -> None:
+    import dataclasses
+
+    from planner.model import resolve_model
+    from profilers.hardware import PRESETS
+    from profilers.profile import with_layer_probe
+
+    model = resolve_model("tiny")
+    points = [dataclasses.asdict(p) for p in _probe_points(model, PRESETS["cpu"], scale=3.0, op_overhead_s=3e-5)]
+    overlap = {"compute_s": 1.0, "comm_s": 0.5, "both_s": 1.7, "efficiency": -0.4}
+    cpu = with_layer_probe(PRESETS["cpu"], {"points": points, "overlap": overlap}, model=model)
+    assert cpu.calibration["compute_time_scale"] == pytest.approx(3.0, rel=0.02)
+    assert cpu.calibration["op_overhead_s"] == pytest.approx(3e-5, rel=0.05)
+    assert cpu.calibration["comm_overlap_efficiency"] == -0.4
+    assert len(cpu.layer_probe) == len(points) and cpu.overlap_probe == overlap
+    gpu = with_layer_probe(PRESETS["h100"], {"points": points, "overlap": overlap}, model=model)
+    assert gpu.calibration == PRESETS["h100"].calibration and len(gpu.layer_probe) == len(points)

@@ -1,0 +1,212 @@
+"""Layer probe: time the engine's own transformer layer on every rank at once, and fit the CPU costs
+the GEMM and bandwidth sweeps cannot see.
+
+Aceso and Galvatron profile each layer's forward and backward on the device; we do the same with the
+exact Block the runner executes (runners/model.py), at a few (micro-batch, sequence) shapes, on all
+ranks of the profile's torchrun simultaneously, so that what a training step pays on this host is in
+the numbers: eager dispatch and autograd bookkeeping per op, and processes sharing cores (4 ranks on 2
+cores each get half a core, which a single-process GEMM sweep never sees).
+
+Model of a probe point (the cost model's, cost_models/estimate.py): with F and B the layer's forward and
+backward compute time predicted from the profile's own GEMM and bandwidth fits (no calibration),
+
+    forward          = c * F       + n * o
+    forward+backward = c * (F + B) + (1 + k) * n * o
+
+where n is the ops of one layer forward (`_num_ops`), k the backward ops per forward op, o the seconds
+each op pays (`op_overhead_s`) and c the factor by which real compute is slower than the sweep predicts
+(`compute_time_scale`). Smallest relative squared error over all points (rows divided by the measured
+time, as planner/calibrate.py weighs plans), c > 0 and o >= 0 (`fit_overheads`).
+
+The overlap probe (`measure_overlap`) then times a layer's forward+backward beside an asynchronous
+all-gather of its parameters, the way ZeRO-3 prefetches, and gives comm_overlap_efficiency.
+
+On CUDA the kernel queue hides per-op dispatch behind the kernels of earlier ops, so the probe is
+recorded (raw points in the profile) but not fitted into the calibration: the cost model keeps o = 0,
+c = 1 and full overlap there, as its docstring says (the CUDA path of the probes has not run on a GPU
+yet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+
+import torch
+
+from planner.model import ModelSpec
+from profilers.hardware import LayerProbePoint as ProbePoint
+
+# (micro-batch, sequence length) points; the sequence is capped at the model's max_seq_len. The first is
+# nearly compute-free (it isolates the per-op cost), the others scale the GEMMs up.
+PROBE_SHAPES = ((1, 8), (1, 64), (4, 64))
+# Layers per probed chunk; times are per layer. One backward call has a fixed cost (autograd's graph
+# walk setup, the loss) that a training chunk of many layers spreads thin; a one-layer probe would
+# charge all of it to the layer.
+PROBE_LAYERS = 4
+PROBE_ROUNDS = 3
+
+
+def probe_shapes(model: ModelSpec) -> list[tuple[int, int]]:
+    return [(b, min(s, model.max_seq_len)) for b, s in PROBE_SHAPES]
+
+
+def _timed(fn, *, device: torch.device, budget_s: float, min_repeats: int = 3) -> list[float]:
+    fn()  # warm-up: allocator, autograd graph caches
+    times: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    while len(times) < min_repeats or time.perf_counter() < deadline:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+        if len(times) >= 200:
+            break
+    return times
+
+
+def measure_layer(model: ModelSpec, *, device: torch.device, dtype: torch.dtype, budget_s: float,
+                  barrier=lambda: None, rounds: int = PROBE_ROUNDS) -> list[ProbePoint]:
+    """Forward and forward+backward seconds per Block (a chunk of PROBE_LAYERS of them, timed whole) at
+    each probe shape. `barrier` runs before each measurement so that every rank measures the same shape
+    at the same time. Each measurement is the mean over `budget_s / rounds` seconds, not the median:
+    with more processes than cores the scheduler slices time in milliseconds, so most short repeats run
+    unpreempted and a median would hide the shared core that a whole step does pay. The shapes are
+    measured in `rounds` interleaved rounds and each point keeps the median round, so a burst of
+    foreign load spoils one round, not the point."""
+    from runners.model import build_chunk
+    from runners.tensor_parallel import TPContext
+
+    num_layers = min(PROBE_LAYERS, model.num_layers)
+    chunk = build_chunk(model, layers=range(num_layers), first=False, last=False, seed=0, tp=TPContext.single(),
+                        recompute="none", loss_scale=1.0).to(device=device, dtype=dtype)
+    shapes = probe_shapes(model)
+    inputs = {shape: torch.randn(*shape, model.hidden_size, device=device, dtype=dtype, requires_grad=True)
+              for shape in shapes}
+    samples: dict[tuple[int, int], tuple[list[float], list[float]]] = {shape: ([], []) for shape in shapes}
+    for _ in range(rounds):
+        for shape in shapes:
+            x = inputs[shape]
+
+            def forward() -> None:
+                chunk(x)
+
+            def forward_backward() -> None:
+                # Gradients accumulate into the buffers the first call allocated, as the engine's do.
+                chunk(x).sum().backward()
+
+            for body, out in ((forward, samples[shape][0]), (forward_backward, samples[shape][1])):
+                barrier()
+                out.append(statistics.fmean(_timed(body, device=device, budget_s=budget_s / rounds)) / num_layers)
+    name = str(dtype).split(".")[-1]
+    return [ProbePoint(micro_batch=b, seq_len=s, dtype=name, forward_s=statistics.median(samples[(b, s)][0]),
+                       forward_backward_s=statistics.median(samples[(b, s)][1])) for b, s in shapes]
+
+
+def measure_overlap(model: ModelSpec, *, device: torch.device, dtype: torch.dtype, group, repeats: int,
+                    all_gather, rounds: int = PROBE_ROUNDS) -> dict[str, float]:
+    """How much of a collective issued beside compute actually hides (comm_overlap_efficiency), the way
+    the engine overlaps a ZeRO-3 prefetch with a layer: every rank times `repeats` layer forward+backward
+    passes alone (compute_s), `repeats` all-gathers of one layer's parameters alone (comm_s), and both
+    with each all-gather issued asynchronously before a pass and waited for after it (both_s);
+    efficiency = (compute_s + comm_s - both_s) / min(compute_s, comm_s), clipped to [-1, 1]. Each time is
+    the slowest rank's; `rounds` rounds, the median one kept. On a host with fewer cores than ranks the collective's thread competes with
+    compute, and a peer that is computing answers late, so little hides, and the pair can even take
+    longer than the two run one after the other (a negative efficiency)."""
+    import torch.distributed as dist
+
+    from runners.model import build_chunk
+    from runners.tensor_parallel import TPContext
+
+    chunk = build_chunk(model, layers=range(1), first=False, last=False, seed=0, tp=TPContext.single(),
+                        recompute="none", loss_scale=1.0).to(device=device, dtype=dtype)
+    n = dist.get_world_size(group)
+    numel = -(-sum(p.numel() for p in chunk.parameters()) // n) * n
+    shard = torch.ones(numel // n, dtype=dtype, device=device)
+    full = torch.empty(numel, dtype=dtype, device=device)
+    x = torch.randn(1, min(64, model.max_seq_len), model.hidden_size, device=device, dtype=dtype, requires_grad=True)
+
+    def compute() -> None:
+        chunk(x).sum().backward()
+
+    def timed(body) -> float:
+        body()  # warm-up
+        dist.barrier(group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            body()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+        return float(elapsed.item())
+
+    def both() -> None:
+        work = all_gather(full, shard, group=group, async_op=True)
+        compute()
+        work.wait()
+
+    rows = []
+    for _ in range(rounds):  # interleaved rounds; the median round (by efficiency) is kept
+        compute_s = timed(compute)
+        comm_s = timed(lambda: all_gather(full, shard, group=group))
+        both_s = timed(both)
+        efficiency = (compute_s + comm_s - both_s) / max(min(compute_s, comm_s), 1e-12)
+        rows.append({"compute_s": compute_s, "comm_s": comm_s, "both_s": both_s,
+                     "efficiency": min(1.0, max(-1.0, efficiency))})
+    return sorted(rows, key=lambda r: r["efficiency"])[len(rows) // 2]
+
+
+def fit_overheads(model: ModelSpec, hardware, points: list[ProbePoint]) -> dict[str, float]:
+    """{'op_overhead_s', 'compute_time_scale'} fitted to the probe points (module docstring).
+
+    The predicted compute is not linear in c (each kernel's time is floored at the kernel overhead,
+    cost_models/compute.py), so c is searched on a log grid, refined by golden-section search, and for each
+    c the best non-negative o is closed form (one-variable least squares)."""
+    from cost_models.compute import layer_compute_times
+    from cost_models.estimate import BACKWARD_OPS_PER_FORWARD_OP, _num_ops
+
+    n = _num_ops(model)["layer"]
+    k = BACKWARD_OPS_PER_FORWARD_OP
+
+    def predicted(c: float) -> list[tuple[float, float, float]]:
+        """(compute seconds, ops, measured seconds) per equation at compute_time_scale c."""
+        hw = dataclasses.replace(hardware, calibration={"compute_time_scale": c})
+        rows = []
+        for p in points:
+            t = layer_compute_times(model, hw, micro_batch=p.micro_batch, seq_len=p.seq_len, tp=1,
+                                    sequence_parallel=False, precision="fp32")
+            rows.append((t.forward_s, n, p.forward_s))
+            rows.append((t.forward_s + t.backward_s, (1 + k) * n, p.forward_backward_s))
+        return rows
+
+    def solve(c: float) -> tuple[float, float]:
+        """(relative squared error, o) at c."""
+        rows = predicted(c)
+        # minimise sum ((f + ops * o) / m - 1)^2 over o >= 0
+        num = sum((ops / m) * (1 - f / m) for f, ops, m in rows)
+        den = sum((ops / m) ** 2 for _, ops, m in rows)
+        o = max(0.0, num / den)
+        return sum(((f + ops * o) / m - 1) ** 2 for f, ops, m in rows), o
+
+    grid = [10 ** (i / 20) for i in range(-40, 61)]  # 0.01 .. 1000
+    best = min(grid, key=lambda c: solve(c)[0])
+    # Golden-section search on log c between the grid neighbours of the best point.
+    lo, hi = math.log(best) - math.log(10) / 20, math.log(best) + math.log(10) / 20
+    ratio = (math.sqrt(5) - 1) / 2
+    for _ in range(60):
+        a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+        if solve(math.exp(a))[0] <= solve(math.exp(b))[0]:
+            hi = b
+        else:
+            lo = a
+    candidates = [best, math.exp((lo + hi) / 2)]
+    best = min(candidates, key=lambda c: solve(c)[0])
+    return {"compute_time_scale": best, "op_overhead_s": solve(best)[1]}
