@@ -103,23 +103,78 @@ def torch_strategy(plan) -> str:
         if plan.tp > 1:
             raise PlannerError(f"--engine torch does not combine pipeline (pp {plan.pp}) with tensor parallelism "
                                f"(tp {plan.tp}): PipelineStage would exchange DTensor activations; use tp 1 or pp 1")
-        if plan.dp > 1:
-            dp_component(plan)  # every DP component composes with the stages; refuse the others here
+        if plan.dp > 1 and dp_component(plan) == "zero1":
+            raise PlannerError(_ZERO1_DTENSOR.format(what=f"pipeline parallelism (pp {plan.pp})", dp=plan.dp))
         return "pipeline"
     if plan.tp > 1 and plan.dp == 1:
         return "tp"
     component = dp_component(plan)
-    if plan.tp > 1 and component in ("ddp", "zero1"):
-        raise PlannerError(f"--engine torch runs tensor parallelism (tp {plan.tp}) with data parallelism (dp "
-                           f"{plan.dp}) only on FSDP2 (grad_shard = dp, i.e. ZeRO-2/3 or HSDP): DDP cannot hold "
-                           f"DTensor parameters (ZeRO-{0 if component == 'ddp' else 1} here)")
+    if plan.tp > 1 and component == "zero1":
+        raise PlannerError(_ZERO1_DTENSOR.format(what=f"tensor parallelism (tp {plan.tp})", dp=plan.dp))
     return component
+
+
+_ZERO1_DTENSOR = ("--engine torch cannot shard only the optimizer state (ZeRO-1: optim_shard {dp}, grad_shard 1) "
+                  "together with {what}: there DP runs on FSDP2 or its replicate, whose parameters are DTensors, "
+                  "and ZeroRedundancyOptimizer broadcasts plain tensors; use grad_shard {dp} (ZeRO-2) or optim_shard 1")
 
 
 def _sum_all_reduce_hook(group, bucket):
     """DDP comm hook: all-reduce the bucket with SUM and no division (the loss is already globally scaled)."""
     work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _dp_axes(plan, component: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The DP part of a DeviceMesh: sizes and names. HSDP is row-major (replicate, shard), so that shard
+    groups are consecutive DP positions, runners/mesh.py's layout."""
+    if component == "hsdp":
+        return (plan.dp // plan.param_shard, plan.param_shard), ("replicate", "shard")
+    return (plan.dp,), ("dp",)
+
+
+def ddp_sum(module: nn.Module, *, plan, device: torch.device, group) -> nn.Module:
+    """DDP over `group` (None: the world) that sums gradients; the plan's bucket size, and gradients as
+    views into the buckets (no second gradient copy, like our flat buffers)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(module, device_ids=[device.index] if device.type == "cuda" else None, process_group=group,
+                bucket_cap_mb=plan.bucket_size_bytes / 2**20, gradient_as_bucket_view=True)
+    model.register_comm_hook(state=group, hook=_sum_all_reduce_hook)
+    return model
+
+
+def replicate_sum(module: nn.Module, *, mesh) -> None:
+    """torch's FSDP2-based DDP (replicate) in place, summing gradients."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    replicate(module, mesh=mesh)
+    module.set_gradient_divide_factor(1.0)
+    module.set_force_sum_reduction_for_comms(True)
+
+
+def zero_redundancy_adam(params, *, lr: float, group):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(list(params), optimizer_class=torch.optim.Adam, process_group=group, lr=lr,
+                                   betas=ADAM_BETAS, eps=ADAM_EPS)
+
+
+def fully_shard_units(root: nn.Module, groups: list[list[nn.Module]], *, mesh, reshard: bool,
+                      dtype: torch.dtype) -> None:
+    """FSDP2 in place: one group per unit (our engine's sharding granularity), then the root; gradients
+    summed (module docstring, "Gradient scale"); bf16/fp16 compute over fp32 master weights and reduction."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp_policy = MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32)
+    for group in groups:
+        fully_shard(group if len(group) > 1 else group[0], mesh=mesh, reshard_after_forward=reshard,
+                    mp_policy=mp_policy)
+    fully_shard(root, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+    for module in root.modules():  # both setters act on one module's FSDP state only
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def TorchTrainer(cfg, *, device: torch.device):  # noqa: N802 (the trainer class name train() imports)
@@ -167,6 +222,10 @@ class TorchDataParallelTrainer:
         self.holds_loss = self.mesh.tp_rank == 0
         if self.strategy == "tp":
             self.model, self.optimizer = chunk, self._adam(chunk.parameters())
+        elif self.strategy == "ddp" and self.plan.tp > 1:
+            # DDP's reducer takes plain tensors; torch's FSDP2-based DDP (replicate) takes DTensor parameters.
+            replicate_sum(chunk, mesh=self.mesh.dp_mesh)
+            self.model, self.optimizer = chunk, self._adam(chunk.parameters())
         elif self.strategy in ("ddp", "zero1"):
             self.model, self.optimizer = self._wrap_ddp(chunk)
         else:
@@ -176,11 +235,7 @@ class TorchDataParallelTrainer:
         from torch.distributed.device_mesh import init_device_mesh
 
         plan = self.plan
-        if self.strategy == "hsdp":
-            # Row-major (replicate, shard): shard groups are consecutive ranks, runners/mesh.py's layout.
-            shape, names = (plan.dp // plan.param_shard, plan.param_shard), ("replicate", "shard")
-        else:
-            shape, names = (plan.dp,), ("dp",)
+        shape, names = _dp_axes(plan, self.strategy)
         if plan.tp > 1:  # TP innermost, as runners/mesh.py: rank = dp_rank * tp + tp_rank
             shape, names = shape + (plan.tp,), names + ("tp",)
         mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
@@ -193,45 +248,25 @@ class TorchDataParallelTrainer:
         return torch.optim.Adam(params, lr=self.cfg.lr, betas=ADAM_BETAS, eps=ADAM_EPS)
 
     def _wrap_ddp(self, chunk: nn.Module):
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        # The plan's bucket size, and gradients as views into the buckets (no second gradient copy, like
-        # our flat buffers).
-        model = DDP(chunk, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                    bucket_cap_mb=self.plan.bucket_size_bytes / 2**20, gradient_as_bucket_view=True)
-        model.register_comm_hook(state=None, hook=_sum_all_reduce_hook)
+        model = ddp_sum(chunk, plan=self.plan, device=self.device, group=None)
         if self.strategy == "ddp":
             return model, self._adam(chunk.parameters())
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        optimizer = ZeroRedundancyOptimizer(chunk.parameters(), optimizer_class=torch.optim.Adam, lr=self.cfg.lr,
-                                            betas=ADAM_BETAS, eps=ADAM_EPS)
-        return model, optimizer
+        return model, zero_redundancy_adam(chunk.parameters(), lr=self.cfg.lr, group=None)
 
     def _wrap_fsdp(self, chunk: nn.Module):
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        mp_policy = MixedPrecisionPolicy(param_dtype=None if self.dtype == torch.float32 else self.dtype,
-                                         reduce_dtype=torch.float32)
-        reshard = self.strategy != "zero2"
-        mesh = self.mesh.dp_mesh  # TP parameters are DTensors on the TP sub-mesh: FSDP2 shards them 2-D
-        # One FSDP group per unit, our engine's sharding granularity; a tied embedding and head share one
-        # Parameter, which must live in one group.
+        # A tied embedding and head share one Parameter, which must live in one FSDP group.
         units = list(chunk.units)
         groups = [[units[0], units[-1]]] + [[u] for u in units[1:-1]] if self.tied else [[u] for u in units]
-        for group in groups:
-            fully_shard(group if len(group) > 1 else group[0], mesh=mesh, reshard_after_forward=reshard,
-                        mp_policy=mp_policy)
-        fully_shard(chunk, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
-        for module in chunk.modules():  # both setters act on one module's FSDP state only
-            if hasattr(module, "set_gradient_divide_factor"):
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)
+        # TP parameters are DTensors on the TP sub-mesh: FSDP2 on the DP sub-mesh shards them 2-D.
+        fully_shard_units(chunk, groups, mesh=self.mesh.dp_mesh, reshard=self.strategy != "zero2", dtype=self.dtype)
         return chunk, self._adam(chunk.parameters())
 
     # --- the step ------------------------------------------------------------------------------
     def _micro_batch_context(self, index: int, count: int):
         last = index == count - 1
+        if self.strategy == "ddp" and self.plan.tp > 1:  # replicate: one all-reduce after the last micro-batch
+            self.model.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
         if self.strategy in ("ddp", "zero1"):
             return contextlib.nullcontext() if last else self.model.no_sync()
         if self.strategy == "tp":
@@ -278,30 +313,51 @@ class TorchDataParallelTrainer:
 
 
 # --- pipeline parallelism ---------------------------------------------------------------------------------
+class _Logits(nn.Module):
+    """The head's projection alone (its loss is the schedule's loss_fn), as a module so that FSDP2's hooks
+    gather its weight."""
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.weight = head.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight)  # tp 1: LMHead's enter_tp_region is the identity
+
+
 class _Stage(nn.Module):
     """A model chunk as torch.distributed.pipelining wants it: tensors in, tensors out. The last chunk's
     head stops at the logits; the loss (the head's own cross_entropy_sum times loss_scale) is the
     schedule's loss_fn, so the arithmetic is the head's."""
 
     def __init__(self, chunk: nn.Module) -> None:
-        super().__init__()
-        self.chunk = chunk
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
         from runners.model import LMHead
 
-        for unit in self.chunk.units:  # tp 1: LMHead's enter_tp_region is the identity
-            x = torch.nn.functional.linear(x, unit.weight) if isinstance(unit, LMHead) else unit(x)
+        super().__init__()
+        self.units = nn.ModuleList(_Logits(u) if isinstance(u, LMHead) else u for u in chunk.units)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for unit in self.units:
+            x = unit(x)
         return x
 
 
 class TorchPipelineTrainer:
-    """pp > 1, dp 1, tp 1 on torch.distributed.pipelining: a PipelineStage per local chunk (chunk c on
+    """pp > 1, tp 1 on torch.distributed.pipelining: a PipelineStage per local chunk (chunk c on pipeline
     rank c % pp, torch's looped placement and ours) under ScheduleGPipe, Schedule1F1B or
     ScheduleInterleaved1F1B. scale_grads=False: the loss is already scaled by 1 / global tokens, so the
     micro-batch gradients are summed, as ours. torch's schedules order their actions themselves (e.g. its
     interleaved warm-up), so the step's work is the plan's but its order may differ from
-    cost_models.schedule.rank_actions."""
+    cost_models.schedule.rank_actions.
+
+    dp > 1, as torchtitan composes them: a 2-D (pp, dp) DeviceMesh (3-D (pp, replicate, shard) for HSDP),
+    rank = pp_rank * dp + dp_rank as runners/mesh.py, and each stage's module wrapped over the DP
+    sub-mesh before it becomes a PipelineStage: DDP (ZeRO-0; ZeRO-1 adds ZeroRedundancyOptimizer over the DP
+    group) with the summing comm hook, or FSDP2 per unit (ZeRO-2/3, HSDP) with sum reduction. torch's
+    PipelineStage drives both itself: DDP under no_sync until the step's last backward, FSDP2 with
+    gradient sync off until all micro-batches are done (perform_reduce_grad). So under the pipeline FSDP2
+    reduce-scatters once per step and a rank holds its stage's full gradient meanwhile, unlike ours
+    (and unlike FSDP2 without a pipeline here), whose s_g promise holds per micro-batch."""
 
     comm_counted = False
 
@@ -313,6 +369,7 @@ class TorchPipelineTrainer:
         from runners.train import build_local_chunks, compute_dtype
 
         self.cfg, self.plan, self.device = cfg, cfg.plan, device
+        plan = self.plan
         if cfg.model.tied_embeddings:
             raise PlannerError("--engine torch cannot pipeline a model with tied embeddings (torch's schedules do "
                                "not sum the first and last stages' copies); use pp 1 or an untied model")
@@ -321,24 +378,45 @@ class TorchPipelineTrainer:
                                f"got precision {cfg.job.precision}")
         ranks_per_node = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         self.comm = Comm(ranks_per_node=ranks_per_node)
-        device_mesh = init_device_mesh(device.type, (self.plan.pp,), mesh_dim_names=("pp",))
+        self.component = dp_component(plan) if plan.dp > 1 else None
+        dp_shape, dp_names = _dp_axes(plan, self.component) if plan.dp > 1 else ((), ())
+        device_mesh = init_device_mesh(device.type, (plan.pp,) + dp_shape, mesh_dim_names=("pp",) + dp_names)
         rank = dist.get_rank()
-        self.mesh = TorchMesh(rank=rank, dp=1, dp_rank=0, device_mesh=device_mesh, pp_rank=rank)
-        self.chunk_ids, self.chunks = build_local_chunks(cfg, pp_rank=rank, tp=TPContext.single(), device=device)
-        num_chunks = self.plan.num_chunks
+        self.mesh = TorchMesh(rank=rank, dp=plan.dp, dp_rank=rank % plan.dp, device_mesh=device_mesh,
+                              pp_rank=rank // plan.dp, dp_mesh=device_mesh[dp_names] if dp_names else None)
+        self.chunk_ids, chunks = build_local_chunks(cfg, pp_rank=self.mesh.pp_rank, tp=TPContext.single(),
+                                                    device=device)
+        num_chunks = plan.num_chunks
         self.holds_first, self.holds_last = self.chunk_ids[0] == 0, self.chunk_ids[-1] == num_chunks - 1
+        self.modules = [_Stage(chunk) for chunk in chunks]
+        # FSDP2 swaps parameters for DTensors, dropping our attributes: take names first.
+        self.names = [{name: p.canonical_name for name, p in m.named_parameters()} for m in self.modules]
         group = device_mesh.get_group("pp")
-        stages = [PipelineStage(_Stage(chunk), c, num_chunks, device, group=group)
-                  for c, chunk in zip(self.chunk_ids, self.chunks)]
+        stages = [PipelineStage(self._wrap(m), c, num_chunks, device, group=group)
+                  for c, m in zip(self.chunk_ids, self.modules)]
         loss_scale = 1.0 / (cfg.job.global_batch * cfg.job.seq_len)
-        n = self.plan.num_micro_batches
-        if self.plan.schedule == "interleaved-1f1b":
+        n = plan.num_micro_batches
+        if plan.schedule == "interleaved-1f1b":
             self.schedule = ScheduleInterleaved1F1B(stages, n, loss_fn=_loss_fn(loss_scale), scale_grads=False)
         else:
-            kind = ScheduleGPipe if self.plan.schedule == "gpipe" else Schedule1F1B
+            kind = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
             self.schedule = kind(stages[0], n, loss_fn=_loss_fn(loss_scale), scale_grads=False)
-        params = [p for chunk in self.chunks for p in chunk.parameters()]
-        self.optimizer = torch.optim.Adam(params, lr=cfg.lr, betas=ADAM_BETAS, eps=ADAM_EPS)
+        params = [p for m in self.modules for p in m.parameters()]
+        if self.component == "zero1":
+            self.optimizer = zero_redundancy_adam(params, lr=cfg.lr, group=self.mesh.dp_mesh.get_group())
+        else:
+            self.optimizer = torch.optim.Adam(params, lr=cfg.lr, betas=ADAM_BETAS, eps=ADAM_EPS)
+
+    def _wrap(self, module: _Stage) -> nn.Module:
+        """The stage's module under the plan's DP component (itself when dp is 1)."""
+        if self.component is None:
+            return module
+        if self.component in ("ddp", "zero1"):
+            replicate_sum(module, mesh=self.mesh.dp_mesh)
+            return module
+        fully_shard_units(module, [[u] for u in module.units], mesh=self.mesh.dp_mesh,
+                          reshard=self.component != "zero2", dtype=torch.float32)
+        return module
 
     def forward_backward(self, micro_batches) -> float:
         """Run the schedule over the step's micro-batches; the sum of the losses on the last stage, else 0."""
@@ -352,13 +430,17 @@ class TorchPipelineTrainer:
     def step(self, micro_batches) -> float:
         total = self.forward_backward(micro_batches)
         self.optimizer.step()
-        for chunk in self.chunks:
-            chunk.zero_grad(set_to_none=True)
+        for module in self.modules:
+            module.zero_grad(set_to_none=True)
         return total
 
     def _gather_by_name(self, pick) -> dict[str, torch.Tensor]:
-        local = {p.canonical_name: pick(p).detach().float().cpu().clone()
-                 for chunk in self.chunks for p in chunk.parameters()}
+        local = {}
+        for module, names in zip(self.modules, self.names):
+            for name, param in module.named_parameters():
+                tensor = pick(param)
+                full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # FSDP2 shards
+                local[names[name]] = full.detach().float().cpu().clone()
         gathered: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
         dist.all_gather_object(gathered, local)
         merged: dict[str, torch.Tensor] = {}
@@ -368,7 +450,7 @@ class TorchPipelineTrainer:
         return merged
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter under its one-process name, gathered over the pipeline ranks."""
+        """Every parameter under its one-process name, gathered over the pipeline (and DP) ranks."""
         return self._gather_by_name(lambda p: p)
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
