@@ -100,9 +100,6 @@ def torch_strategy(plan) -> str:
         raise PlannerError("--engine torch has no commshift (torch's schedules reduce gradients outside the "
                            "pipeline); drop commshift")
     if plan.pp > 1:
-        if plan.tp > 1:
-            raise PlannerError(f"--engine torch does not combine pipeline (pp {plan.pp}) with tensor parallelism "
-                               f"(tp {plan.tp}): PipelineStage would exchange DTensor activations; use tp 1 or pp 1")
         if plan.dp > 1 and dp_component(plan) == "zero1":
             raise PlannerError(_ZERO1_DTENSOR.format(what=f"pipeline parallelism (pp {plan.pp})", dp=plan.dp))
         return "pipeline"
@@ -326,24 +323,36 @@ class _Logits(nn.Module):
 
 
 class _Stage(nn.Module):
-    """A model chunk as torch.distributed.pipelining wants it: tensors in, tensors out. The last chunk's
-    head stops at the logits; the loss (the head's own cross_entropy_sum times loss_scale) is the
-    schedule's loss_fn, so the arithmetic is the head's."""
+    """A model chunk as torch.distributed.pipelining wants it: plain tensors in, plain tensors out. The last
+    chunk's head stops at the logits; the loss (the head's own cross_entropy_sum times loss_scale) is the
+    schedule's loss_fn, so the arithmetic is the head's.
 
-    def __init__(self, chunk: nn.Module) -> None:
+    Under tensor parallelism (a torch_native_chunk) the stages exchange local tensors: a DTensor leaving
+    the stage (the Shard(0) residual stream under sequence parallelism, the Shard(-1) logits) is sent as
+    its local shard, and a later stage re-wraps its input as Shard(0) under sequence parallelism."""
+
+    def __init__(self, chunk: nn.Module, *, first: bool, tp_mesh=None, sequence_parallel: bool = False) -> None:
         from runners.model import LMHead
+        from runners.torch_tp import TorchHead
 
         super().__init__()
-        self.units = nn.ModuleList(_Logits(u) if isinstance(u, LMHead) else u for u in chunk.units)
+        self.units = nn.ModuleList(_Logits(u) if isinstance(u, LMHead) else u.proj if isinstance(u, TorchHead) else u
+                                   for u in chunk.units)
+        self.tp_mesh = tp_mesh
+        self.rewrap_input = sequence_parallel and not first
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rewrap_input:
+            from torch.distributed.tensor import DTensor, Shard
+
+            x = DTensor.from_local(x, self.tp_mesh, [Shard(0)], run_check=False)
         for unit in self.units:
             x = unit(x)
-        return x
+        return x.to_local() if hasattr(x, "to_local") else x
 
 
 class TorchPipelineTrainer:
-    """pp > 1, tp 1 on torch.distributed.pipelining: a PipelineStage per local chunk (chunk c on pipeline
+    """pp > 1 on torch.distributed.pipelining: a PipelineStage per local chunk (chunk c on pipeline
     rank c % pp, torch's looped placement and ours) under ScheduleGPipe, Schedule1F1B or
     ScheduleInterleaved1F1B. scale_grads=False: the loss is already scaled by 1 / global tokens, so the
     micro-batch gradients are summed, as ours. torch's schedules order their actions themselves (e.g. its
@@ -357,7 +366,12 @@ class TorchPipelineTrainer:
     PipelineStage drives both itself: DDP under no_sync until the step's last backward, FSDP2 with
     gradient sync off until all micro-batches are done (perform_reduce_grad). So under the pipeline FSDP2
     reduce-scatters once per step and a rank holds its stage's full gradient meanwhile, unlike ours
-    (and unlike FSDP2 without a pipeline here), whose s_g promise holds per micro-batch."""
+    (and unlike FSDP2 without a pipeline here), whose s_g promise holds per micro-batch.
+
+    tp > 1: TP innermost in the mesh ((pp, dp, tp), rank = (pp_rank * dp + dp_rank) * tp + tp_rank), each
+    chunk a torch_native_chunk sharded by runners.torch_tp.parallelize_chunk before DP wraps it; the
+    stages exchange local shards (see _Stage) and the loss is loss_parallel's on the re-wrapped Shard(-1)
+    logits, the schedule's step running inside loss_parallel()."""
 
     comm_counted = False
 
@@ -380,27 +394,42 @@ class TorchPipelineTrainer:
         self.comm = Comm(ranks_per_node=ranks_per_node)
         self.component = dp_component(plan) if plan.dp > 1 else None
         dp_shape, dp_names = _dp_axes(plan, self.component) if plan.dp > 1 else ((), ())
-        device_mesh = init_device_mesh(device.type, (plan.pp,) + dp_shape, mesh_dim_names=("pp",) + dp_names)
+        tp_shape, tp_names = ((plan.tp,), ("tp",)) if plan.tp > 1 else ((), ())
+        device_mesh = init_device_mesh(device.type, (plan.pp,) + dp_shape + tp_shape,
+                                       mesh_dim_names=("pp",) + dp_names + tp_names)
         rank = dist.get_rank()
-        self.mesh = TorchMesh(rank=rank, dp=plan.dp, dp_rank=rank % plan.dp, device_mesh=device_mesh,
-                              pp_rank=rank // plan.dp, dp_mesh=device_mesh[dp_names] if dp_names else None)
+        self.mesh = TorchMesh(rank=rank, dp=plan.dp, dp_rank=(rank // plan.tp) % plan.dp, device_mesh=device_mesh,
+                              tp_rank=rank % plan.tp, pp_rank=rank // (plan.tp * plan.dp),
+                              dp_mesh=device_mesh[dp_names] if dp_names else None,
+                              tp_mesh=device_mesh["tp"] if tp_names else None)
         self.chunk_ids, chunks = build_local_chunks(cfg, pp_rank=self.mesh.pp_rank, tp=TPContext.single(),
                                                     device=device)
         num_chunks = plan.num_chunks
         self.holds_first, self.holds_last = self.chunk_ids[0] == 0, self.chunk_ids[-1] == num_chunks - 1
-        self.modules = [_Stage(chunk) for chunk in chunks]
-        # FSDP2 swaps parameters for DTensors, dropping our attributes: take names first.
+        if plan.tp > 1:
+            from runners.torch_tp import torch_native_chunk
+
+            chunks = [torch_native_chunk(chunk) for chunk in chunks]
+        self.modules = [_Stage(chunk, first=c == 0, tp_mesh=self.mesh.tp_mesh, sequence_parallel=plan.sequence_parallel)
+                        for c, chunk in zip(self.chunk_ids, chunks)]
+        # DTensor and FSDP2 swap parameters for new ones, dropping our attributes: take names first.
         self.names = [{name: p.canonical_name for name, p in m.named_parameters()} for m in self.modules]
+        if plan.tp > 1:
+            from runners.torch_tp import parallelize_chunk
+
+            for chunk in chunks:  # in place: the stages hold the same unit modules
+                parallelize_chunk(chunk, tp_mesh=self.mesh.tp_mesh, sequence_parallel=plan.sequence_parallel)
         group = device_mesh.get_group("pp")
         stages = [PipelineStage(self._wrap(m), c, num_chunks, device, group=group)
                   for c, m in zip(self.chunk_ids, self.modules)]
         loss_scale = 1.0 / (cfg.job.global_batch * cfg.job.seq_len)
         n = plan.num_micro_batches
+        loss_fn = _loss_fn(loss_scale, tp_mesh=self.mesh.tp_mesh)
         if plan.schedule == "interleaved-1f1b":
-            self.schedule = ScheduleInterleaved1F1B(stages, n, loss_fn=_loss_fn(loss_scale), scale_grads=False)
+            self.schedule = ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn, scale_grads=False)
         else:
             kind = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
-            self.schedule = kind(stages[0], n, loss_fn=_loss_fn(loss_scale), scale_grads=False)
+            self.schedule = kind(stages[0], n, loss_fn=loss_fn, scale_grads=False)
         params = [p for m in self.modules for p in m.parameters()]
         if self.component == "zero1":
             self.optimizer = zero_redundancy_adam(params, lr=cfg.lr, group=self.mesh.dp_mesh.get_group())
@@ -424,8 +453,10 @@ class TorchPipelineTrainer:
         targets = torch.cat([t for _, t in micro_batches])
         losses: list[torch.Tensor] = []
         args = (tokens,) if self.holds_first else ()
-        self.schedule.step(*args, target=targets if self.holds_last else None, losses=losses, return_outputs=False)
-        return float(sum(loss.item() for loss in losses)) if self.holds_last else 0.0
+        with _loss_parallel(self.plan):
+            self.schedule.step(*args, target=targets if self.holds_last else None, losses=losses, return_outputs=False)
+        # The TP ranks of the last stage hold one loss between them.
+        return float(sum(loss.item() for loss in losses)) if self.holds_last and self.mesh.tp_rank == 0 else 0.0
 
     def step(self, micro_batches) -> float:
         total = self.forward_backward(micro_batches)
@@ -466,13 +497,21 @@ def _loss_parallel(plan):
     return loss_parallel()
 
 
-def _loss_fn(loss_scale: float):
-    """The head's loss on the logits [s, b, V] and targets [b, s]."""
+def _loss_fn(loss_scale: float, *, tp_mesh=None):
+    """The head's loss on the logits [s, b, V] (this TP rank's vocabulary shard [s, b, V / tp] under
+    tp_mesh: torch's vocab-parallel cross entropy, inside loss_parallel()) and targets [b, s]."""
     from runners.tensor_parallel import TPContext, cross_entropy_sum
 
     single = TPContext.single()
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return cross_entropy_sum(logits, targets.t(), vocab_start=0, tp=single) * loss_scale
+        if tp_mesh is None:
+            return cross_entropy_sum(logits, targets.t(), vocab_start=0, tp=single) * loss_scale
+        from torch.distributed.tensor import DTensor, Shard
+
+        sharded = DTensor.from_local(logits, tp_mesh, [Shard(2)], run_check=False)
+        flat = sharded.float().reshape(-1, sharded.shape[-1])
+        loss = torch.nn.functional.cross_entropy(flat, targets.t().reshape(-1), reduction="sum") * loss_scale
+        return loss.to_local()
 
     return loss_fn
