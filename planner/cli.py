@@ -10,6 +10,7 @@ becomes one line on stderr and exit code 2, never a traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -629,7 +630,8 @@ def calibrate_command(
         with err_console.status("fitting"):
             result = calibrate(report["plans"], problem, parameters=names, held_out_every=held_out_every,
                                fit_memory=memory)
-        with_calibration(problem.cluster.hardware, result.calibration).save(target)
+        calibrated = with_calibration(problem.cluster.hardware, result.calibration)
+        dataclasses.replace(calibrated, calibrated_from_runs=len(result.fit_labels)).save(target)
     if fmt is OutputFormat.json:
         print_json({"out": target, **result.to_dict()})
         return
@@ -747,9 +749,13 @@ def tune_command(
     steps: Annotated[int, typer.Option("--steps", help="Steps to train the best plan.")] = 8,
     profile_file: Annotated[Optional[str], typer.Option("--profile", help="Use this profile instead of the cache.")] = None,
     refresh_profile: Annotated[bool, typer.Option("--refresh-profile", help="Measure the profile again.")] = False,
+    calibrate: Annotated[bool, typer.Option("--calibrate/--no-calibrate",
+                                            help="Fit a never-calibrated profile to a few timed plans first.")] = True,
+    recalibrate: Annotated[bool, typer.Option("--recalibrate", help="Fit the profile to timed plans again.")] = False,
     fmt: FormatOpt = OutputFormat.table,
 ) -> None:
-    """Profile (or reuse the cached profile), search, train the best plan, report measured against predicted.
+    """Profile (or reuse the cached profile), calibrate it once, search, train the best plan, report measured
+    against predicted.
 
     With no arguments: the tiny model on 2 local CPU processes.
 
@@ -763,7 +769,8 @@ def tune_command(
 
     with _BadInput():
         settings = TuneSettings(model=model, nproc=nproc, global_batch=global_batch, seq_len=seq_len,
-                                precision=precision, steps=steps, profile=profile_file, refresh_profile=refresh_profile)
+                                precision=precision, steps=steps, profile=profile_file, refresh_profile=refresh_profile,
+                                calibrate=calibrate, recalibrate=recalibrate)
         bar, update = _stage_progress(fmt is OutputFormat.json)
         try:
             with bar:

@@ -9,12 +9,22 @@ against predicted.
 The profile is cached in ~/.cache/planner/ (or $PLANNER_CACHE_DIR) under the host name and process
 count, since both change what one process can do; `planner calibrate` results written into that file
 are used by the next tune's search.
+
+Closing the loop: the profile's probes fit the CPU's per-op cost, compute slowdown and overlap from one
+layer (profilers/layer_probe.py), but not what a whole engine step adds (hooks, the optimizer step,
+collectives under load). So when the profile has never been fitted to training runs, tune times a
+handful of real plans first (the search's top 3 and the validation spread, CALIBRATION_PLANS in all) in
+one batched, interleaved torchrun launch (planner/validate.py), fits CALIBRATION_PARAMETERS to them by
+least squares (planner/calibrate.py), writes the result into the profile, and searches on the
+calibrated profile. The next tune reuses it (`--no-calibrate` skips the step; `--recalibrate` redoes it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +33,11 @@ from typing import Callable
 from planner.errors import PlannerError
 
 Progress = Callable[[str, int, "int | None", str], None]
+
+# Plans timed to calibrate, and the parameters fitted to them: few enough for ~8 plans to pin down, and
+# the ones the probes leave out (a step's fixed cost, collectives under load) or may misjudge.
+CALIBRATION_PLANS = 8
+CALIBRATION_PARAMETERS = ("compute_time_scale", "op_overhead_s", "collective_overhead_s", "step_overhead_s")
 
 
 def _no_progress(stage: str, done: int, total: int | None, label: str) -> None:
@@ -42,6 +57,8 @@ class TuneSettings:
     cache_dir: str | None = None
     seed: int = 0
     timeout_s: float = 300.0
+    calibrate: bool = True  # fit the profile to timed runs when it never was
+    recalibrate: bool = False  # fit it again even if it was
 
     def __post_init__(self) -> None:
         if self.nproc < 2:
@@ -83,6 +100,46 @@ def ensure_profile(settings: TuneSettings, *, progress: Progress = _no_progress)
     return str(path), False
 
 
+def calibrate_profile(profile: str, settings: TuneSettings, *, progress: Progress = _no_progress) -> dict:
+    """Time CALIBRATION_PLANS plans in one batched interleaved run, fit CALIBRATION_PARAMETERS to them,
+    and write the calibrated profile back to `profile`; returns what was fitted and how well."""
+    from cost_models.estimate import estimate
+    from planner.calibrate import fit_time_parameters
+    from planner.validate import ValidateSettings, candidate_plans, measure_step_times_batched
+    from profilers.hardware import resolve_hardware, with_calibration
+
+    vs = ValidateSettings(model=settings.model, hardware=profile, nproc=settings.nproc,
+                          global_batch=settings.global_batch, seq_len=settings.seq_len,
+                          precision=settings.precision or _default_precision(profile), seed=settings.seed,
+                          timeout_s=settings.timeout_s)
+    problem = vs.problem()
+    entries = candidate_plans(problem, top_k=3, max_plans=CALIBRATION_PLANS)
+    progress("calibrate", 0, None, f"timing {len(entries)} plans")
+    times = measure_step_times_batched(entries, vs, rounds=2, steps_per_round=3,
+                                       progress=lambda done, total, label: progress("calibrate", done, total, label))
+    rows = [{"label": e.label, "plan": e.plan.to_dict(), "status": "ok", "measured_step_time_s": statistics.median(t)}
+            for e, t in zip(entries, times) if t]
+    parameters = CALIBRATION_PARAMETERS[:max(1, min(len(CALIBRATION_PARAMETERS), len(rows) - 1))]
+    calibration, _ = fit_time_parameters(rows, problem, parameters=parameters)
+    hardware = resolve_hardware(profile)
+    calibrated = dataclasses.replace(with_calibration(hardware, calibration), calibrated_from_runs=len(rows))
+
+    def mape(hw) -> float:
+        cluster = dataclasses.replace(problem.cluster, hardware=hw)
+        return statistics.fmean(abs(estimate(e.plan, model=problem.model, cluster=cluster, job=problem.job).step_time_s
+                                    / r["measured_step_time_s"] - 1) for e, r in zip(entries, rows))
+
+    before, after = mape(hardware), mape(calibrated)
+    calibrated.save(profile)
+    return {"num_plans": len(rows), "parameters": calibration, "mape_before": before, "mape_after": after}
+
+
+def _default_precision(profile: str) -> str:
+    from profilers.hardware import resolve_hardware
+
+    return "fp32" if resolve_hardware(profile).device_type == "cpu" else "bf16"
+
+
 def tune(settings: TuneSettings = TuneSettings(), *, progress: Progress = _no_progress,
          on_step: Callable[[dict], None] | None = None) -> dict:
     """Profile, search, run the winner, and return the report (see `report_lines`)."""
@@ -91,9 +148,15 @@ def tune(settings: TuneSettings = TuneSettings(), *, progress: Progress = _no_pr
     from runners.launch import launch
     from runners.train import RunConfig
 
+    from profilers.hardware import resolve_hardware
+
     start = time.perf_counter()
     profile, reused = ensure_profile(settings, progress=progress)
     profiled = time.perf_counter()
+    calibration = None
+    if settings.recalibrate or (settings.calibrate and resolve_hardware(profile).calibrated_from_runs == 0):
+        calibration = calibrate_profile(profile, settings, progress=progress)
+    calibrated_at = time.perf_counter()
     progress("search", 0, None, "searching")
     problem = make_problem(model=settings.model, hardware=profile, gpus=settings.nproc, gpus_per_node=settings.nproc,
                            global_batch=settings.global_batch, seq_len=settings.seq_len, precision=settings.precision)
@@ -109,13 +172,15 @@ def tune(settings: TuneSettings = TuneSettings(), *, progress: Progress = _no_pr
     done = time.perf_counter()
     predicted, summary = winner.estimate, metrics["summary"]
     return {
-        "profile": profile, "profile_reused": reused, "calibrated": bool(problem.cluster.hardware.calibration),
+        "profile": profile, "profile_reused": reused,
+        "calibrated_from_runs": problem.cluster.hardware.calibrated_from_runs, "calibration": calibration,
         "plan": winner.plan.to_dict(), "describe": winner.plan.describe(),
         "runner_up": [c.plan.describe() for c in result.candidates[1:3]],
         "predicted": predicted.to_dict(), "measured": summary, "losses": [s["loss"] for s in metrics["steps"]],
         "step_time_ratio": summary["median_step_time_s"] / predicted.step_time_s,
         "memory_ratio": summary["peak_memory_bytes"] / predicted.peak_memory_bytes,
-        "profile_time_s": profiled - start, "search_time_s": searched - profiled, "run_time_s": done - searched,
+        "profile_time_s": profiled - start, "calibrate_time_s": calibrated_at - profiled,
+        "search_time_s": searched - calibrated_at, "run_time_s": done - searched,
         "total_time_s": done - start,
     }
 
@@ -123,9 +188,10 @@ def tune(settings: TuneSettings = TuneSettings(), *, progress: Progress = _no_pr
 def report_lines(report: dict) -> list[str]:
     """The terminal summary of a tune report."""
     p, m = report["predicted"], report["measured"]
+    fitted = report["calibrated_from_runs"]
     lines = [
         f"profile: {report['profile']} ({'reused' if report['profile_reused'] else 'measured now'}"
-        f"{', calibrated' if report['calibrated'] else ', not calibrated'}) in {report['profile_time_s']:.1f} s",
+        f"{f', calibrated on {fitted} timed plans' if fitted else ', probes only'}) in {report['profile_time_s']:.1f} s",
         f"best plan: {report['describe']} (searched in {report['search_time_s']:.1f} s)",
         f"trained {len(report['losses'])} steps in {report['run_time_s']:.1f} s: loss {report['losses'][0]:.4f} -> "
         f"{report['losses'][-1]:.4f}",
@@ -135,7 +201,12 @@ def report_lines(report: dict) -> list[str]:
         f"{p['peak_memory_bytes'] / 2**20:.1f} MiB (measured / predicted {report['memory_ratio']:.2f})",
         f"total {report['total_time_s']:.1f} s",
     ]
-    if not report["calibrated"] and abs(report["step_time_ratio"] - 1) > 0.2:
-        lines.append("the uncalibrated profile misses CPU-side overheads; fit them with `planner validate --hardware "
-                     f"{report['profile']} --out v.json` then `planner calibrate --measurements v.json`")
+    if report["calibration"] is not None:
+        c = report["calibration"]
+        lines.insert(1, f"calibrated on {c['num_plans']} timed plans in {report['calibrate_time_s']:.1f} s: "
+                        f"their mean |error| {c['mape_before']:.0%} -> {c['mape_after']:.0%} ("
+                        + ", ".join(f"{k} {v:.3g}" for k, v in c["parameters"].items()) + ")")
+    if not fitted and abs(report["step_time_ratio"] - 1) > 0.2:
+        lines.append("the profile was never fitted to training runs; run `planner tune --recalibrate`, or "
+                     f"`planner validate --hardware {report['profile']} --out v.json` then `planner calibrate`")
     return lines

@@ -116,6 +116,9 @@ class Hardware:
     layer_probe: tuple[LayerProbePoint, ...] = ()
     # The overlap probe (profilers/layer_probe.measure_overlap): compute_s, comm_s, both_s, efficiency.
     overlap_probe: dict[str, float] = field(default_factory=dict)
+    # Measured training runs the calibration was last fitted to (`planner calibrate`, `planner tune`);
+    # 0: only the profile's own probes.
+    calibrated_from_runs: int = 0
 
     def __post_init__(self) -> None:
         if self.device_type not in ("cuda", "cpu"):

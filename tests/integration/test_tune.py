@@ -7,7 +7,8 @@ import json
 from typer.testing import CliRunner
 
 from planner.cli import app
-from planner.tune import TuneSettings, cached_profile_path, ensure_profile
+from planner.tune import CALIBRATION_PARAMETERS, TuneSettings, cached_profile_path, ensure_profile
+from profilers.hardware import resolve_hardware
 
 runner = CliRunner()
 
@@ -23,6 +24,14 @@ def test_tune_profiles_searches_runs_and_reuses_the_cache(tmp_path, monkeypatch)
     assert len(report["losses"]) == 3 and report["measured"]["median_step_time_s"] > 0
     assert report["step_time_ratio"] == report["measured"]["median_step_time_s"] / report["predicted"]["step_time_s"]
     assert report["total_time_s"] < 300
+    # The fresh profile was fitted to timed plans before the search, and the fit is in the cache.
+    calibration = report["calibration"]
+    assert calibration["num_plans"] >= 4 and report["calibrated_from_runs"] == calibration["num_plans"]
+    assert set(calibration["parameters"]) <= set(CALIBRATION_PARAMETERS)
+    assert calibration["mape_after"] <= calibration["mape_before"] + 1e-9
+    hardware = resolve_hardware(str(cached))
+    assert hardware.calibrated_from_runs == calibration["num_plans"]
+    assert all(hardware.calibration[k] == v for k, v in calibration["parameters"].items())
     # The next tune finds the profile in the cache instead of measuring again.
     path, reused = ensure_profile(TuneSettings())
     assert reused and path == str(cached)
