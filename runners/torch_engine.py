@@ -1,4 +1,4 @@
-"""The same plan on torch's own data-parallel components, the baseline our engine is measured against.
+"""The same plan on torch's own parallel components, the baseline our engine is measured against.
 
     planner run --engine torch ...        (or RunConfig(engine="torch") under runners.train)
 
@@ -26,18 +26,36 @@ so that a rank never holds a full unsharded gradient, as the plan's s_g promises
 FSDP2 under bf16/fp16 uses MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=fp32): fp32 master
 weights and fp32 gradient reduction, as ours.
 
-Gradient scale: the head already divides by the global token count, so gradients must be *summed* over
-DP ranks. DDP and FSDP average by default. DDP gets a comm hook that all-reduces with SUM and no
-division; FSDP2 gets set_gradient_divide_factor(1.0) with set_force_sum_reduction_for_comms(True)
-(plain SUM collectives, and a division by 1 that FSDP skips). Both are exact: no rescaling happens.
+ZeRO-0 with tp > 1 runs on torch's FSDP2-based DDP (torch.distributed._composable.replicate_with_fsdp.replicate,
+the one PipelineStage also drives): DDP's reducer takes only plain tensors, and TP parameters are DTensors.
 
-Not expressible here, each rejected with a PlannerError naming the knob: tp > 1 (DTensor's
-parallelize_module needs nn.Linear modules; our units call F.linear on raw parameters and a torch-native
-twin of the block is not built), pp > 1 together with dp > 1, sharding points other than ZeRO-0..3 and
-HSDP, param_cache (MAZ3), commshift, and bf16/fp16 under DDP or pipelines (no fp32-master mode without
-FSDP; autocast's numerics differ from ours). Pipelines (pp > 1, dp 1) run on torch.distributed.pipelining
-(TorchPipelineTrainer below). Recomputation (full, selective, per layer) lives in the model code and runs
-unchanged.
+Tensor parallelism (tp > 1) is DTensor's (runners/torch_tp.py: torch's ColwiseParallel, RowwiseParallel,
+PrepareModuleInput, SequenceParallel and loss_parallel over an nn.Linear twin of our units holding the
+same seeded Parameters; that module says why a twin). Every TP collective is torch's. The mesh puts TP
+innermost, as runners/mesh.py: (dp, tp), (replicate, shard, tp) for HSDP, (pp, dp, tp) with pipelines,
+so each rank reads the data of the same DP position as under our engine. DP then wraps the TP model
+over the DP sub-mesh: FSDP2 (ZeRO-2/3, HSDP) shards the TP DTensors a second time, 2-D, as torchtitan's
+FSDP2 + TP. The TP ranks of a DP position compute one loss; only TP rank 0 reports it.
+
+Pipelines (pp > 1) run on torch.distributed.pipelining (TorchPipelineTrainer below), with DP over a 2-D
+(pp, dp) mesh as torchtitan composes them: each stage's module under replicate (ZeRO-0) or FSDP2 per
+unit (ZeRO-2/3, HSDP), which PipelineStage drives itself (gradient sync once, after the step's last
+micro-batch). DDP proper does not survive PipelineStage: its manual prepare_for_backward after no_sync
+micro-batches trips the reducer's bucket rebuild (an internal assert on torch 2.13).
+
+Gradient scale: the head already divides by the global token count, so gradients must be *summed* over
+DP ranks (and summed over micro-batches: the pipeline schedules get scale_grads=False). DDP and FSDP
+average by default. DDP gets a comm hook that all-reduces with SUM and no division; FSDP2 and replicate get
+set_gradient_divide_factor(1.0) with set_force_sum_reduction_for_comms(True) (plain SUM collectives, and a
+division by 1 that FSDP skips). Both are exact: no rescaling happens. Over TP, DTensor sums what must be
+summed (the input gradients of column-parallel GEMMs, replicated norm weights under sequence parallelism).
+
+Not expressible here, each rejected with a PlannerError naming the knob: sharding points other than
+ZeRO-0..3 and HSDP; ZeRO-1 together with tp > 1 or pp > 1 (there DP runs on FSDP2 or replicate, whose
+parameters are DTensors, which ZeroRedundancyOptimizer cannot broadcast); param_cache (MAZ3); commshift;
+tied embeddings under pipelines (torch's schedules do not sum the two stages' copies); and bf16/fp16
+without FSDP2 (DDP, ZeRO-1, replicate, TP alone, pipelines: no fp32-master mode; autocast's numerics differ
+from ours). Recomputation (full, selective, per layer) lives in the model code and runs unchanged.
 
 Mesh: torch's own init_device_mesh, not runners.mesh.build_mesh, so that the baseline shares no process
 group code with the engine it checks; FSDP2 needs a DeviceMesh anyway. Collectives go through torch, not
@@ -193,9 +211,9 @@ class TorchDataParallelTrainer:
         self.cfg, self.plan, self.device = cfg, cfg.plan, device
         self.strategy = torch_strategy(self.plan)
         self.dtype = compute_dtype(cfg)
-        if self.strategy in ("ddp", "zero1") and self.dtype != torch.float32:
+        if self.strategy in ("ddp", "zero1", "tp") and self.dtype != torch.float32:
             raise PlannerError(f"--engine torch runs {cfg.job.precision} only with sharded parameters or gradients "
-                               f"(FSDP2's mixed precision); DDP ({self.strategy}) needs precision fp32")
+                               f"(FSDP2's mixed precision); {self.strategy} needs precision fp32")
         ranks_per_node = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         self.comm = Comm(ranks_per_node=ranks_per_node)
         self.mesh = self._build_mesh()

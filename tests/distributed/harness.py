@@ -82,6 +82,21 @@ def run_plans(cfgs: list[RunConfig]) -> list[tuple[dict, dict[str, torch.Tensor]
     return results
 
 
+def cached_matrix_results(matrix: dict[int, dict], config_fn):
+    """A function (world, name) -> (metrics, params) for a test matrix {world size: {name: ...}}: the first
+    request for a world size trains all that size's plans, config_fn(world, name) each, on one set of
+    processes (start-up dominates these tiny runs); later requests read the cached result."""
+    by_world: dict[int, dict] = {}
+
+    def result(world: int, name: str) -> tuple[dict, dict[str, torch.Tensor]]:
+        if world not in by_world:
+            names = list(matrix[world])
+            by_world[world] = dict(zip(names, run_plans([config_fn(world, n) for n in names])))
+        return by_world[world][name]
+
+    return result
+
+
 def run_plan(cfg: RunConfig) -> tuple[dict, dict[str, torch.Tensor]]:
     return run_plans([cfg])[0]
 

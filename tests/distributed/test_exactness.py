@@ -7,7 +7,7 @@ trains 8 steps of the tiny model from the same seeded weights and data as the re
 import pytest
 
 from planner.plan import Plan
-from tests.distributed.harness import check_against_reference, run_plans, tiny_config
+from tests.distributed.harness import cached_matrix_results, check_against_reference, run_plans, tiny_config
 
 
 def _z(dp: int, s_p: int, s_g: int, s_os: int, **kw) -> Plan:
@@ -45,18 +45,13 @@ MATRIX = {
 RANKS_PER_NODE = {"hsdp-2x2": 2, "mixed-2-2-4": 2}
 
 CASES = [(world, name) for world, plans in MATRIX.items() for name in plans]
-_results: dict[int, dict] = {}
 
 
 def _config(world: int, name: str):
     return tiny_config(MATRIX[world][name], ranks_per_node=RANKS_PER_NODE.get(name, 0))
 
 
-def _result(world: int, name: str):
-    if world not in _results:
-        names = list(MATRIX[world])
-        _results[world] = dict(zip(names, run_plans([_config(world, n) for n in names])))
-    return _results[world][name]
+_result = cached_matrix_results(MATRIX, _config)
 
 
 @pytest.mark.parametrize("world,name", CASES, ids=[f"{w}procs-{n}" for w, n in CASES])
