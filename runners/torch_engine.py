@@ -148,14 +148,14 @@ def _dp_axes(plan, component: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
     return (plan.dp,), ("dp",)
 
 
-def ddp_sum(module: nn.Module, *, plan, device: torch.device, group) -> nn.Module:
-    """DDP over `group` (None: the world) that sums gradients; the plan's bucket size, and gradients as
-    views into the buckets (no second gradient copy, like our flat buffers)."""
+def ddp_sum(module: nn.Module, *, plan, device: torch.device) -> nn.Module:
+    """DDP over the world that sums gradients; the plan's bucket size, and gradients as views into the
+    buckets (no second gradient copy, like our flat buffers)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = DDP(module, device_ids=[device.index] if device.type == "cuda" else None, process_group=group,
+    model = DDP(module, device_ids=[device.index] if device.type == "cuda" else None,
                 bucket_cap_mb=plan.bucket_size_bytes / 2**20, gradient_as_bucket_view=True)
-    model.register_comm_hook(state=group, hook=_sum_all_reduce_hook)
+    model.register_comm_hook(state=None, hook=_sum_all_reduce_hook)
     return model
 
 
@@ -166,13 +166,6 @@ def replicate_sum(module: nn.Module, *, mesh) -> None:
     replicate(module, mesh=mesh)
     module.set_gradient_divide_factor(1.0)
     module.set_force_sum_reduction_for_comms(True)
-
-
-def zero_redundancy_adam(params, *, lr: float, group):
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return ZeroRedundancyOptimizer(list(params), optimizer_class=torch.optim.Adam, process_group=group, lr=lr,
-                                   betas=ADAM_BETAS, eps=ADAM_EPS)
 
 
 def fully_shard_units(root: nn.Module, groups: list[list[nn.Module]], *, mesh, reshard: bool,
@@ -263,10 +256,14 @@ class TorchDataParallelTrainer:
         return torch.optim.Adam(params, lr=self.cfg.lr, betas=ADAM_BETAS, eps=ADAM_EPS)
 
     def _wrap_ddp(self, chunk: nn.Module):
-        model = ddp_sum(chunk, plan=self.plan, device=self.device, group=None)
+        model = ddp_sum(chunk, plan=self.plan, device=self.device)
         if self.strategy == "ddp":
             return model, self._adam(chunk.parameters())
-        return model, zero_redundancy_adam(chunk.parameters(), lr=self.cfg.lr, group=None)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer = ZeroRedundancyOptimizer(chunk.parameters(), optimizer_class=torch.optim.Adam, lr=self.cfg.lr,
+                                            betas=ADAM_BETAS, eps=ADAM_EPS)
+        return model, optimizer
 
     def _wrap_fsdp(self, chunk: nn.Module):
         # A tied embedding and head share one Parameter, which must live in one FSDP group.
@@ -379,10 +376,9 @@ class TorchPipelineTrainer:
 
     dp > 1, as torchtitan composes them: a 2-D (pp, dp) DeviceMesh (3-D (pp, replicate, shard) for HSDP),
     rank = pp_rank * dp + dp_rank as runners/mesh.py, and each stage's module wrapped over the DP
-    sub-mesh before it becomes a PipelineStage: DDP (ZeRO-0; ZeRO-1 adds ZeroRedundancyOptimizer over the DP
-    group) with the summing comm hook, or FSDP2 per unit (ZeRO-2/3, HSDP) with sum reduction. torch's
-    PipelineStage drives both itself: DDP under no_sync until the step's last backward, FSDP2 with
-    gradient sync off until all micro-batches are done (perform_reduce_grad). So under the pipeline FSDP2
+    sub-mesh before it becomes a PipelineStage: torch's FSDP2-based DDP, replicate (ZeRO-0), or FSDP2 per
+    unit (ZeRO-2/3, HSDP), both with sum reduction. torch's PipelineStage drives both itself, with gradient
+    sync off until all micro-batches are done (perform_reduce_grad). So under the pipeline FSDP2
     reduce-scatters once per step and a rank holds its stage's full gradient meanwhile, unlike ours
     (and unlike FSDP2 without a pipeline here), whose s_g promise holds per micro-batch.
 
@@ -449,16 +445,13 @@ class TorchPipelineTrainer:
             kind = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
             self.schedule = kind(stages[0], n, loss_fn=loss_fn, scale_grads=False)
         params = [p for m in self.modules for p in m.parameters()]
-        if self.component == "zero1":
-            self.optimizer = zero_redundancy_adam(params, lr=cfg.lr, group=self.mesh.dp_mesh.get_group())
-        else:
-            self.optimizer = torch.optim.Adam(params, lr=cfg.lr, betas=ADAM_BETAS, eps=ADAM_EPS)
+        self.optimizer = torch.optim.Adam(params, lr=cfg.lr, betas=ADAM_BETAS, eps=ADAM_EPS)
 
     def _wrap(self, module: _Stage) -> nn.Module:
         """The stage's module under the plan's DP component (itself when dp is 1)."""
         if self.component is None:
             return module
-        if self.component in ("ddp", "zero1"):
+        if self.component == "ddp":  # ZeRO-1 is refused by torch_strategy
             replicate_sum(module, mesh=self.mesh.dp_mesh)
             return module
         fully_shard_units(module, [[u] for u in module.units], mesh=self.mesh.dp_mesh,
