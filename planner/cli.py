@@ -121,7 +121,7 @@ def run(
     node_rank: Annotated[int, typer.Option("--node-rank", help="This node's rank (torchrun).")] = 0,
     rdzv_endpoint: Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous.")] = None,
     data: Annotated[Optional[str], typer.Option("--data", help="Text file or folder (byte tokens); default synthetic.")] = None,
-    engine: Annotated[str, typer.Option("--engine", help="ours, or torch (DDP, ZeroRedundancyOptimizer, FSDP2, torch.distributed.pipelining).")] = "ours",
+    engine: Annotated[str, typer.Option("--engine", help="ours, or torch (DDP, ZeroRedundancyOptimizer, FSDP2, DTensor tensor parallel, torch.distributed.pipelining).")] = "ours",
     seed: Annotated[int, typer.Option("--seed")] = 0,
     lr: Annotated[float, typer.Option("--lr")] = 1e-3,
     precision: PrecisionOpt = None,

@@ -166,7 +166,7 @@ def run_collectives(options: ProfileOptions, *, progress: Progress = _no_progres
                     budget_s_per_point=0.1 if options.quick else 0.5, max_repeats=20 if options.quick else 50,
                     timeout_s=options.comm_timeout_s,
                     layer_probe={"model": resolve_model(options.model).to_dict(),
-                                 "budget_s": 0.6 if options.quick else 2.0})
+                                 "budget_s": 1.5 if options.quick else 4.0})
     tail: deque[str] = deque(maxlen=40)
     lock = threading.Lock()
 
