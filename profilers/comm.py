@@ -3,8 +3,13 @@
     python -m torch.distributed.run --nproc-per-node 2 -m profilers.comm --spec spec.json --out-dir out/
 
 `planner profile` writes the spec (sizes, collectives and the process groups to measure) and launches
-this; rank 0 writes `comm.json` with one curve per (group, collective). Each group is measured alone,
-the other ranks waiting at a barrier, so a curve is the link class's own speed. A failing rank writes
+this; rank 0 writes `comm.json` with one curve per (group, collective). An inter-node group is measured
+alone, the other ranks idling in step, so its curve is the link's own speed. An intra-node shape is
+measured on all its copies at once (every block of consecutive ranks of its size: each node's groups,
+and the other groups inside a node), the slowest copy kept: in a training step every node's tensor- or
+data-parallel groups communicate at the same time, so on a real cluster nothing changes, while on one
+machine emulating several nodes (runners/netns_cluster.py) the nodes share the host's cores and this
+is the speed a step sees. A failing rank writes
 `rank<N>.error` with its exception, so the parent can say which rank failed and why.
 """
 
@@ -129,8 +134,9 @@ def _sync(device: torch.device) -> None:
 def measure_point(op, *, group, device: torch.device, budget_s: float, max_repeats: int) -> list[float]:
     """Per-repeat seconds of `op`, each the slowest rank's time after a barrier.
 
-    The repeat count is agreed across the group from the slowest warm-up so every rank calls the
-    collective the same number of times.
+    Every rank of `group` calls this (in `run`, the whole world: ranks outside the measured groups pass
+    a no-op). The repeat count is agreed across the group from the slowest warm-up so every rank calls
+    the collective the same number of times.
     """
     op()
     _sync(device)
@@ -161,35 +167,54 @@ def _round_size(nbytes: int, n: int) -> int:
     return max(unit, nbytes // unit * unit)
 
 
+def copies(shape: GroupShape, world_size: int) -> list[tuple[int, ...]]:
+    """The groups measured at once for `shape`: every block of consecutive ranks of its size for an
+    intra-node shape (module docstring), the shape's own group otherwise."""
+    n = len(shape.ranks)
+    if shape.link == "intra_node" and shape.ranks == tuple(range(n)) and world_size % n == 0:
+        return [tuple(range(k * n, (k + 1) * n)) for k in range(world_size // n)]
+    return [shape.ranks]
+
+
 def run(spec: CommSpec, *, out_dir: Path, device: torch.device) -> None:
-    rank = dist.get_rank()
-    groups = [dist.new_group(list(shape.ranks)) for shape in spec.groups]
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    # Every rank creates every group, in the same order (torch.distributed.new_group's contract).
+    groups = []
+    for shape in spec.groups:
+        mine = None
+        for ranks in copies(shape, world_size):
+            group = dist.new_group(list(ranks))
+            if rank in ranks:
+                mine = (ranks, group)
+        groups.append(mine)
     points = [(shape, c, s) for shape in spec.groups for c in spec.collectives
               if c != "p2p" or len(shape.ranks) == 2 for s in spec.sizes_bytes]
     curves: list[dict] = []
     done = 0
-    for shape, group in zip(spec.groups, groups):
+    for shape, mine in zip(spec.groups, groups):
         for collective in spec.collectives:
             if collective == "p2p" and len(shape.ranks) != 2:
                 continue
             curve = {"group": shape.name, "link": shape.link, "ranks": list(shape.ranks), "collective": collective,
-                     "group_size": len(shape.ranks), "sizes_bytes": [], "median_s": [], "spread_s": [], "repeats": []}
+                     "group_size": len(shape.ranks), "copies": len(copies(shape, world_size)),
+                     "sizes_bytes": [], "median_s": [], "spread_s": [], "repeats": []}
             for size in spec.sizes_bytes:
-                if rank in shape.ranks:
-                    nbytes = _round_size(size, len(shape.ranks))
-                    op = _make_op(collective, nbytes, ranks=shape.ranks, group=group, device=device)
-                    times = measure_point(op, group=group, device=device, budget_s=spec.budget_s_per_point,
-                                          max_repeats=spec.max_repeats)
-                    curve["sizes_bytes"].append(nbytes)
-                    curve["median_s"].append(statistics.median(times))
-                    curve["spread_s"].append(_quantile(times, 0.9) - _quantile(times, 0.1))
-                    curve["repeats"].append(len(times))
+                nbytes = _round_size(size, len(shape.ranks))
+                op = lambda: None  # noqa: E731 - a rank outside every measured group keeps step
+                if mine is not None:
+                    ranks, group = mine
+                    op = _make_op(collective, nbytes, ranks=ranks, group=group, device=device)
+                times = measure_point(op, group=None, device=device, budget_s=spec.budget_s_per_point,
+                                      max_repeats=spec.max_repeats)
+                curve["sizes_bytes"].append(nbytes)
+                curve["median_s"].append(statistics.median(times))
+                curve["spread_s"].append(_quantile(times, 0.9) - _quantile(times, 0.1))
+                curve["repeats"].append(len(times))
                 done += 1
                 if rank == 0:
                     print(f"{PROGRESS_PREFIX} {done} {len(points)} {shape.name} {collective} {size}", flush=True)
             if rank == 0:
                 curves.append(curve)
-            dist.barrier()
     probe = _layer_probe(spec, device=device) if spec.layer_probe else None
     if rank == 0:
         tmp = out_dir / "comm.json.tmp"

@@ -162,3 +162,16 @@ def test_probes_calibrate_a_cpu_profile_and_are_only_recorded_on_cuda() -> None:
     assert len(cpu.layer_probe) == len(points) and cpu.overlap_probe == overlap
     gpu = with_layer_probe(PRESETS["h100"], {"points": points, "overlap": overlap}, model=model)
     assert gpu.calibration == PRESETS["h100"].calibration and len(gpu.layer_probe) == len(points)
+
+
+def test_intra_node_shapes_are_measured_on_every_copy_at_once() -> None:
+    from profilers.comm import GroupShape, copies, plan_groups
+
+    shapes = {s.name: s for s in plan_groups(world_size=8, ranks_per_node=4, quick=False)}
+    # Every node's (and every in-node) block of consecutive ranks runs the collective together ...
+    assert copies(shapes["intra2"], 8) == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert copies(shapes["intra4"], 8) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    # ... while a group across nodes is measured alone: its curve is the link's own speed.
+    assert copies(shapes["inter2"], 8) == [(0, 4)]
+    assert copies(shapes["both8"], 8) == [tuple(range(8))]
+    assert copies(GroupShape("odd", "intra_node", (1, 2)), 8) == [(1, 2)]
