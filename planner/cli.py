@@ -550,6 +550,8 @@ def validate_command(
     spread: Annotated[bool, typer.Option("--spread/--no-spread", help="Add the deliberate spread (DP, ZeRO-1/2/3, TP, PP, micro-batches).")] = True,
     out: Annotated[str, typer.Option("--out", help="The JSON report.")] = "validate.json",
     png: Annotated[Optional[str], typer.Option("--png", help="Predicted-vs-measured scatter (default: next to --out).")] = None,
+    cluster: Annotated[bool, typer.Option("--cluster", help="Run every plan across the emulated cluster's nodes (`planner cluster up`) instead of --nproc local processes.")] = False,
+    cluster_prefix: Annotated[str, typer.Option("--cluster-prefix", help="Name prefix of the emulated cluster.")] = "planner",
     fmt: FormatOpt = OutputFormat.table,
 ) -> None:
     """Run a spread of plans for real and compare measured with predicted step time and memory.
@@ -561,6 +563,7 @@ def validate_command(
       planner validate --nproc 2 --top 1 --max-plans 3 --steps 4 --format json
       planner validate --nproc 4 --rounds 3 --png scatter.png
       planner validate --nproc 4 --timing-rounds 6      # on a loaded host: one interleaved batched timing run
+      planner validate --cluster --hardware cluster-profile.json --max-plans 6   # on `planner cluster up`
     """
     from planner.jsonio import write_json_atomic
     from planner.validate import ValidateSettings, validate, write_scatter_png
@@ -568,7 +571,8 @@ def validate_command(
     with _BadInput():
         settings = ValidateSettings(model=model, hardware=hardware, nproc=nproc, global_batch=global_batch,
                                     seq_len=seq_len, precision=precision, steps=steps, rounds=rounds, top_k=top,
-                                    spread=spread, max_plans=max_plans, timing_rounds=timing_rounds)
+                                    spread=spread, max_plans=max_plans, timing_rounds=timing_rounds,
+                                    cluster=cluster_prefix if cluster else None)
         bar, update = _stage_progress(fmt is OutputFormat.json)
         with bar:
             report = validate(settings, progress=lambda done, total, label: update("validate", done, total, label))
@@ -578,7 +582,8 @@ def validate_command(
     if fmt is OutputFormat.json:
         print_json(report)
         return
-    table = Table(title=f"Measured against predicted ({report['hardware_name']}, {nproc} processes)")
+    where = f"emulated cluster {cluster_prefix}, {report['nproc']} processes" if cluster else f"{nproc} processes"
+    table = Table(title=f"Measured against predicted ({report['hardware_name']}, {where})")
     for col in ("plan", "", "predicted", "measured", "error", "memory error"):
         table.add_column(col, justify="left" if col in ("plan", "") else "right")
     for r in report["plans"]:

@@ -91,6 +91,9 @@ class ValidateSettings:
     timing_steps: int = 3
     seed: int = 0
     timeout_s: float = 300.0
+    # Name prefix of an emulated cluster (`planner cluster up`) to run every plan on, or None: nproc local
+    # processes. On a cluster its nodes x processes per node replace nproc.
+    cluster: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("nproc", "global_batch", "seq_len", "steps", "rounds"):
@@ -103,8 +106,18 @@ class ValidateSettings:
         if self.top_k < 0 or (self.max_plans is not None and self.max_plans < 1):
             raise PlannerError(f"--top must be at least 0 and --max-plans at least 1, got {self.top_k} and {self.max_plans}")
 
+    def topology(self) -> tuple[int, int]:
+        """(ranks, ranks per node): the emulated cluster's, or nproc local processes as one node."""
+        if self.cluster is None:
+            return self.nproc, self.nproc
+        from runners.netns_cluster import load_state
+
+        state = load_state(self.cluster)
+        return state.num_nodes * state.procs_per_node, state.procs_per_node
+
     def problem(self) -> Problem:
-        return make_problem(model=self.model, hardware=self.hardware, gpus=self.nproc, gpus_per_node=self.nproc,
+        world, per_node = self.topology()
+        return make_problem(model=self.model, hardware=self.hardware, gpus=world, gpus_per_node=per_node,
                             global_batch=self.global_batch, seq_len=self.seq_len, precision=self.precision)
 
 
@@ -167,11 +180,17 @@ def measure(entries: list[PlanEntry], settings: ValidateSettings, *, progress: P
     """Run every plan `settings.rounds` times, interleaved; a failed plan is not retried.
 
     `runner(cfg, nproc=...) -> metrics` defaults to runners.launch.launch (tests may pass another)."""
-    from runners.launch import RunFailed, launch
+    from runners.launch import RunFailed, launch, launch_on_emulated_cluster
     from runners.train import RunConfig
 
-    run = runner or (lambda cfg, nproc: launch(cfg, nproc=nproc))
+    if runner is not None:
+        run = runner
+    elif settings.cluster is not None:
+        run = lambda cfg, nproc: launch_on_emulated_cluster(cfg, prefix=settings.cluster)  # noqa: E731
+    else:
+        run = lambda cfg, nproc: launch(cfg, nproc=nproc)  # noqa: E731
     problem = settings.problem()
+    world, per_node = settings.topology()
     results = [Measurement(e) for e in entries]
     total, done = settings.rounds * len(entries), 0
     for round_index in range(settings.rounds):
@@ -182,10 +201,10 @@ def measure(entries: list[PlanEntry], settings: ValidateSettings, *, progress: P
             if m.error is not None:
                 continue
             cfg = RunConfig(plan=m.entry.plan, model=problem.model, job=problem.job, steps=settings.steps,
-                            seed=settings.seed, ranks_per_node=settings.nproc, hardware=settings.hardware,
+                            seed=settings.seed, ranks_per_node=per_node, hardware=settings.hardware,
                             timeout_s=settings.timeout_s)
             try:
-                metrics = run(cfg, nproc=settings.nproc)
+                metrics = run(cfg, nproc=world)
             except (RunFailed, PlannerError, OSError) as exc:
                 m.error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 continue
@@ -231,34 +250,51 @@ def measure_step_times_batched(entries: list[PlanEntry], settings: ValidateSetti
     from runners.train import RunConfig
 
     problem = settings.problem()
+    world, per_node = settings.topology()
     configs = [RunConfig(plan=e.plan, model=problem.model, job=problem.job, steps=1, seed=settings.seed,
-                         ranks_per_node=settings.nproc, hardware=settings.hardware,
+                         ranks_per_node=per_node, hardware=settings.hardware,
                          timeout_s=settings.timeout_s).to_dict() for e in entries]
     with tempfile.TemporaryDirectory(prefix="planner-validate-") as tmp:
         spec, out = Path(tmp) / "spec.json", Path(tmp) / "times.json"
         write_json_atomic(spec, {"configs": configs, "rounds": rounds, "steps_per_round": steps_per_round,
                                  "labels": [e.label for e in entries]})
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={settings.nproc}",
-               "-m", WORKER_MODULE, "--worker", str(spec), "--out", str(out)]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // settings.nproc)))
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                start_new_session=True)
+        module_argv = ["-m", WORKER_MODULE, "--worker", str(spec), "--out", str(out)]
         tail: deque[str] = deque(maxlen=30)
-        try:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                if line.startswith(_PROGRESS_PREFIX):
-                    done, total, label = json.loads(line[len(_PROGRESS_PREFIX):])
-                    if progress is not None:
-                        progress(done, total, label)
-                else:
-                    tail.append(line.rstrip())
-            code = proc.wait()
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+
+        def on_line(line: str) -> None:
+            if line.startswith(_PROGRESS_PREFIX):
+                done, total, label = json.loads(line[len(_PROGRESS_PREFIX):])
+                if progress is not None:
+                    progress(done, total, label)
+            else:
+                tail.append(line.rstrip())
+
+        if settings.cluster is not None:
+            from runners import netns_cluster as nc
+
+            state = nc.load_state(settings.cluster)
+            root = str(Path(__file__).resolve().parents[1])
+            code = nc.launch_on_cluster(
+                state, [nc.torchrun_argv(state, node, module_argv) for node in range(state.num_nodes)],
+                env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world)),
+                     "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))},
+                on_line=lambda node, line: on_line(line))
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={settings.nproc}",
+                   *module_argv]
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // settings.nproc)))
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                    start_new_session=True)
+            try:
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    on_line(line)
+                code = proc.wait()
+            finally:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
         if code != 0 or not out.exists():
             raise RunFailed(f"the batched timing run failed (exit code {code}): " + " | ".join(list(tail)[-6:]))
         return read_json_file(out, what="batched timings")["step_times_s"]
@@ -405,7 +441,8 @@ def build_report(measurements: list[Measurement], settings: ValidateSettings) ->
     problem = settings.problem()
     rows = [plan_row(m, problem) for m in measurements]
     return {"model": settings.model, "hardware": settings.hardware, "hardware_name": problem.cluster.hardware.name,
-            "calibration": dict(problem.cluster.hardware.calibration), "nproc": settings.nproc,
+            "calibration": dict(problem.cluster.hardware.calibration), "nproc": settings.topology()[0],
+            "cluster": settings.cluster,
             "global_batch": settings.global_batch, "seq_len": settings.seq_len, "precision": settings.precision,
             "steps": settings.steps, "rounds": settings.rounds, "timing_rounds": settings.timing_rounds,
             "num_plans": len(rows),

@@ -121,3 +121,42 @@ def _kill_group(proc: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+def launch_on_emulated_cluster(cfg: RunConfig, *, prefix: str, on_step=None) -> dict | None:
+    """Run `cfg` across the nodes of an emulated cluster (`planner cluster up --prefix`): one torchrun per
+    network namespace, rendezvousing on node 0, exactly as on real nodes; returns the metrics.
+
+    The namespaces share this machine's file system, so the config, metrics and error files live in one
+    temporary directory every node sees. A failed rank is named as by `launch`."""
+    from runners import netns_cluster as nc
+
+    state = nc.load_state(prefix)
+    world = state.num_nodes * state.procs_per_node
+    with tempfile.TemporaryDirectory(prefix="planner-run-") as tmp:
+        tmp_path = Path(tmp)
+        config_path, metrics_path, error_dir = tmp_path / "run.json", tmp_path / "metrics.json", tmp_path / "errors"
+        error_dir.mkdir()
+        write_json_atomic(config_path, cfg.to_dict())
+        module_argv = ["-m", "runners.train", "--config", str(config_path), "--metrics-out", str(metrics_path),
+                       "--error-dir", str(error_dir)]
+        argv = [nc.torchrun_argv(state, node, module_argv) for node in range(state.num_nodes)]
+        env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world)), "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                          os.environ.get("PYTHONPATH")]))}
+        tail: deque[str] = deque(maxlen=200)
+
+        def on_line(node: int, line: str) -> None:
+            if line.startswith(STEP_PREFIX):
+                if on_step is not None and node == 0:
+                    on_step(json.loads(line[len(STEP_PREFIX):]))
+            else:
+                tail.append(f"[n{node}] {line}")
+
+        returncode = nc.launch_on_cluster(state, argv, env=env, on_line=on_line)
+        if returncode != 0:
+            message, bad_input = _failure_message(error_dir, list(tail), returncode)
+            raise (PlannerError if bad_input else RunFailed)(message)
+        if not metrics_path.exists():
+            return None
+        return read_json_file(metrics_path, what="metrics")

@@ -218,3 +218,26 @@ def test_cluster_cli_up_status_exec_down(state_dir) -> None:
     down = cli.invoke(app, ["cluster", "down", "--prefix", PREFIX])
     assert down.exit_code == 0 and f"{PREFIX}-hub" in down.output and _leftovers() == []
     assert "nothing to remove" in cli.invoke(app, ["cluster", "down", "--prefix", PREFIX]).output
+
+
+def test_validate_runs_plans_across_the_emulated_nodes(state_dir, tmp_path) -> None:
+    """planner validate --cluster: every plan (and the batched timing run) crosses the namespaces, priced
+    for the cluster's 2 nodes x 1 process; a plan that cannot run there is reported, not fatal."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from planner.cli import app
+
+    nc.up(num_nodes=2, procs_per_node=1, inter_node_bandwidth="200mbit", inter_node_latency=None, prefix=PREFIX)
+    out = tmp_path / "validate.json"
+    result = CliRunner().invoke(app, ["validate", "--cluster", "--cluster-prefix", PREFIX, "--top", "1",
+                                      "--max-plans", "3", "--steps", "3", "--timing-rounds", "1",
+                                      "--global-batch", "4", "--out", str(out), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["cluster"] == PREFIX and report["nproc"] == 2 and report["num_plans"] == 3
+    ok = [r for r in report["plans"] if r["status"] == "ok"]
+    assert ok and all(r["measured_step_time_s"] > 0 and r["batched_step_times_s"] for r in ok)
+    assert all(r["plan"]["dp"] * r["plan"]["tp"] * r["plan"]["pp"] == 2 for r in report["plans"])
+    assert nc.namespace_pids(f"{PREFIX}-n0") == [] and nc.namespace_pids(f"{PREFIX}-n1") == []

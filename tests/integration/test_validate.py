@@ -33,14 +33,17 @@ def test_validate_then_calibrate_then_explain(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
     # Calibrate one parameter on the plans not held out; the profile it writes prices the plans closer.
+    # compute_time_scale can move either way (op_overhead_s cannot go below 0, so it cannot help a plan
+    # the preset already prices too slow).
     calibrated = tmp_path / "cal.json"
     result = runner.invoke(app, ["calibrate", "--measurements", str(report_path), "--out", str(calibrated),
-                                 "--parameters", "op_overhead_s", "--format", "json"])
+                                 "--parameters", "compute_time_scale", "--format", "json"])
     assert result.exit_code == 0, result.output
     fit = json.loads(result.stdout)
     assert fit["fit_after"]["mape"] < fit["fit_before"]["mape"]
     hw = resolve_hardware(str(calibrated))
-    assert hw.calibration["op_overhead_s"] > 0 and hw.calibration["framework_reserve_bytes"] > 0
+    assert hw.calibration["compute_time_scale"] != 1.0 and hw.calibration["framework_reserve_bytes"] > 0
+    assert hw.calibrated_from_runs == len(fit["fit_labels"])
 
     # A preset cannot be overwritten in place.
     result = runner.invoke(app, ["calibrate", "--measurements", str(report_path)])
