@@ -80,6 +80,7 @@ class LayerProbePoint:
     dtype: str
     forward_s: float
     forward_backward_s: float
+    recompute: str = "none"  # the layers' recomputation policy ("full": under torch.utils.checkpoint)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ each op pays (`op_overhead_s`) and c the factor by which real compute is slower 
 (`compute_time_scale`). Smallest relative squared error over all points (rows divided by the measured
 time, as planner/calibrate.py weighs plans), c > 0 and o >= 0 (`fit_overheads`).
 
+One more point runs the middle shape under full recomputation: what it takes beyond the plain layer's
+forward+backward plus a second forward is torch.utils.checkpoint's own cost (`recompute_overhead_s`).
 The overlap probe (`measure_overlap`) then times a layer's forward+backward beside an asynchronous
 all-gather of its parameters, the way ZeRO-3 prefetches, and gives comm_overlap_efficiency.
 
@@ -83,15 +85,20 @@ def measure_layer(model: ModelSpec, *, device: torch.device, dtype: torch.dtype,
     from runners.tensor_parallel import TPContext
 
     num_layers = min(PROBE_LAYERS, model.num_layers)
-    chunk = build_chunk(model, layers=range(num_layers), first=False, last=False, seed=0, tp=TPContext.single(),
-                        recompute="none", loss_scale=1.0).to(device=device, dtype=dtype)
+    chunks = {policy: build_chunk(model, layers=range(num_layers), first=False, last=False, seed=0,
+                                  tp=TPContext.single(), recompute=policy, loss_scale=1.0).to(device=device, dtype=dtype)
+              for policy in ("none", "full")}
+    # Every shape without recomputation, and the middle one again under full recomputation (its extra
+    # cost over a second forward is torch.utils.checkpoint's own: recompute_overhead_s).
     shapes = probe_shapes(model)
+    keys = [(shape, "none") for shape in shapes] + [(shapes[len(shapes) // 2], "full")]
     inputs = {shape: torch.randn(*shape, model.hidden_size, device=device, dtype=dtype, requires_grad=True)
               for shape in shapes}
-    samples: dict[tuple[int, int], tuple[list[float], list[float]]] = {shape: ([], []) for shape in shapes}
+    samples: dict[tuple, tuple[list[float], list[float]]] = {key: ([], []) for key in keys}
     for _ in range(rounds):
-        for shape in shapes:
-            x = inputs[shape]
+        for key in keys:
+            shape, policy = key
+            x, chunk = inputs[shape], chunks[policy]
 
             def forward() -> None:
                 chunk(x)
@@ -100,12 +107,13 @@ def measure_layer(model: ModelSpec, *, device: torch.device, dtype: torch.dtype,
                 # Gradients accumulate into the buffers the first call allocated, as the engine's do.
                 chunk(x).sum().backward()
 
-            for body, out in ((forward, samples[shape][0]), (forward_backward, samples[shape][1])):
+            for body, out in ((forward, samples[key][0]), (forward_backward, samples[key][1])):
                 barrier()
                 out.append(statistics.fmean(_timed(body, device=device, budget_s=budget_s / rounds)) / num_layers)
     name = str(dtype).split(".")[-1]
-    return [ProbePoint(micro_batch=b, seq_len=s, dtype=name, forward_s=statistics.median(samples[(b, s)][0]),
-                       forward_backward_s=statistics.median(samples[(b, s)][1])) for b, s in shapes]
+    return [ProbePoint(micro_batch=b, seq_len=s, dtype=name, forward_s=statistics.median(samples[key][0]),
+                       forward_backward_s=statistics.median(samples[key][1]), recompute=policy)
+            for key in keys for (b, s), policy in [key]]
 
 
 def measure_overlap(model: ModelSpec, *, device: torch.device, dtype: torch.dtype, group, repeats: int,
@@ -165,7 +173,8 @@ def measure_overlap(model: ModelSpec, *, device: torch.device, dtype: torch.dtyp
 
 
 def fit_overheads(model: ModelSpec, hardware, points: list[ProbePoint]) -> dict[str, float]:
-    """{'op_overhead_s', 'compute_time_scale'} fitted to the probe points (module docstring).
+    """{'op_overhead_s', 'compute_time_scale'} fitted to the probe points without recomputation (module
+    docstring), and 'recompute_overhead_s' from a point under full recomputation if there is one.
 
     The predicted compute is not linear in c (each kernel's time is floored at the kernel overhead,
     cost_models/compute.py), so c is searched on a log grid, refined by golden-section search, and for each
@@ -175,6 +184,14 @@ def fit_overheads(model: ModelSpec, hardware, points: list[ProbePoint]) -> dict[
 
     n = _num_ops(model)["layer"]
     k = BACKWARD_OPS_PER_FORWARD_OP
+    plain = [p for p in points if p.recompute == "none"]
+    # torch.utils.checkpoint's own cost per layer and micro-batch: what a fully recomputed layer's
+    # forward+backward takes beyond the plain layer's forward+backward plus its re-run forward.
+    by_shape = {(p.micro_batch, p.seq_len): p for p in plain}
+    extra = [p.forward_backward_s - by_shape[(p.micro_batch, p.seq_len)].forward_backward_s
+             - by_shape[(p.micro_batch, p.seq_len)].forward_s
+             for p in points if p.recompute == "full" and (p.micro_batch, p.seq_len) in by_shape]
+    points = plain
 
     def predicted(c: float) -> list[tuple[float, float, float]]:
         """(compute seconds, ops, measured seconds) per equation at compute_time_scale c."""
@@ -209,4 +226,7 @@ def fit_overheads(model: ModelSpec, hardware, points: list[ProbePoint]) -> dict[
             lo = a
     candidates = [best, math.exp((lo + hi) / 2)]
     best = min(candidates, key=lambda c: solve(c)[0])
-    return {"compute_time_scale": best, "op_overhead_s": solve(best)[1]}
+    fitted = {"compute_time_scale": best, "op_overhead_s": solve(best)[1]}
+    if extra:
+        fitted["recompute_overhead_s"] = max(0.0, statistics.median(extra))
+    return fitted

@@ -41,8 +41,10 @@ def test_profile_json_round_trips_through_resolve_hardware(profile_path: Path) -
     assert set(hw.elementwise_bytes_per_s) >= {"layer_norm", "rms_norm", "gelu", "silu"}
     assert 0 < hw.gemm_max_efficiency <= 1 and hw.kernel_overhead_s > 0
     # The layer probe ran on both ranks at once and, on CPU, its fit is the profile's calibration.
-    assert [(p.micro_batch, p.seq_len) for p in hw.layer_probe] == [(1, 8), (1, 64), (4, 64)]
+    assert [(p.micro_batch, p.seq_len, p.recompute) for p in hw.layer_probe] == \
+        [(1, 8, "none"), (1, 64, "none"), (4, 64, "none"), (1, 64, "full")]
     assert all(0 < p.forward_s < p.forward_backward_s for p in hw.layer_probe)
+    assert hw.calibration["recompute_overhead_s"] >= 0
     assert set(hw.overlap_probe) == {"compute_s", "comm_s", "both_s", "efficiency"}
     assert hw.calibration["compute_time_scale"] > 0 and hw.calibration["op_overhead_s"] >= 0
     assert hw.calibration["comm_overlap_efficiency"] == hw.overlap_probe["efficiency"]

@@ -145,6 +145,25 @@ def test_layer_probe_fit_recovers_the_scale_and_the_op_overhead(model_name, scal
     assert fit["op_overhead_s"] == pytest.approx(op_overhead_s, rel=0.05, abs=2e-7)
 
 
+def test_the_full_recomputation_point_gives_the_checkpoint_overhead() -> None:
+    import dataclasses
+
+    from planner.model import resolve_model
+    from profilers.hardware import PRESETS
+    from profilers.layer_probe import fit_overheads
+
+    model, hw = resolve_model("tiny"), PRESETS["cpu"]
+    points = _probe_points(model, hw, scale=2.0, op_overhead_s=1e-5)
+    middle = points[1]
+    # Full recomputation: the plain forward+backward, the forward again, and 0.3 ms of checkpointing.
+    full = dataclasses.replace(middle, recompute="full",
+                               forward_backward_s=middle.forward_backward_s + middle.forward_s + 3e-4)
+    fit = fit_overheads(model, hw, points + [full])
+    assert fit["recompute_overhead_s"] == pytest.approx(3e-4, rel=1e-9)
+    assert fit["compute_time_scale"] == pytest.approx(2.0, rel=0.02)  # the full point stays out of this fit
+    assert "recompute_overhead_s" not in fit_overheads(model, hw, points)
+
+
 def test_probes_calibrate_a_cpu_profile_and_are_only_recorded_on_cuda() -> None:
     import dataclasses
 
