@@ -101,12 +101,17 @@ def launch(cfg: RunConfig, *, nproc: int, nnodes: int = 1, node_rank: int = 0, r
         finally:
             if proc.poll() is None:
                 _kill_group(proc)
-        if returncode != 0:
-            message, bad_input = _failure_message(error_dir, list(tail), returncode)
-            raise (PlannerError if bad_input else RunFailed)(message)
-        if not metrics_path.exists():
-            return None
-        return read_json_file(metrics_path, what="metrics")
+        return _outcome(returncode, error_dir=error_dir, tail=list(tail), metrics_path=metrics_path)
+
+
+def _outcome(returncode: int, *, error_dir: Path, tail: list[str], metrics_path: Path) -> dict | None:
+    """The run's metrics (None where this node wrote none), or the failure raised naming the rank."""
+    if returncode != 0:
+        message, bad_input = _failure_message(error_dir, tail, returncode)
+        raise (PlannerError if bad_input else RunFailed)(message)
+    if not metrics_path.exists():
+        return None
+    return read_json_file(metrics_path, what="metrics")
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -154,9 +159,4 @@ def launch_on_emulated_cluster(cfg: RunConfig, *, prefix: str, on_step=None) -> 
                 tail.append(f"[n{node}] {line}")
 
         returncode = nc.launch_on_cluster(state, argv, env=env, on_line=on_line)
-        if returncode != 0:
-            message, bad_input = _failure_message(error_dir, list(tail), returncode)
-            raise (PlannerError if bad_input else RunFailed)(message)
-        if not metrics_path.exists():
-            return None
-        return read_json_file(metrics_path, what="metrics")
+        return _outcome(returncode, error_dir=error_dir, tail=list(tail), metrics_path=metrics_path)
