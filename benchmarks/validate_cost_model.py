@@ -11,8 +11,8 @@
 4. search again with the calibrated profile and measure its winner if it was not measured yet; then time
    the winner and the --confirm-plans fastest measured plans side by side (--confirm-rounds interleaved
    rounds in one launch): the regret of the top pick is its step time over the fastest of them;
-5. issue 4's check: DP and ZeRO plans (tp = pp = 1) priced with the calibrated profile against their
-   measured median step time.
+5. issue 4's check: DP and ZeRO plans (tp = pp = 1) priced with the profile alone (and, for comparison,
+   the calibrated one) against their measured median step time.
 
 Targets: on >= 24 plans, held-out MAPE <= 10%, held-out Kendall tau >= 0.8, regret <= 5%, DP/ZeRO
 plans within 20%. Prints one line per target and writes summary.json and before/after scatters.
@@ -145,6 +145,9 @@ def main() -> int:
         for name, t in sorted(confirmed.items(), key=lambda kv: kv[1]):
             log(f"  {name:<44} {t * 1e3:8.1f} ms{'   <- calibrated pick' if name == winner.describe() else ''}")
 
+    # Issue 4's check is about the profile alone; the calibrated figure is reported beside it.
+    dp_zero_profile = [r for r in ok_rows(rows) if r["plan"]["tp"] == 1 and r["plan"]["pp"] == 1]
+    dp_zero_within = sum(abs(r["step_time_error"]) <= TARGETS["dp_zero_max_error"] for r in dp_zero_profile)
     dp_zero = [r for r in ok_rows(after) if r["plan"]["tp"] == 1 and r["plan"]["pp"] == 1]
     dp_zero_max = max((abs(r["step_time_error"]) for r in dp_zero), default=None)
 
@@ -159,6 +162,8 @@ def main() -> int:
         "best_measured": best["label"], "best_measured_step_time_s": best["measured_step_time_s"],
         "first_pass_regret": first_regret, "confirmed_step_times_s": confirmed, "regret": regret,
         "dp_zero_errors": {r["label"]: r["step_time_error"] for r in dp_zero}, "dp_zero_max_error": dp_zero_max,
+        "dp_zero_profile_errors": {r["label"]: r["step_time_error"] for r in dp_zero_profile},
+        "dp_zero_profile_within": dp_zero_within,
     }
     write_json_atomic(out / "summary.json", summary)
     write_json_atomic(out / "calibrated.json", {**report, **agreement(after), "plans": after})
@@ -188,8 +193,8 @@ def main() -> int:
         ("regret of the calibrated search's pick (confirmed)",
          f"{pct(regret)} ({winner.describe()}; first pass {pct(first_regret)} vs {best['label']})", "<= 5%",
          regret is not None and regret <= TARGETS["regret"]),
-        ("DP/ZeRO plans, max |error| (issue 4)", pct(dp_zero_max), "<= 20%",
-         dp_zero_max is not None and dp_zero_max <= TARGETS["dp_zero_max_error"]),
+        ("DP/ZeRO plans within 20% with the profile alone (issue 4)", f"{dp_zero_within} of {len(dp_zero_profile)} "
+         f"(calibrated: max |error| {pct(dp_zero_max)})", "all", dp_zero_within == len(dp_zero_profile)),
     ]
     for name, value, target, ok in checks:
         log(f"{'PASS' if ok else 'FAIL'}  {name}: {value} (target {target})")
