@@ -113,14 +113,33 @@ def collective_time_s(cluster, **kwargs) -> float:
     return time_s + cluster.hardware.calibration.get("collective_overhead_s", 0.0) * math.log2(n)
 
 
-def _overlap(compute_s: float, comm_s: float, cluster) -> float:
+def _overlap(compute_s: float, comm_s: float, cluster, *, wire_s: float = 0.0) -> float:
     """Seconds of compute with communication issued beside it: max(compute, comm) when the separate
     stream hides it fully (GPUs), compute + comm when nothing hides it; between them with the calibration
     key comm_overlap_efficiency (default 1): on a CPU host the communication thread competes with
     compute for the same cores, so only part of it hides; below 0 (down to -1) the two slow each other
-    down, which the profile's overlap probe measures on hosts with fewer cores than ranks."""
+    down, which the profile's overlap probe measures on hosts with fewer cores than ranks.
+
+    `wire_s` of the communication is time spent waiting on an inter-node wire (the bandwidth term of
+    inter-node collectives, `_wire_fraction`): waiting takes no core, so it hides behind compute fully,
+    and the efficiency applies to the rest against the compute left. With efficiency 1 this is
+    max(compute, comm) whatever wire_s is."""
     efficiency = min(1.0, max(-1.0, cluster.hardware.calibration.get("comm_overlap_efficiency", 1.0)))
-    return compute_s + comm_s - efficiency * min(compute_s, comm_s)
+    wire_s = min(max(wire_s, 0.0), comm_s)
+    hidden_wire = min(compute_s, wire_s)
+    return compute_s + comm_s - hidden_wire - efficiency * min(compute_s - hidden_wire, comm_s - wire_s)
+
+
+def _wire_fraction(cluster, *, collective: str, size_bytes: float, group_size: int, stride: int) -> float:
+    """The share of a collective's time that is its bandwidth term on an inter-node group (0 inside a
+    node): its time less the time of a near-empty message of the same kind."""
+    if size_bytes <= 0 or cluster.group_link(size=group_size, stride=stride) != "inter_node":
+        return 0.0
+    kwargs = dict(collective=collective, group_size=group_size, stride=stride)
+    total = collective_time_s(cluster, size_bytes=size_bytes, **kwargs)
+    if total <= 0:
+        return 0.0
+    return max(0.0, total - collective_time_s(cluster, size_bytes=1.0, **kwargs)) / total
 
 
 def _num_ops(model) -> dict[str, int]:
@@ -397,13 +416,22 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
     # tier, the node's 1/per_node slice of it on the secondary tier, the full layer in host memory.
     cache = layer_bytes * (tiers.count("device") + tiers.count("secondary") / per_node)
     working = max((costs.activation_bytes["none"] - costs.activation_bytes[p] for p in policies), default=0.0)
-    backward_s = comm.bwd_first_s + _overlap(backward, comm.bwd_rest_s + comm.rs_hideable_s, cluster) + comm.rs_last_s
+    # The parts of the overlapped gathers and reduce-scatters that wait on an inter-node wire.
+    gather_wire = _wire_fraction(cluster, collective="all_gather", size_bytes=layer_bytes,
+                                 group_size=plan.param_shard, stride=plan.tp)
+    rs_wire = _wire_fraction(cluster, collective="reduce_scatter", size_bytes=num_params * grad_bytes,
+                             group_size=plan.grad_shard, stride=plan.tp)
+    backward_s = comm.bwd_first_s + comm.rs_last_s + _overlap(
+        backward, comm.bwd_rest_s + comm.rs_hideable_s, cluster,
+        wire_s=gather_wire * comm.bwd_rest_s + rs_wire * comm.rs_hideable_s)
     return _ChunkPrice(
-        forward_s=comm.fwd_first_s + _overlap(forward, comm.fwd_rest_s, cluster), backward_s=backward_s,
+        forward_s=comm.fwd_first_s + _overlap(forward, comm.fwd_rest_s, cluster, wire_s=gather_wire * comm.fwd_rest_s),
+        backward_s=backward_s,
         compute_s=total - recompute - tp_comm, recompute_s=recompute, tp_comm_s=tp_comm, dp_comm_s=comm.total_s,
         reduce_s=reduce_s, last_bucket_s=last_bucket_s, num_params=num_params, activation_bytes=activation,
         # Commshift: the last micro-batch's reduce-scatter leaves the backward and joins the reduction.
-        shift_backward_s=comm.bwd_first_s + _overlap(backward, comm.bwd_rest_s, cluster),
+        shift_backward_s=comm.bwd_first_s + _overlap(backward, comm.bwd_rest_s, cluster,
+                                                     wire_s=gather_wire * comm.bwd_rest_s),
         shift_reduce_s=comm.rs_s + reduce_s, forward_compute_s=forward, forward_comm_s=comm.fwd_first_s + comm.fwd_rest_s,
         backward_compute_s=backward, comm=comm,
         cache_bytes=cache, host_cache_bytes=layer_bytes * tiers.count("host"), recompute_working_bytes=working)
