@@ -233,3 +233,30 @@ def test_sequence_parallel_moves_the_same_tensor_parallel_volume():
                              cluster=cluster, job=Job(global_batch=1, seq_len=4096)) for flag in (False, True))
     assert sp.tp_comm_s["none"] == pytest.approx(plain.tp_comm_s["none"], rel=0.01)
     assert sp.activation_bytes["none"] < plain.activation_bytes["none"]
+
+
+def test_wire_bound_communication_hides_behind_compute_whatever_the_cpu_overlap():
+    """Waiting on an inter-node wire takes no core: that share hides fully, and the measured (here
+    negative) overlap efficiency applies to the CPU-bound rest; at efficiency 1 it is max(compute, comm)."""
+    import dataclasses as dc
+
+    from cost_models.estimate import _overlap, _wire_fraction
+    from planner.cluster import Cluster
+    from profilers.hardware import PRESETS, CollectiveFit, with_calibration
+
+    hw = with_calibration(PRESETS["cpu"], {"comm_overlap_efficiency": -0.5})
+    cluster = Cluster(num_nodes=2, devices_per_node=2, hardware=hw)
+    assert _overlap(1.0, 1.0, cluster) == pytest.approx(2.5)  # nothing on a wire: the two slow each other
+    assert _overlap(1.0, 1.0, cluster, wire_s=0.5) == pytest.approx(1.75)  # 0.5 hides; 0.5 at -0.5 vs 0.5 left
+    assert _overlap(1.0, 1.0, cluster, wire_s=1.0) == pytest.approx(1.0)
+    ideal = Cluster(num_nodes=2, devices_per_node=2, hardware=with_calibration(PRESETS["cpu"], {"comm_overlap_efficiency": 1.0}))
+    for compute, comm, wire in ((1.0, 0.3, 0.2), (0.2, 1.0, 0.5), (1.0, 1.0, 0.0), (0.5, 2.0, 2.0)):
+        assert _overlap(compute, comm, ideal, wire_s=wire) == pytest.approx(max(compute, comm))
+    # The wire share: none inside a node; across nodes the bandwidth term of the measured fit.
+    fit = CollectiveFit(collective="all_gather", link="inter_node", group_size=4, latency_s=1e-3,
+                        bandwidth_bytes_per_s=1e8)
+    measured = Cluster(num_nodes=2, devices_per_node=2, hardware=dc.replace(hw, collectives=(fit,)))
+    assert _wire_fraction(measured, collective="all_gather", size_bytes=4e6, group_size=2, stride=1) == 0.0
+    wire = 0.75 * 4e6 / 1e8
+    assert _wire_fraction(measured, collective="all_gather", size_bytes=4e6, group_size=4, stride=1) == \
+        pytest.approx(wire / (1e-3 + wire), rel=1e-6)
