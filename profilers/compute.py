@@ -32,9 +32,10 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_op(fn: Callable[[], object], *, device: torch.device, budget_s: float, min_repeats: int = 3,
-            max_repeats: int = 50) -> float:
-    """Median seconds of `fn` over repeats that fit in `budget_s` (after one warm-up call).
+def repeat_times(fn: Callable[[], object], *, device: torch.device, budget_s: float, min_repeats: int = 3,
+                 max_repeats: int = 50) -> list[float]:
+    """Seconds of each repeat of `fn` that fits in `budget_s` (at least min_repeats, at most max_repeats),
+    after one warm-up call.
 
     Each repeat is timed alone with a device synchronisation on both sides, so a single kernel's time
     includes its launch overhead, which is what kernel_overhead_s models.
@@ -49,7 +50,14 @@ def time_op(fn: Callable[[], object], *, device: torch.device, budget_s: float, 
         fn()
         synchronize(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def time_op(fn: Callable[[], object], *, device: torch.device, budget_s: float, min_repeats: int = 3,
+            max_repeats: int = 50) -> float:
+    """Median seconds of `fn` (repeat_times)."""
+    return statistics.median(repeat_times(fn, device=device, budget_s=budget_s, min_repeats=min_repeats,
+                                          max_repeats=max_repeats))
 
 
 def layer_gemm_shapes(model: ModelSpec, *, token_counts: tuple[int, ...]) -> list[tuple[str, int, int, int]]:

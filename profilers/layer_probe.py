@@ -39,6 +39,7 @@ import time
 import torch
 
 from planner.model import ModelSpec
+from profilers.compute import repeat_times, synchronize
 from profilers.hardware import LayerProbePoint as ProbePoint
 
 # (micro-batch, sequence length) points; the sequence is capped at the model's max_seq_len. The first is
@@ -55,21 +56,13 @@ def probe_shapes(model: ModelSpec) -> list[tuple[int, int]]:
     return [(b, min(s, model.max_seq_len)) for b, s in PROBE_SHAPES]
 
 
-def _timed(fn, *, device: torch.device, budget_s: float, min_repeats: int = 3) -> list[float]:
-    fn()  # warm-up: allocator, autograd graph caches
-    times: list[float] = []
-    deadline = time.perf_counter() + budget_s
-    while len(times) < min_repeats or time.perf_counter() < deadline:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-        if len(times) >= 200:
-            break
-    return times
+def _probe_chunk(model: ModelSpec, *, num_layers: int, recompute: str, device: torch.device, dtype: torch.dtype):
+    """`num_layers` Blocks of the runner's own code, unsharded, as one chunk."""
+    from runners.model import build_chunk
+    from runners.tensor_parallel import TPContext
+
+    return build_chunk(model, layers=range(num_layers), first=False, last=False, seed=0, tp=TPContext.single(),
+                       recompute=recompute, loss_scale=1.0).to(device=device, dtype=dtype)
 
 
 def measure_layer(model: ModelSpec, *, device: torch.device, dtype: torch.dtype, budget_s: float,
@@ -81,12 +74,8 @@ def measure_layer(model: ModelSpec, *, device: torch.device, dtype: torch.dtype,
     unpreempted and a median would hide the shared core that a whole step does pay. The shapes are
     measured in `rounds` interleaved rounds and each point keeps the median round, so a burst of
     foreign load spoils one round, not the point."""
-    from runners.model import build_chunk
-    from runners.tensor_parallel import TPContext
-
     num_layers = min(PROBE_LAYERS, model.num_layers)
-    chunks = {policy: build_chunk(model, layers=range(num_layers), first=False, last=False, seed=0,
-                                  tp=TPContext.single(), recompute=policy, loss_scale=1.0).to(device=device, dtype=dtype)
+    chunks = {policy: _probe_chunk(model, num_layers=num_layers, recompute=policy, device=device, dtype=dtype)
               for policy in ("none", "full")}
     # Every shape without recomputation, and the middle one again under full recomputation (its extra
     # cost over a second forward is torch.utils.checkpoint's own: recompute_overhead_s).
@@ -109,7 +98,8 @@ def measure_layer(model: ModelSpec, *, device: torch.device, dtype: torch.dtype,
 
             for body, out in ((forward, samples[key][0]), (forward_backward, samples[key][1])):
                 barrier()
-                out.append(statistics.fmean(_timed(body, device=device, budget_s=budget_s / rounds)) / num_layers)
+                times = repeat_times(body, device=device, budget_s=budget_s / rounds, max_repeats=200)
+                out.append(statistics.fmean(times) / num_layers)
     name = str(dtype).split(".")[-1]
     return [ProbePoint(micro_batch=b, seq_len=s, dtype=name, forward_s=statistics.median(samples[key][0]),
                        forward_backward_s=statistics.median(samples[key][1]), recompute=policy)
@@ -128,11 +118,7 @@ def measure_overlap(model: ModelSpec, *, device: torch.device, dtype: torch.dtyp
     longer than the two run one after the other (a negative efficiency)."""
     import torch.distributed as dist
 
-    from runners.model import build_chunk
-    from runners.tensor_parallel import TPContext
-
-    chunk = build_chunk(model, layers=range(1), first=False, last=False, seed=0, tp=TPContext.single(),
-                        recompute="none", loss_scale=1.0).to(device=device, dtype=dtype)
+    chunk = _probe_chunk(model, num_layers=1, recompute="none", device=device, dtype=dtype)
     n = dist.get_world_size(group)
     numel = -(-sum(p.numel() for p in chunk.parameters()) // n) * n
     shard = torch.ones(numel // n, dtype=dtype, device=device)
@@ -145,13 +131,11 @@ def measure_overlap(model: ModelSpec, *, device: torch.device, dtype: torch.dtyp
     def timed(body) -> float:
         body()  # warm-up
         dist.barrier(group=group)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         for _ in range(repeats):
             body()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
         return float(elapsed.item())
