@@ -271,14 +271,12 @@ def measure_step_times_batched(entries: list[PlanEntry], settings: ValidateSetti
 
         if settings.cluster is not None:
             from runners import netns_cluster as nc
+            from runners.launch import cluster_worker_env
 
             state = nc.load_state(settings.cluster)
-            root = str(Path(__file__).resolve().parents[1])
             code = nc.launch_on_cluster(
                 state, [nc.torchrun_argv(state, node, module_argv) for node in range(state.num_nodes)],
-                env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world)),
-                     "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))},
-                on_line=lambda node, line: on_line(line))
+                env=cluster_worker_env(world), on_line=lambda node, line: on_line(line))
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={settings.nproc}",
                    *module_argv]

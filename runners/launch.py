@@ -128,6 +128,14 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
+def cluster_worker_env(world: int) -> dict[str, str]:
+    """What every worker on the emulated cluster's nodes needs beside node_env: this host's cores split
+    over all `world` ranks (the nodes share them), unbuffered output, and this checkout importable."""
+    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world)), "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                       os.environ.get("PYTHONPATH")]))}
+
+
 def launch_on_emulated_cluster(cfg: RunConfig, *, prefix: str, on_step=None) -> dict | None:
     """Run `cfg` across the nodes of an emulated cluster (`planner cluster up --prefix`): one torchrun per
     network namespace, rendezvousing on node 0, exactly as on real nodes; returns the metrics.
@@ -146,9 +154,7 @@ def launch_on_emulated_cluster(cfg: RunConfig, *, prefix: str, on_step=None) -> 
         module_argv = ["-m", "runners.train", "--config", str(config_path), "--metrics-out", str(metrics_path),
                        "--error-dir", str(error_dir)]
         argv = [nc.torchrun_argv(state, node, module_argv) for node in range(state.num_nodes)]
-        env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world)), "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
-                                                          os.environ.get("PYTHONPATH")]))}
+        env = cluster_worker_env(world)
         tail: deque[str] = deque(maxlen=200)
 
         def on_line(node: int, line: str) -> None:
