@@ -130,16 +130,18 @@ class _RSBucket:
             size = u.padded // s_g
             u.rs_bucket = self
             # For each parameter (and the padding tail): pieces (source offset, length, destination).
-            u.rs_segments = [self._pieces(u, off, p.numel(), size, offset, rank_of_chunk)
+            u.rs_segments = [self._pieces(off, p.numel(), size, offset, rank_of_chunk)
                              for p, off in zip(u.params, u.offsets)]
             self.pad_segments += [(dst, n) for _, n, dst in
-                                  self._pieces(u, u.numel, u.padded - u.numel, size, offset, rank_of_chunk)]
+                                  self._pieces(u.numel, u.padded - u.numel, size, offset, rank_of_chunk)]
             offset += size
         self.send: torch.Tensor | None = None
         self.num_done = 0
         self.boundary = False
 
-    def _pieces(self, u, start: int, length: int, size: int, offset: int, rank_of_chunk: list[int]):
+    def _pieces(self, start: int, length: int, size: int, offset: int, rank_of_chunk: list[int]):
+        """Flat positions [start, start + length) of a unit (gradient chunks of `size`, the unit at
+        column `offset` of each row) as (source offset, length, destination in send) pieces."""
         pieces, pos = [], start
         while pos < start + length:
             k = pos // size
