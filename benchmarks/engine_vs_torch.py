@@ -38,9 +38,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from planner.job import Job  # noqa: E402
-from planner.model import PRESETS  # noqa: E402
-from planner.plan import Plan, zero_degrees  # noqa: E402
+from specs.job import Job  # noqa: E402
+from specs.model import PRESETS  # noqa: E402
+from specs.plan import Plan, zero_degrees  # noqa: E402
 from runners.model import build_chunk  # noqa: E402
 from runners.tensor_parallel import TPContext  # noqa: E402
 from runners.train import RunConfig  # noqa: E402

@@ -23,11 +23,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cost_models.estimate import estimate  # noqa: E402
-from planner.cluster import Cluster  # noqa: E402
-from planner.job import Job  # noqa: E402
-from planner.model import PRESETS  # noqa: E402
-from planner.plan import Plan  # noqa: E402
-from profilers.hardware import PRESETS as HARDWARE  # noqa: E402
+from specs.cluster import Cluster  # noqa: E402
+from specs.job import Job  # noqa: E402
+from specs.model import PRESETS  # noqa: E402
+from specs.plan import Plan  # noqa: E402
+from specs.hardware import PRESETS as HARDWARE  # noqa: E402
 
 REFERENCE_CSV = Path(os.environ.get("PLANNER_REFERENCE_DIR", "/work/shared/reference")) / "megatron_sc21_weak_scaling.csv"
 # The CSV names models by published parameter count; the presets by the paper's rounded names.

@@ -56,7 +56,7 @@ def megatron_rows() -> list[dict]:
 
 
 def preset_for(row: dict):
-    from planner.model import PRESETS
+    from specs.model import PRESETS
 
     shape = (int(row["num_layers"]), int(row["hidden_size"]), int(row["attention_heads"]))
     for spec in PRESETS.values():
@@ -68,7 +68,7 @@ def preset_for(row: dict):
 def published_best(problem, *, tp: int, pp: int):
     """The published TP/PP with full recomputation, at its best micro-batch size (None if none fits)."""
     from cost_models.estimate import estimate
-    from planner.plan import Plan
+    from specs.plan import Plan
     from planner.search import divisors
 
     dp = problem.cluster.num_devices // (tp * pp)
@@ -85,7 +85,7 @@ def published_best(problem, *, tp: int, pp: int):
 
 
 def compare_megatron() -> list[dict]:
-    from planner.inputs import make_problem
+    from specs.problem import make_problem
     from planner.search import SearchOptions, search
 
     out = []
@@ -164,7 +164,7 @@ def _print_tables(targets: list[dict], rows: list[dict]) -> None:
 
 
 def _describe(plan_dict: dict) -> str:
-    from planner.plan import Plan
+    from specs.plan import Plan
 
     return Plan.from_dict(plan_dict).describe()
 

@@ -41,9 +41,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from planner.job import Job  # noqa: E402
-from planner.model import PRESETS  # noqa: E402
-from planner.plan import Plan  # noqa: E402
+from specs.job import Job  # noqa: E402
+from specs.model import PRESETS  # noqa: E402
+from specs.plan import Plan  # noqa: E402
 
 PREFIX = "pltech"
 WORLD = 4
@@ -169,7 +169,7 @@ def ratios(times: dict, a: tuple[str, int], b: tuple[str, int]) -> tuple[float, 
 
 def predicted_step_s(hardware, name: str) -> float:
     from cost_models.estimate import estimate
-    from planner.cluster import Cluster
+    from specs.cluster import Cluster
 
     cfg = run_config(name, steps=1)
     num_nodes, per_node = SHAPES[PLANS[name][0]]
@@ -182,7 +182,7 @@ def calibrated_on(hardware, name: str, measured_s: float):
     0; see cost_models/estimate.py) set so that plan `name` is predicted at its measured step time:
     calibrated on the baseline alone, the technique's prediction uses no measurement of the technique.
     The step time grows monotonically with the overhead, so bisection finds it."""
-    from profilers.hardware import with_calibration
+    from specs.hardware import with_calibration
 
     low, high = 0.0, 1.0
     for _ in range(60):
@@ -235,8 +235,8 @@ def print_times(results: list[dict], hardware, *, bandwidth: str, repeats: int) 
 
 def load_or_measure_profile(args):
     """The --profile JSON, or a quick profile measured on the (up) 2 x 2 cluster and saved beside it."""
-    from planner.jsonio import write_json_atomic
-    from profilers.hardware import resolve_hardware
+    from specs.jsonio import write_json_atomic
+    from specs.hardware import resolve_hardware
     from profilers.profile import ProfileOptions, run_profile
 
     if args.profile and Path(args.profile).exists():
@@ -282,7 +282,7 @@ def main() -> int:
         return worker(args.jobs, args.out)
 
     if args.analyse:
-        from profilers.hardware import resolve_hardware
+        from specs.hardware import resolve_hardware
 
         print_times(json.loads(Path(args.analyse).read_text()), resolve_hardware(args.profile),
                     bandwidth=args.bandwidth, repeats=args.repeats)

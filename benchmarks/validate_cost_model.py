@@ -31,11 +31,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from planner.calibrate import calibrate, ok_rows  # noqa: E402
-from planner.jsonio import read_json_file, write_json_atomic  # noqa: E402
+from specs.jsonio import read_json_file, write_json_atomic  # noqa: E402
 from planner.validate import (Measurement, PlanEntry, ValidateSettings, agreement, build_report, measure,  # noqa: E402
                               measure_step_times_batched, repredict, validate, write_scatter_png)
-from planner.plan import Plan  # noqa: E402
-from profilers.hardware import with_calibration  # noqa: E402
+from specs.plan import Plan  # noqa: E402
+from specs.hardware import with_calibration  # noqa: E402
 
 TARGETS = {"num_plans": 24, "held_out_mape": 0.10, "held_out_kendall_tau": 0.8, "regret": 0.05, "dp_zero_max_error": 0.20}
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import math
 
-from planner.cluster import Cluster
-from profilers.hardware import Hardware
+from specs.cluster import Cluster
+from specs.hardware import Hardware
 
 _BUS_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,

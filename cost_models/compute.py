@@ -42,8 +42,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from planner.model import ModelSpec
-from profilers.hardware import Hardware
+from specs.model import ModelSpec
+from specs.hardware import Hardware
 
 # Elementwise kernels reach about 80% of the HBM datasheet bandwidth (STREAM-like copies on A100/H100).
 MEMORY_BANDWIDTH_EFFICIENCY = 0.8

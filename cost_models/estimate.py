@@ -47,9 +47,9 @@ from cost_models.memory import (CPU_FRAMEWORK_RESERVE_BYTES, GPU_FRAMEWORK_RESER
                                 end_params_per_device, in_flight_profiles, layer_activation_bytes,
                                 layer_params_per_device, logits_bytes, model_state_bytes, peak_from_profiles,
                                 state_bytes_per_param)
-from cost_models.schedule import rank_actions
+from specs.schedule import rank_actions
 from cost_models.timeline import ChunkDurations, simulate
-from planner.plan import check_plan
+from specs.plan import check_plan
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cost_models.compute import activation_bytes_per_element, fused_attention
-from planner.model import ModelSpec
+from specs.model import ModelSpec
 
 GIB = 1024**3
 # CUDA context, cuBLAS/NCCL workspaces and allocator slack that no tensor accounts for.

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cost_models.schedule import FORWARD, execution_order, rank_actions
+from specs.schedule import FORWARD, execution_order, rank_actions
 
 
 @dataclass(frozen=True)

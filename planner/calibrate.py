@@ -36,11 +36,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.errors import PlannerError
-from planner.inputs import Problem
-from planner.plan import Plan
+from specs.errors import PlannerError
+from specs.problem import Problem
+from specs.plan import Plan
 from planner.validate import agreement, repredict
-from profilers.hardware import Hardware, with_calibration
+from specs.hardware import Hardware, with_calibration
 
 # Parameter -> (unit the logarithm is taken against, default when the hardware has none).
 TIME_PARAMETERS: dict[str, tuple[float, float]] = {
@@ -206,7 +206,7 @@ def calibrate(rows: list[dict], problem: Problem, *, parameters: tuple[str, ...]
 
 def problem_from_report(report: dict, *, hardware: str | None = None) -> Problem:
     """The problem a validate report was measured on, priced on `hardware` (default: the report's)."""
-    from planner.inputs import make_problem
+    from specs.problem import make_problem
 
     for key in ("model", "hardware", "nproc", "global_batch", "seq_len", "precision", "plans"):
         if key not in report:

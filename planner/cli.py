@@ -21,7 +21,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from planner.errors import PlannerError
+from specs.errors import PlannerError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Auto-tuning planner for distributed LLM training.")
@@ -79,8 +79,8 @@ def presets(fmt: FormatOpt = OutputFormat.table) -> None:
 
     Example: planner presets --format json
     """
-    from planner.model import PRESETS as MODELS
-    from profilers.hardware import PRESETS as HARDWARE
+    from specs.model import PRESETS as MODELS
+    from specs.hardware import PRESETS as HARDWARE
 
     if fmt is OutputFormat.json:
         print_json({"models": {k: v.to_dict() for k, v in MODELS.items()},
@@ -150,7 +150,7 @@ def run(
       planner run --nproc 4 --zero 3 --checkpoint-dir ckpt --checkpoint-every 50 --max-restarts 3
       planner run --nproc 4 --tp 2 --checkpoint-dir ckpt --resume   # continue under another plan
     """
-    from planner.jsonio import write_json_atomic
+    from specs.jsonio import write_json_atomic
     from planner.inputs import PlanFlags
     from planner.run_command import RunRequest, build_run, run_in_this_process, under_torchrun
 
@@ -267,8 +267,8 @@ def search_command(
     """
     import time
 
-    from planner.inputs import make_problem
-    from planner.jsonio import write_json_atomic
+    from specs.problem import make_problem
+    from specs.jsonio import write_json_atomic
     from planner.search import SearchOptions, search
 
     with _BadInput():
@@ -377,7 +377,8 @@ def estimate_command(
       planner estimate --model gpt3-175b --hardware a100 --gpus 3072 --global-batch 1536 --plan plan.json --format json
     """
     from cost_models.estimate import estimate
-    from planner.inputs import PlanFlags, load_plan, make_problem, plan_from_flags
+    from specs.problem import make_problem
+    from planner.inputs import PlanFlags, load_plan, plan_from_flags
 
     with _BadInput():
         problem = make_problem(model=model, hardware=hardware, gpus=gpus, gpus_per_node=gpus_per_node,
@@ -418,7 +419,7 @@ def estimate_command(
 
 
 def _describe_plan(plan_dict: dict) -> str:
-    from planner.plan import Plan
+    from specs.plan import Plan
 
     return Plan.from_dict(plan_dict).describe()
 
@@ -452,7 +453,7 @@ def profile(
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from profilers.hardware import COLLECTIVES
+    from specs.hardware import COLLECTIVES
     from profilers.profile import ProfileFailed, ProfileOptions, parse_sizes, run_profile, summary
 
     options = ProfileOptions(
@@ -565,7 +566,7 @@ def validate_command(
       planner validate --nproc 4 --timing-rounds 6      # on a loaded host: one interleaved batched timing run
       planner validate --cluster --hardware cluster-profile.json --max-plans 6   # on `planner cluster up`
     """
-    from planner.jsonio import write_json_atomic
+    from specs.jsonio import write_json_atomic
     from planner.validate import ValidateSettings, validate, write_scatter_png
 
     with _BadInput():
@@ -619,8 +620,8 @@ def calibrate_command(
       planner calibrate --measurements validate.json --parameters op_overhead_s,collective_overhead_s --held-out-every 3
     """
     from planner.calibrate import TIME_PARAMETERS, calibrate, problem_from_report
-    from planner.jsonio import read_json_file
-    from profilers.hardware import PRESETS, with_calibration
+    from specs.jsonio import read_json_file
+    from specs.hardware import PRESETS, with_calibration
 
     with _BadInput():
         report = read_json_file(measurements, what="measurements")
@@ -651,8 +652,9 @@ def _plan_problem(plan_file: str, *, model: str, hardware: str, gpus: Optional[i
                   global_batch: Optional[int], seq_len: Optional[int], precision: Optional[str]):
     """The plan of a plan file and the problem around it: the devices and batch default to the plan's,
     the sequence length and precision to the file's job (search --out writes one)."""
-    from planner.inputs import load_plan, make_problem
-    from planner.jsonio import read_json_file
+    from specs.problem import make_problem
+    from planner.inputs import load_plan
+    from specs.jsonio import read_json_file
 
     data = read_json_file(plan_file, what="plan")
     job = data.get("job") if isinstance(data, dict) and isinstance(data.get("job"), dict) else {}
@@ -660,7 +662,7 @@ def _plan_problem(plan_file: str, *, model: str, hardware: str, gpus: Optional[i
     problem = make_problem(model=model, hardware=hardware, gpus=gpus or plan.world_size, gpus_per_node=gpus_per_node,
                            global_batch=global_batch or plan.global_batch, seq_len=seq_len or job.get("seq_len"),
                            precision=precision or job.get("precision"))
-    from planner.plan import check_plan
+    from specs.plan import check_plan
 
     check_plan(plan, model=problem.model, num_devices=problem.cluster.num_devices, job=problem.job)
     return plan, problem

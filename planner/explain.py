@@ -23,10 +23,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from planner.errors import PlannerError
-from planner.inputs import Problem
-from planner.plan import Plan
-from profilers.hardware import with_calibration
+from specs.errors import PlannerError
+from specs.problem import Problem
+from specs.plan import Plan
+from specs.hardware import with_calibration
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def explain(plan: Plan, problem: Problem) -> Explanation:
 def load_measured(path: str, plan: Plan) -> dict:
     """The metrics of a `planner run --metrics-out` file, refused (naming the field) if it is for
     another plan."""
-    from planner.jsonio import read_json_file
+    from specs.jsonio import read_json_file
 
     data = read_json_file(path, what="metrics")
     if not isinstance(data, dict) or "plan" not in data or "summary" not in data:

@@ -33,10 +33,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from planner.errors import PlannerError
-from planner.job import Job
-from planner.model import ModelSpec
-from planner.plan import DEFAULT_BUCKET_BYTES, Plan
+from specs.errors import PlannerError
+from specs.job import Job
+from specs.model import ModelSpec
+from specs.plan import DEFAULT_BUCKET_BYTES, Plan
 
 TARGETS = ("torchtitan", "megatron", "deepspeed")
 

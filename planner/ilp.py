@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.errors import PlannerError
+from specs.errors import PlannerError
 
 POLICIES = ("none", "selective", "full")
 

@@ -4,36 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.cluster import Cluster, make_cluster
-from planner.errors import PlannerError
-from planner.job import Job
-from planner.jsonio import read_json_file
-from planner.model import ModelSpec, resolve_model
-from planner.plan import Plan, check_plan, micro_batches_for, zero_degrees
-from profilers.hardware import resolve_hardware
-
-
-@dataclass(frozen=True)
-class Problem:
-    """What is trained, where, and how much: everything but the plan."""
-
-    model: ModelSpec
-    cluster: Cluster
-    job: Job
-
-
-def make_problem(*, model: str, hardware: str, gpus: int, gpus_per_node: int | None,
-                 global_batch: int, seq_len: int | None, precision: str | None = None) -> Problem:
-    spec = resolve_model(model)
-    hw = resolve_hardware(hardware)
-    cluster = make_cluster(hardware=hw, num_devices=gpus, devices_per_node=gpus_per_node)
-    if precision is None:
-        precision = "fp32" if hw.device_type == "cpu" else "bf16"
-    try:
-        job = Job(global_batch=global_batch, seq_len=seq_len or min(spec.max_seq_len, 2048), precision=precision)
-    except ValueError as exc:
-        raise PlannerError(str(exc)) from None
-    return Problem(model=spec, cluster=cluster, job=job)
+from specs.errors import PlannerError
+from specs.jsonio import read_json_file
+from specs.plan import Plan, check_plan, micro_batches_for, zero_degrees
+from specs.problem import Problem
 
 
 @dataclass(frozen=True)

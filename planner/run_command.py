@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from planner.errors import PlannerError
-from planner.inputs import PlanFlags, Problem, load_plan, make_problem, plan_from_flags
+from specs.errors import PlannerError
+from specs.problem import Problem, make_problem
+from planner.inputs import PlanFlags, load_plan, plan_from_flags
 
 
 @dataclass(frozen=True)

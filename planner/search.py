@@ -32,10 +32,10 @@ from functools import lru_cache
 from typing import Callable, Iterator
 
 from cost_models.estimate import Estimate
-from cost_models.schedule import rank_actions
-from planner.errors import PlannerError
-from planner.inputs import Problem
-from planner.plan import CACHE_TIERS, RECOMPUTE, Plan
+from specs.schedule import rank_actions
+from specs.errors import PlannerError
+from specs.problem import Problem
+from specs.plan import CACHE_TIERS, RECOMPUTE, Plan
 
 log = logging.getLogger(__name__)
 GIB = 1024**3

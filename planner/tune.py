@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from planner.errors import PlannerError
+from specs.errors import PlannerError
 
 Progress = Callable[[str, int, "int | None", str], None]
 
@@ -81,7 +81,7 @@ def cached_profile_path(settings: TuneSettings) -> Path:
 
 def ensure_profile(settings: TuneSettings, *, progress: Progress = _no_progress) -> tuple[str, bool]:
     """(profile path, whether it was reused): the given one, the cached one, or a fresh quick profile."""
-    from profilers.hardware import resolve_hardware
+    from specs.hardware import resolve_hardware
 
     if settings.profile is not None:
         resolve_hardware(settings.profile)  # refuse a bad file before anything runs
@@ -106,7 +106,7 @@ def calibrate_profile(profile: str, settings: TuneSettings, *, progress: Progres
     from cost_models.estimate import estimate
     from planner.calibrate import fit_time_parameters
     from planner.validate import ValidateSettings, candidate_plans, measure_step_times_batched
-    from profilers.hardware import resolve_hardware, with_calibration
+    from specs.hardware import resolve_hardware, with_calibration
 
     vs = ValidateSettings(model=settings.model, hardware=profile, nproc=settings.nproc,
                           global_batch=settings.global_batch, seq_len=settings.seq_len,
@@ -135,7 +135,7 @@ def calibrate_profile(profile: str, settings: TuneSettings, *, progress: Progres
 
 
 def _default_precision(profile: str) -> str:
-    from profilers.hardware import resolve_hardware
+    from specs.hardware import resolve_hardware
 
     return "fp32" if resolve_hardware(profile).device_type == "cpu" else "bf16"
 
@@ -143,12 +143,12 @@ def _default_precision(profile: str) -> str:
 def tune(settings: TuneSettings = TuneSettings(), *, progress: Progress = _no_progress,
          on_step: Callable[[dict], None] | None = None) -> dict:
     """Profile, search, run the winner, and return the report (see `report_lines`)."""
-    from planner.inputs import make_problem
+    from specs.problem import make_problem
     from planner.search import SearchOptions, search
     from runners.launch import launch
     from runners.train import RunConfig
 
-    from profilers.hardware import resolve_hardware
+    from specs.hardware import resolve_hardware
 
     start = time.perf_counter()
     profile, reused = ensure_profile(settings, progress=progress)

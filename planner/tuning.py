@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.errors import PlannerError
-from planner.inputs import Problem
-from planner.plan import CACHE_TIERS, RECOMPUTE, Plan
+from specs.errors import PlannerError
+from specs.problem import Problem
+from specs.plan import CACHE_TIERS, RECOMPUTE, Plan
 from planner.search import Candidate, CostModel, default_cost_model, divisors
 
 BUCKET_MB_CHOICES = (1, 5, 25, 100, 400)

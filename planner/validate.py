@@ -35,9 +35,10 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
-from planner.errors import PlannerError
-from planner.inputs import PlanFlags, Problem, make_problem, plan_from_flags
-from planner.plan import Plan
+from specs.errors import PlannerError
+from specs.problem import Problem, make_problem
+from planner.inputs import PlanFlags, plan_from_flags
+from specs.plan import Plan
 
 # Deliberately different plans, most informative first (a --max-plans cut keeps the first ones): each
 # knob the cost model prices differently appears at least once.
@@ -245,7 +246,7 @@ def measure_step_times_batched(entries: list[PlanEntry], settings: ValidateSetti
     from collections import deque
     from pathlib import Path
 
-    from planner.jsonio import read_json_file, write_json_atomic
+    from specs.jsonio import read_json_file, write_json_atomic
     from runners.launch import RunFailed
     from runners.train import RunConfig
 
@@ -310,7 +311,7 @@ def _worker(spec_path: str, out_path: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from planner.jsonio import read_json_file, write_json_atomic
+    from specs.jsonio import read_json_file, write_json_atomic
     from runners.data import make_data, rank_micro_batches
     from runners.train import RunConfig, Trainer
 

@@ -227,7 +227,7 @@ def _layer_probe(spec: CommSpec, *, device: torch.device) -> dict:
     """Every rank times one layer at the same time, then the overlap of an all-gather with it
     (profilers/layer_probe.py); each point keeps the slowest rank's means, since a synchronous step
     waits for its slowest rank."""
-    from planner.model import ModelSpec
+    from specs.model import ModelSpec
     from profilers.layer_probe import measure_layer, measure_overlap
 
     if dist.get_rank() == 0:

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from planner.model import ModelSpec
+from specs.model import ModelSpec
 from profilers.fit import GemmSample
 
 log = logging.getLogger(__name__)

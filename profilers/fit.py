@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from planner.errors import PlannerError
+from specs.errors import PlannerError
 
 
 def bus_factor(collective: str, group_size: int) -> float:

@@ -38,9 +38,9 @@ import time
 
 import torch
 
-from planner.model import ModelSpec
+from specs.model import ModelSpec
 from profilers.compute import repeat_times, synchronize
-from profilers.hardware import LayerProbePoint as ProbePoint
+from specs.hardware import LayerProbePoint as ProbePoint
 
 # (micro-batch, sequence length) points; the sequence is capped at the model's max_seq_len. The first is
 # nearly compute-free (it isolates the per-op cost), the others scale the GEMMs up.

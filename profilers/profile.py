@@ -26,12 +26,12 @@ from typing import Callable, Protocol
 
 import torch
 
-from planner.errors import PlannerError
-from planner.model import resolve_model
+from specs.errors import PlannerError
+from specs.model import resolve_model
 from profilers.comm import PROGRESS_PREFIX, CommSpec, plan_groups
 from profilers.compute import ComputeResult, measure_compute
 from profilers.fit import GemmFit, bus_factor, fit_gemm, fit_latency_bandwidth
-from profilers.hardware import (COLLECTIVES, PRESETS, CollectiveFit, GemmPoint, Hardware, LayerProbePoint, LinkSpec,
+from specs.hardware import (COLLECTIVES, PRESETS, CollectiveFit, GemmPoint, Hardware, LayerProbePoint, LinkSpec,
                                 with_calibration)
 from profilers.memory import MemoryResult, measure_memory
 

@@ -55,11 +55,11 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from planner.errors import PlannerError
-from planner.job import Job
-from planner.jsonio import check_keys, read_json_file, write_json_atomic
-from planner.model import ModelSpec
-from planner.plan import Plan
+from specs.errors import PlannerError
+from specs.job import Job
+from specs.jsonio import check_keys, read_json_file, write_json_atomic
+from specs.model import ModelSpec
+from specs.plan import Plan
 from runners.sharding import shard_chunks
 
 log = logging.getLogger(__name__)

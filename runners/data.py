@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from planner.errors import PlannerError
+from specs.errors import PlannerError
 
 
 class SyntheticData:

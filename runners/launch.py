@@ -17,8 +17,8 @@ import tempfile
 from collections import deque
 from pathlib import Path
 
-from planner.errors import PlannerError
-from planner.jsonio import read_json_file, write_json_atomic
+from specs.errors import PlannerError
+from specs.jsonio import read_json_file, write_json_atomic
 from runners.train import STEP_PREFIX, RunConfig
 
 

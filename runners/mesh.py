@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from planner.errors import PlannerError
+from specs.errors import PlannerError
 
 
 @dataclass

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from planner.model import ModelSpec
+from specs.model import ModelSpec
 from runners.tensor_parallel import (TPContext, copy_to_tp, cross_entropy_sum, enter_tp_region, exit_tp_region,
                                      sequence_parallel_param)
 

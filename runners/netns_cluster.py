@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from planner.errors import PlannerError
+from specs.errors import PlannerError
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Pipeline-parallel executor: runs one rank's schedule (cost_models.schedule action lists) over isend/irecv.
+"""Pipeline-parallel executor: runs one rank's schedule (specs.schedule action lists) over isend/irecv.
 
 The schedule is ours rather than torch.distributed.pipelining's so that data-parallel communication can
 be placed precisely inside it (Commshift: the DP gradient reduction of a chunk is issued right after the
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from cost_models.schedule import BACKWARD, FORWARD, Action
+from specs.schedule import BACKWARD, FORWARD, Action
 from runners.comm import Comm
 
 ACTIVATION = 0  # output of chunk c, sent to chunk c + 1
@@ -84,7 +84,7 @@ class Step:
 def message_order(table: tuple[tuple[Action, ...], ...], *, num_chunks: int) -> dict[Message, int]:
     """A sequence number for every message: the order in which a fixed topological execution of all
     ranks' action lists produces them (round-robin over ranks, each running as far as it can, as in
-    cost_models.schedule.check_executable). Every rank computes the same order from the same table."""
+    specs.schedule.check_executable). Every rank computes the same order from the same table."""
     order: dict[Message, int] = {}
     done: set[tuple[str, int, int]] = set()
     cursor = [0] * len(table)

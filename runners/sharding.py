@@ -62,7 +62,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from planner.errors import PlannerError
+from specs.errors import PlannerError
 
 # The first unit's input (token ids) needs no gradient, so torch warns that its full backward hook fires
 # on the outputs' gradients; the pre-hook is exactly that, and the warning would repeat every step.

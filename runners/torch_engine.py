@@ -72,7 +72,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from planner.errors import PlannerError
+from specs.errors import PlannerError
 from runners.comm import Comm
 
 ADAM_BETAS = (0.9, 0.999)
@@ -372,7 +372,7 @@ class TorchPipelineTrainer:
     ScheduleInterleaved1F1B. scale_grads=False: the loss is already scaled by 1 / global tokens, so the
     micro-batch gradients are summed, as ours. torch's schedules order their actions themselves (e.g. its
     interleaved warm-up), so the step's work is the plan's but its order may differ from
-    cost_models.schedule.rank_actions.
+    specs.schedule.rank_actions.
 
     dp > 1, as torchtitan composes them: a 2-D (pp, dp) DeviceMesh (3-D (pp, replicate, shard) for HSDP),
     rank = pp_rank * dp + dp_rank as runners/mesh.py, and each stage's module wrapped over the DP

@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from planner.errors import PlannerError
-from planner.job import Job
-from planner.jsonio import dataclass_from_dict, read_json_file, write_json_atomic
-from planner.model import ModelSpec
-from planner.plan import Plan, check_plan
+from specs.errors import PlannerError
+from specs.job import Job
+from specs.jsonio import dataclass_from_dict, read_json_file, write_json_atomic
+from specs.model import ModelSpec
+from specs.plan import Plan, check_plan
 
 STEP_PREFIX = "PLANNER_STEP "
 
@@ -189,7 +189,7 @@ class Trainer:
                 loss.backward()
                 losses.append(loss.detach())
             return losses
-        from cost_models.schedule import rank_actions
+        from specs.schedule import rank_actions
         from runners.pipeline import run_pipeline
 
         # Every rank's list, not only ours: NCCL matches sends to receives by order, not tag, so each
@@ -303,8 +303,8 @@ def predicted(cfg: RunConfig, world: int) -> dict | None:
     """The cost model's estimate of the same plan on the hardware named in the config."""
     try:
         from cost_models.estimate import estimate
-        from planner.cluster import make_cluster
-        from profilers.hardware import resolve_hardware
+        from specs.cluster import make_cluster
+        from specs.hardware import resolve_hardware
     except ImportError:
         return None
     hardware = resolve_hardware(cfg.hardware)

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from planner.job import Job
-from planner.model import PRESETS
-from planner.plan import Plan
+from specs.job import Job
+from specs.model import PRESETS
+from specs.plan import Plan
 from runners.train import RunConfig
 
 LOSS_TOL = 1e-4

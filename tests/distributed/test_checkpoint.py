@@ -18,8 +18,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.errors import PlannerError
-from planner.plan import Plan
+from specs.errors import PlannerError
+from specs.plan import Plan
 from runners import checkpoint as ck
 from runners.reference import train_reference
 from tests.distributed.harness import LOSS_TOL, PARAM_TOL, run_plans, tiny_config

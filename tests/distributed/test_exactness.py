@@ -6,7 +6,7 @@ trains 8 steps of the tiny model from the same seeded weights and data as the re
 
 import pytest
 
-from planner.plan import Plan
+from specs.plan import Plan
 from tests.distributed.harness import cached_matrix_results, check_against_reference, run_plans, tiny_config
 
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cost_models.schedule import max_in_flight, rank_actions
-from planner.plan import Plan
+from specs.schedule import max_in_flight, rank_actions
+from specs.plan import Plan
 from runners.comm import Comm
 from runners.pipeline import GRADIENT, Message, message_tag, run_pipeline
 from tests.distributed.spawn import run_on_ranks

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from planner.plan import Plan
+from specs.plan import Plan
 from runners.comm import Comm
 from runners.mesh import build_mesh
 from runners.sharding import ShardedDataParallel, shard_chunks, state_bytes_per_param
@@ -401,7 +401,7 @@ def test_zero3_peak_live_parameters_below_zero0(dp4_results, dp2_results):
 
 
 def test_real_tiny_model_zero3_with_recomputation_matches_one_process():
-    """The lead's transformer (planner.model.PRESETS['tiny']) under ZeRO-3 with full and selective
+    """The lead's transformer (specs.model.PRESETS['tiny']) under ZeRO-3 with full and selective
     recomputation and a mixed sharding: the engine's backward pre-hook must gather a unit's parameters
     before torch.utils.checkpoint recomputes it, and freeing after forward must not corrupt saved tensors."""
     from tests.distributed.harness import check_against_reference, run_plans, tiny_config

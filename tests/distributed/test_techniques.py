@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import pytest
 
-from planner.model import PRESETS
-from planner.plan import Plan
+from specs.model import PRESETS
+from specs.plan import Plan
 from tests.distributed.harness import check_against_reference, run_plans, tiny_config
 
 DP, M, FP32 = 4, 2, 4

@@ -9,8 +9,8 @@ engine's tp2 mb1x2 run misses the reference by 3e-3 there too), which would test
 
 import pytest
 
-from planner.errors import PlannerError
-from planner.plan import Plan
+from specs.errors import PlannerError
+from specs.plan import Plan
 from runners.torch_engine import torch_strategy
 from tests.distributed.harness import cached_matrix_results, check_against_reference, tiny_config
 

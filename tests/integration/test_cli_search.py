@@ -8,7 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from planner.cli import app
-from planner.inputs import load_plan, make_problem
+from specs.problem import make_problem
+from planner.inputs import load_plan
 
 runner = CliRunner()
 TINY = ["--model", "tiny", "--hardware", "cpu", "--gpus", "8", "--global-batch", "32", "--seq-len", "64"]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.plan import Plan
+from specs.plan import Plan
 from runners.launch import RunFailed, launch
 from tests.distributed.harness import tiny_config
 
@@ -174,7 +174,7 @@ def test_whole_node_lost_ends_the_other_node_within_the_bound(how, tmp_path, mon
     must exit by itself within the bound, naming rank 1, with nothing left in its namespace."""
     import subprocess
 
-    from planner.jsonio import write_json_atomic
+    from specs.jsonio import write_json_atomic
     from runners import netns_cluster as nc
 
     monkeypatch.setenv("PLANNER_CLUSTER_STATE_DIR", str(tmp_path))

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from planner.errors import PlannerError
+from specs.errors import PlannerError
 from runners import netns_cluster as nc
 
 PREFIX = "pltest"

@@ -12,9 +12,9 @@ import pytest
 from typer.testing import CliRunner
 
 from planner.cli import app
-from planner.errors import PlannerError
+from specs.errors import PlannerError
 from profilers.fit import bus_factor
-from profilers.hardware import Hardware, resolve_hardware
+from specs.hardware import Hardware, resolve_hardware
 from profilers.profile import warn_if_mismatch
 
 runner = CliRunner()

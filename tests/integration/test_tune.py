@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from planner.cli import app
 from planner.tune import CALIBRATION_PARAMETERS, TuneSettings, cached_profile_path, ensure_profile
-from profilers.hardware import resolve_hardware
+from specs.hardware import resolve_hardware
 
 runner = CliRunner()
 

@@ -8,7 +8,7 @@ import statistics
 from typer.testing import CliRunner
 
 from planner.cli import app
-from profilers.hardware import resolve_hardware
+from specs.hardware import resolve_hardware
 
 runner = CliRunner()
 

@@ -18,12 +18,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.errors import PlannerError
-from planner.job import Job
-from planner.model import PRESETS, ModelSpec, model_from_hf_config, resolve_model
-from planner.plan import Plan
-from profilers.hardware import PRESETS as HARDWARE
-from profilers.hardware import Hardware, resolve_hardware
+from specs.errors import PlannerError
+from specs.job import Job
+from specs.model import PRESETS, ModelSpec, model_from_hf_config, resolve_model
+from specs.plan import Plan
+from specs.hardware import PRESETS as HARDWARE
+from specs.hardware import Hardware, resolve_hardware
 from runners.checkpoint import CheckpointMeta, load_meta
 from runners.train import RunConfig
 

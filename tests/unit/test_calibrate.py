@@ -8,10 +8,10 @@ import pytest
 
 from cost_models.estimate import estimate
 from planner.calibrate import calibrate, fit_memory_reserve, fit_time_parameters, split_held_out
-from planner.errors import PlannerError
-from planner.inputs import make_problem
+from specs.errors import PlannerError
+from specs.problem import make_problem
 from planner.validate import Measurement, candidate_plans, plan_row
-from profilers.hardware import with_calibration
+from specs.hardware import with_calibration
 
 TRUE = {"compute_time_scale": 1.7, "comm_time_scale": 3.0, "op_overhead_s": 4e-5, "collective_overhead_s": 6e-4,
         "step_overhead_s": 5e-3}
@@ -84,7 +84,7 @@ def test_failed_rows_are_ignored_and_too_few_plans_refused():
 def test_op_and_step_overheads_add_per_launched_op_by_hand():
     """tiny llama layer: 7 GEMMs + 1 fused attention + 35 elementwise = 43 forward ops, backward twice as
     many; embedding 1 op, norm + head + loss 12; Adam 10 ops per unit (8 layers + 2 ends)."""
-    from planner.plan import Plan
+    from specs.plan import Plan
 
     plan, o, step = Plan(dp=4, num_micro_batches=4), 1e-4, 3e-3
     base = _problem()
@@ -96,7 +96,7 @@ def test_op_and_step_overheads_add_per_launched_op_by_hand():
 
 
 def test_collective_overhead_is_paid_per_call():
-    from planner.plan import Plan
+    from specs.plan import Plan
 
     plan, c = Plan(dp=1, tp=4, num_micro_batches=16), 1e-3
     base, slow = _problem(), _problem({"collective_overhead_s": c})
@@ -109,7 +109,7 @@ def test_collective_overhead_is_paid_per_call():
 
 
 def test_comm_overlap_efficiency_exposes_hidden_zero_gathers():
-    from planner.plan import Plan
+    from specs.plan import Plan
 
     plan = Plan(dp=4, num_micro_batches=4, param_shard=4, grad_shard=4, optim_shard=4)
     full, none = _problem({"comm_overlap_efficiency": 1.0}), _problem({"comm_overlap_efficiency": 0.0})
@@ -121,7 +121,7 @@ def test_comm_overlap_efficiency_exposes_hidden_zero_gathers():
 
 
 def test_recompute_overhead_is_paid_per_checkpointed_region():
-    from planner.plan import Plan
+    from specs.plan import Plan
 
     r = 2e-3
     base, slow = _problem(), _problem({"recompute_overhead_s": r})

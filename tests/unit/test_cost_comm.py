@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 
 from cost_models.comm import collective_time_s, flat_collective_time_s
-from planner.cluster import Cluster
-from profilers.hardware import PRESETS as HW
-from profilers.hardware import CollectiveFit
+from specs.cluster import Cluster
+from specs.hardware import PRESETS as HW
+from specs.hardware import CollectiveFit
 
 A100 = HW["a100"]  # NVLink 300e9 B/s, 5 us; NIC 25e9 B/s, 15 us
 NODES = Cluster(num_nodes=4, devices_per_node=8, hardware=A100)

@@ -7,9 +7,9 @@ import pytest
 
 from cost_models.compute import (Gemm, attention_core_flops, gemm_efficiency, gemm_time_s, layer_compute_times,
                                  layer_forward_flops, layer_gemms, memory_time_s, model_flops_per_step)
-from planner.model import PRESETS
-from profilers.hardware import PRESETS as HW
-from profilers.hardware import GemmPoint
+from specs.model import PRESETS
+from specs.hardware import PRESETS as HW
+from specs.hardware import GemmPoint
 
 
 def test_tiny_llama_layer_flops_by_hand():

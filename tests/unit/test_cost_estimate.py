@@ -11,12 +11,12 @@ import pytest
 
 from cost_models.compute import model_flops_per_step
 from cost_models.estimate import estimate, layer_costs
-from planner.cluster import Cluster
-from planner.errors import PlannerError
-from planner.job import Job
-from planner.model import PRESETS
-from planner.plan import Plan, zero_degrees
-from profilers.hardware import PRESETS as HW
+from specs.cluster import Cluster
+from specs.errors import PlannerError
+from specs.job import Job
+from specs.model import PRESETS
+from specs.plan import Plan, zero_degrees
+from specs.hardware import PRESETS as HW
 
 LLAMA8 = PRESETS["llama3-8b"]
 
@@ -185,7 +185,7 @@ def test_megatron_reference_runs_within_tolerance():
 
 
 def test_calibration_scales_compute_and_communication():
-    from profilers.hardware import with_calibration
+    from specs.hardware import with_calibration
 
     plan = Plan(dp=4, tp=2, num_micro_batches=2)
     base = _price(plan)
@@ -241,8 +241,8 @@ def test_wire_bound_communication_hides_behind_compute_whatever_the_cpu_overlap(
     import dataclasses as dc
 
     from cost_models.estimate import _overlap, _wire_fraction
-    from planner.cluster import Cluster
-    from profilers.hardware import PRESETS, CollectiveFit, with_calibration
+    from specs.cluster import Cluster
+    from specs.hardware import PRESETS, CollectiveFit, with_calibration
 
     hw = with_calibration(PRESETS["cpu"], {"comm_overlap_efficiency": -0.5})
     cluster = Cluster(num_nodes=2, devices_per_node=2, hardware=hw)

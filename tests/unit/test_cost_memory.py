@@ -6,8 +6,8 @@ import pytest
 
 from cost_models.memory import (end_params_per_device, layer_activation_bytes, layer_params_per_device,
                                 model_state_bytes, peak_live_bytes)
-from cost_models.schedule import rank_actions
-from planner.model import PRESETS
+from specs.schedule import rank_actions
+from specs.model import PRESETS
 
 
 @pytest.mark.parametrize("num_params,n", [(7_000_000_000, 64), (1_558_000_000, 8), (123_456_789, 3)])
@@ -86,7 +86,7 @@ def test_more_recomputation_keeps_less():
 @pytest.mark.parametrize("schedule,pp,v,m", [("1f1b", 4, 1, 3), ("1f1b", 4, 1, 16), ("gpipe", 3, 1, 5),
                                              ("interleaved-1f1b", 4, 2, 8), ("interleaved-1f1b", 2, 3, 6)])
 def test_equal_chunks_peak_at_max_in_flight(schedule, pp, v, m):
-    from cost_models.schedule import max_in_flight
+    from specs.schedule import max_in_flight
 
     for actions in rank_actions(schedule=schedule, pp=pp, virtual_stages=v, num_micro_batches=m):
         chunks = {a.chunk for a in actions}

@@ -9,11 +9,11 @@ import tomllib
 
 import pytest
 
-from planner.errors import PlannerError
+from specs.errors import PlannerError
 from planner.export import export_plan
-from planner.job import Job
-from planner.model import resolve_model
-from planner.plan import Plan
+from specs.job import Job
+from specs.model import resolve_model
+from specs.plan import Plan
 
 MODEL = resolve_model("llama3-8b")
 JOB = Job(global_batch=64, seq_len=4096)

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from planner.errors import PlannerError
+from specs.errors import PlannerError
 from planner.ilp import (POLICIES, StageCosts, _bottleneck, balance_stages, choose_recompute,
                          layout_bottleneck_s, layout_memory_bytes, partition_layers)
 

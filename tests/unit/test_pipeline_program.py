@@ -10,7 +10,7 @@ from collections import defaultdict, deque
 
 import pytest
 
-from cost_models.schedule import BACKWARD, rank_actions
+from specs.schedule import BACKWARD, rank_actions
 from runners.pipeline import (HOOK, POST, RUN, SEND, WAIT, input_message, message_order, message_tag,
                               output_message, rank_program)
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from planner.errors import PlannerError
+from specs.errors import PlannerError
 from profilers.fit import GemmSample, bus_factor, fit_gemm, fit_latency_bandwidth, predict_gemm_time_s
 
 
@@ -118,7 +118,7 @@ def _probe_points(model, hardware, *, scale: float, op_overhead_s: float):
 
     from cost_models.compute import layer_compute_times
     from cost_models.estimate import BACKWARD_OPS_PER_FORWARD_OP, _num_ops
-    from profilers.hardware import LayerProbePoint
+    from specs.hardware import LayerProbePoint
     from profilers.layer_probe import probe_shapes
 
     hw = dataclasses.replace(hardware, calibration={"compute_time_scale": scale})
@@ -135,8 +135,8 @@ def _probe_points(model, hardware, *, scale: float, op_overhead_s: float):
 @pytest.mark.parametrize("model_name", ["tiny", "gpt3-1.7b"])
 @pytest.mark.parametrize("scale,op_overhead_s", [(1.0, 0.0), (2.5, 2e-5), (6.0, 1e-4), (0.8, 5e-6)])
 def test_layer_probe_fit_recovers_the_scale_and_the_op_overhead(model_name, scale, op_overhead_s) -> None:
-    from planner.model import resolve_model
-    from profilers.hardware import PRESETS
+    from specs.model import resolve_model
+    from specs.hardware import PRESETS
     from profilers.layer_probe import fit_overheads
 
     model, hw = resolve_model(model_name), PRESETS["cpu"]
@@ -148,8 +148,8 @@ def test_layer_probe_fit_recovers_the_scale_and_the_op_overhead(model_name, scal
 def test_the_full_recomputation_point_gives_the_checkpoint_overhead() -> None:
     import dataclasses
 
-    from planner.model import resolve_model
-    from profilers.hardware import PRESETS
+    from specs.model import resolve_model
+    from specs.hardware import PRESETS
     from profilers.layer_probe import fit_overheads
 
     model, hw = resolve_model("tiny"), PRESETS["cpu"]
@@ -167,8 +167,8 @@ def test_the_full_recomputation_point_gives_the_checkpoint_overhead() -> None:
 def test_probes_calibrate_a_cpu_profile_and_are_only_recorded_on_cuda() -> None:
     import dataclasses
 
-    from planner.model import resolve_model
-    from profilers.hardware import PRESETS
+    from specs.model import resolve_model
+    from specs.hardware import PRESETS
     from profilers.profile import with_layer_probe
 
     model = resolve_model("tiny")

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from cost_models.schedule import BACKWARD, FORWARD, check_executable, max_in_flight, rank_actions
+from specs.schedule import BACKWARD, FORWARD, check_executable, max_in_flight, rank_actions
 
 
 @pytest.mark.parametrize("schedule,pp,v,m", [

@@ -14,16 +14,16 @@ from dataclasses import dataclass
 import pytest
 
 from cost_models.estimate import Estimate
-from planner.cluster import Cluster
-from planner.errors import PlannerError
-from planner.inputs import Problem
-from planner.job import Job
-from planner.model import PRESETS, with_overrides
-from planner.plan import Plan, check_plan
+from specs.cluster import Cluster
+from specs.errors import PlannerError
+from specs.problem import Problem
+from specs.job import Job
+from specs.model import PRESETS, with_overrides
+from specs.plan import Plan, check_plan
 from planner.search import (CostModel, SearchOptions, chunk_counts, degree_options, enumerate_slots,
                             format_bytes, pareto_front, rank_in_flight, schedule_options, search, sharding_variants,
                             state_bytes_per_param)
-from profilers.hardware import PRESETS as HW
+from specs.hardware import PRESETS as HW
 
 GIB = 1024**3
 
@@ -142,7 +142,7 @@ def test_every_enumerated_plan_is_valid():
 
 
 def test_degree_options_respect_node_heads_and_batch():
-    from planner.inputs import make_problem
+    from specs.problem import make_problem
 
     llama = make_problem(model="llama3-70b", hardware="h100", gpus=1024, gpus_per_node=8, global_batch=1024, seq_len=4096)
     degrees = degree_options(llama)
@@ -229,7 +229,7 @@ def test_chunk_counts_match_plan():
 
 @pytest.mark.parametrize("schedule,pp,v", [("1f1b", 4, 1), ("interleaved-1f1b", 4, 2), ("interleaved-1f1b", 3, 4)])
 def test_in_flight_counts_saturate_within_four_pp_micro_batches(schedule, pp, v):
-    from cost_models.schedule import max_in_flight, rank_actions
+    from specs.schedule import max_in_flight, rank_actions
 
     # The cached counts use at most 4 pp micro-batches; the full schedule of 12 pp must agree.
     full = [max_in_flight(a) for a in rank_actions(schedule=schedule, pp=pp, virtual_stages=v, num_micro_batches=12 * pp)]
@@ -238,7 +238,7 @@ def test_in_flight_counts_saturate_within_four_pp_micro_batches(schedule, pp, v)
 
 def test_enumeration_equals_an_independent_filter_over_all_knob_combinations():
     """Every combination of knob values that the rules allow, built the slow way, and nothing else."""
-    from planner.plan import CACHE_TIERS, RECOMPUTE, SCHEDULES
+    from specs.plan import CACHE_TIERS, RECOMPUTE, SCHEDULES
 
     problem = small_problem(num_devices=8, per_node=4, global_batch=8)
     model, job = problem.model, problem.job

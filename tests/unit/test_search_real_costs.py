@@ -5,7 +5,7 @@ import random
 import pytest
 
 from cost_models.estimate import estimate, layer_costs
-from planner.inputs import make_problem
+from specs.problem import make_problem
 from planner.search import (SearchOptions, enumerate_slots, search, sharding_variants, slot_memory,
                             time_lower_bound_s)
 

@@ -4,8 +4,8 @@ import optuna
 import pytest
 
 from cost_models.estimate import estimate
-from planner.inputs import make_problem
-from planner.plan import Plan
+from specs.problem import make_problem
+from specs.plan import Plan
 from planner.tuning import base_params, plan_from_trial, tune
 
 
@@ -50,7 +50,7 @@ def test_fixed_seed_is_reproducible_and_never_worse_than_the_base(problem):
 
 
 def test_bad_storage_is_one_planner_error(problem, tmp_path):
-    from planner.errors import PlannerError
+    from specs.errors import PlannerError
 
     with pytest.raises(PlannerError, match="--storage"):
         tune(problem, base=BASE, num_trials=1, storage="nosuchdb://x")

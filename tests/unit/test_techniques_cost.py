@@ -11,15 +11,15 @@ import pytest
 from cost_models import estimate as est
 from cost_models.estimate import cache_cost_inputs, estimate
 from cost_models.timeline import ChunkDurations, simulate
-from planner.cluster import Cluster
-from planner.errors import PlannerError
+from specs.cluster import Cluster
+from specs.errors import PlannerError
 from planner.ilp import CACHE_TIERS, CacheCosts, cache_exposed_s, cache_fits, choose_param_cache
-from planner.inputs import Problem
-from planner.job import Job
-from planner.model import PRESETS
-from planner.plan import Plan
+from specs.problem import Problem
+from specs.job import Job
+from specs.model import PRESETS
+from specs.plan import Plan
 from planner.search import SearchOptions, lins_points, search
-from profilers.hardware import PRESETS as HW
+from specs.hardware import PRESETS as HW
 
 LLAMA8 = PRESETS["llama3-8b"]
 GIB = 1024**3

@@ -4,12 +4,13 @@ import json
 
 import pytest
 
-from planner.errors import PlannerError
-from planner.inputs import PlanFlags, make_problem, plan_from_flags
-from planner.job import Job
-from planner.model import PRESETS, ModelSpec, resolve_model
-from planner.plan import Plan, check_plan, zero_degrees
-from profilers.hardware import PRESETS as HW, Hardware, resolve_hardware
+from specs.errors import PlannerError
+from specs.problem import make_problem
+from planner.inputs import PlanFlags, plan_from_flags
+from specs.job import Job
+from specs.model import PRESETS, ModelSpec, resolve_model
+from specs.plan import Plan, check_plan, zero_degrees
+from specs.hardware import PRESETS as HW, Hardware, resolve_hardware
 
 
 def test_preset_parameter_counts_match_published_sizes():

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from planner.errors import PlannerError
+from specs.errors import PlannerError
 from planner.validate import (ValidateSettings, agreement, build_report, candidate_plans, kendall_tau,
                               measure, write_scatter_png)
 from runners.launch import RunFailed

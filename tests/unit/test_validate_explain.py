@@ -8,10 +8,10 @@ import json
 import pytest
 
 from cost_models.timeline import ChunkDurations, action_spans, simulate_full
-from planner.errors import PlannerError
+from specs.errors import PlannerError
 from planner.explain import breakdown_lines, explain, load_measured, write_timeline_png
-from planner.inputs import make_problem
-from planner.plan import Plan
+from specs.problem import make_problem
+from specs.plan import Plan
 
 CASES = [("gpipe", 2, 1, 4), ("1f1b", 4, 1, 8), ("interleaved-1f1b", 2, 2, 4), ("1f1b", 3, 1, 2)]
 

@@ -15,8 +15,8 @@ import dataclasses
 import warnings
 from dataclasses import dataclass
 
-from planner.errors import PlannerError
-from planner.jsonio import dataclass_from_dict, dataclass_to_dict
+from specs.errors import PlannerError
+from specs.jsonio import dataclass_from_dict, dataclass_to_dict
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 RECOMPUTE = ("none", "selective", "full")

@@ -10,7 +10,7 @@ import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
-from planner.errors import PlannerError
+from specs.errors import PlannerError
 
 T = TypeVar("T")
 

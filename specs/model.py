@@ -12,8 +12,8 @@ import difflib
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.errors import PlannerError
-from planner.jsonio import dataclass_from_dict, dataclass_to_dict, read_json_file
+from specs.errors import PlannerError
+from specs.jsonio import dataclass_from_dict, dataclass_to_dict, read_json_file
 
 ARCHS = ("llama", "gpt2")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from profilers.hardware import Hardware
+from specs.hardware import Hardware
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class Cluster:
 
 def make_cluster(*, hardware: Hardware, num_devices: int, devices_per_node: int | None) -> Cluster:
     """A cluster of `num_devices` devices, `devices_per_node` per node (default: 8 for GPUs, all for CPU)."""
-    from planner.errors import PlannerError
+    from specs.errors import PlannerError
 
     if num_devices < 1:
         raise PlannerError(f"--gpus must be at least 1, got {num_devices}")

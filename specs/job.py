@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.jsonio import dataclass_from_dict, dataclass_to_dict
+from specs.jsonio import dataclass_from_dict, dataclass_to_dict
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adam",)

@@ -10,8 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from planner.errors import PlannerError
-from planner.jsonio import dataclass_from_dict, dataclass_to_dict, read_json_file, write_json_atomic
+from specs.errors import PlannerError
+from specs.jsonio import dataclass_from_dict, dataclass_to_dict, read_json_file, write_json_atomic
 
 LINK_CLASSES = ("intra_node", "inter_node")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p", "all_to_all")
@@ -204,7 +204,7 @@ PRESETS: dict[str, Hardware] = {
 
 def resolve_hardware(name_or_path: str) -> Hardware:
     """A datasheet preset by name or a profile JSON written by `planner profile`."""
-    from planner.model import suggest
+    from specs.model import suggest
 
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]

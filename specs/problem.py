@@ -1,0 +1,38 @@
+"""The problem a plan is for: what is trained (model), where (cluster), and how much (job).
+
+    problem = make_problem(model="llama3-8b", hardware="h100", gpus=64, gpus_per_node=8,
+                           global_batch=512, seq_len=8192)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specs.cluster import Cluster, make_cluster
+from specs.errors import PlannerError
+from specs.hardware import resolve_hardware
+from specs.job import Job
+from specs.model import ModelSpec, resolve_model
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What is trained, where, and how much: everything but the plan."""
+
+    model: ModelSpec
+    cluster: Cluster
+    job: Job
+
+
+def make_problem(*, model: str, hardware: str, gpus: int, gpus_per_node: int | None,
+                 global_batch: int, seq_len: int | None, precision: str | None = None) -> Problem:
+    spec = resolve_model(model)
+    hw = resolve_hardware(hardware)
+    cluster = make_cluster(hardware=hw, num_devices=gpus, devices_per_node=gpus_per_node)
+    if precision is None:
+        precision = "fp32" if hw.device_type == "cpu" else "bf16"
+    try:
+        job = Job(global_batch=global_batch, seq_len=seq_len or min(spec.max_seq_len, 2048), precision=precision)
+    except ValueError as exc:
+        raise PlannerError(str(exc)) from None
+    return Problem(model=spec, cluster=cluster, job=job)
