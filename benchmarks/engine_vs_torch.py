@@ -41,9 +41,9 @@ import torch.multiprocessing as mp  # noqa: E402
 from specs.job import Job  # noqa: E402
 from specs.model import PRESETS  # noqa: E402
 from specs.plan import Plan, zero_degrees  # noqa: E402
-from runners.model import build_chunk  # noqa: E402
+from runners.transformer import build_chunk  # noqa: E402
 from runners.tensor_parallel import TPContext  # noqa: E402
-from runners.train import RunConfig  # noqa: E402
+from runners.config import RunConfig  # noqa: E402
 
 WORLD = 4
 SEQ_LEN = 128
@@ -60,8 +60,15 @@ def make_config(level: int, engine: str, *, steps: int) -> RunConfig:
     s_p, s_g, s_os = zero_degrees(level, WORLD)
     plan = Plan(dp=WORLD, param_shard=s_p, grad_shard=s_g, optim_shard=s_os, micro_batch=MICRO_BATCH,
                 num_micro_batches=NUM_MICRO_BATCHES)
-    return RunConfig(plan=plan, model=MODEL, job=Job(global_batch=plan.global_batch, seq_len=SEQ_LEN, precision="fp32"),
-                     steps=steps, seed=0, engine=engine, hardware="cpu", timeout_s=600)
+    from cost_models.estimate import estimate
+    from specs.cluster import make_cluster
+    from specs.hardware import PRESETS as HARDWARE
+
+    job = Job(global_batch=plan.global_batch, seq_len=SEQ_LEN, precision="fp32")
+    cluster = make_cluster(hardware=HARDWARE["cpu"], num_devices=WORLD, devices_per_node=WORLD)
+    predicted = estimate(plan, model=MODEL, cluster=cluster, job=job).to_dict()
+    return RunConfig(plan=plan, model=MODEL, job=job, steps=steps, seed=0, engine=engine, timeout_s=600,
+                     predicted=predicted)
 
 
 def cpu_seconds() -> float:
@@ -94,7 +101,7 @@ def _worker(rank: int, port: int, jobs: list[tuple[str, RunConfig]], queue) -> N
             # CPU seconds of steps 1.. summed over ranks: unlike wall time, barely moved by other jobs' load.
             cpu = torch.tensor([b - a for a, b in zip(marks, marks[1:])], dtype=torch.float64)
             dist.all_reduce(cpu)
-            metrics["cpu_s_per_step"] = cpu.tolist()
+            metrics = {**metrics.to_dict(), "cpu_s_per_step": cpu.tolist()}
             if rank == 0:
                 queue.put(("ok", label, metrics, int(idle.item())))
         dist.destroy_process_group()

@@ -19,7 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from profilers.profile import ProfileOptions, run_profile
+from planner.profiling import measure_profile
+from profilers.profile import ProfileOptions
 from runners import netns_cluster as nc
 
 PREFIX = "plbench"
@@ -39,7 +40,7 @@ def profile_cluster(args: argparse.Namespace) -> dict:
                   inter_node_latency=args.latency, prefix=PREFIX)
     try:
         start = time.perf_counter()
-        hw = run_profile(ProfileOptions(quick=True, cluster_prefix=PREFIX))
+        hw = measure_profile(ProfileOptions(quick=True, cluster_prefix=PREFIX))
         return {"state": state, "hw": hw, "wall_s": time.perf_counter() - start}
     finally:
         nc.down(prefix=PREFIX)

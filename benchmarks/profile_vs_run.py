@@ -4,7 +4,7 @@ plans of the tiny model against `planner run`'s measured median step time on the
     python benchmarks/profile_vs_run.py [--nproc 4] [--rounds 2] [--out-dir out/profile_vs_run]
 
 1. `planner profile --quick --nproc N`: collectives per group size, GEMM/bandwidth sweeps, and the layer
-   and overlap probes that fit the CPU's per-op cost, compute slowdown and overlap (profilers/layer_probe.py);
+   and overlap probes that fit the CPU's per-op cost, compute slowdown and overlap (runners/probe.py);
 2. every plan (ZeRO-0..3 over dp N, micro-batch 1 x N and N x 1, and ZeRO-0 at 1 x N under selective and
    full recomputation; global batch 16, sequence 64) runs
    `--rounds` times, plans interleaved so load drift hits all alike; the median of the runs' medians is

@@ -29,13 +29,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,12 +71,12 @@ PAIRS = [
 
 
 def run_config(name: str, *, steps: int):
-    from runners.train import RunConfig
+    from runners.config import RunConfig
 
     shape, plan = PLANS[name]
     job = Job(global_batch=plan.global_batch, seq_len=SEQ_LEN, precision="fp32")
     return RunConfig(plan=plan, model=MODEL, job=job, steps=steps, seed=0, ranks_per_node=SHAPES[shape][1],
-                     hardware="cpu", timeout_s=1800)
+                     timeout_s=1800)
 
 
 def interleaved_jobs(shape: str, *, repeats: int, steps: int) -> list[tuple[str, dict]]:
@@ -96,57 +92,15 @@ def interleaved_jobs(shape: str, *, repeats: int, steps: int) -> list[tuple[str,
     return jobs
 
 
-# --- the worker: one process of the run, under torchrun (locally or in a cluster node) ---------------
-def worker(jobs_path: Path, out_path: Path) -> int:
-    import torch
-    import torch.distributed as dist
+# --- running: one set of processes trains every job in turn (runners.train's series task) --------------
+def run_jobs(jobs: list[tuple[str, dict]], *, cluster: str | None = None) -> list[dict]:
+    """The jobs on WORLD local processes (grouped into nodes by each config's ranks_per_node), or across
+    the emulated cluster `cluster`; each result is {"label", "steps", "summary"}."""
+    from runners.launch import Where, run_workers
 
-    from runners.train import RunConfig, train
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=1800))
-    results = []
-    for label, cfg in json.loads(jobs_path.read_text()):
-        metrics, trainer = train(RunConfig.from_dict(cfg), device=torch.device("cpu"))
-        del trainer
-        results.append({"label": label, "steps": metrics["steps"], "summary": metrics["summary"]})
-    if dist.get_rank() == 0:
-        out_path.write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
-
-
-def _worker_argv(jobs_path: Path, out_path: Path) -> list[str]:
-    return [str(Path(__file__).resolve()), "--worker", "--jobs", str(jobs_path), "--out", str(out_path)]
-
-
-def run_local(jobs: list[tuple[str, dict]]) -> list[dict]:
-    """The jobs on WORLD local processes (one emulated grouping: ranks_per_node in each config)."""
-    with tempfile.TemporaryDirectory(prefix="techniques-") as tmp:
-        jobs_path, out_path = Path(tmp) / "jobs.json", Path(tmp) / "out.json"
-        jobs_path.write_text(json.dumps(jobs))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
-               *_worker_argv(jobs_path, out_path)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
-        return json.loads(out_path.read_text())
-
-
-def run_on_cluster(state, jobs: list[tuple[str, dict]]) -> list[dict]:
-    from runners import netns_cluster as nc
-
-    # The namespaces share the file system; /tmp is visible from every node.
-    with tempfile.TemporaryDirectory(prefix="techniques-") as tmp:
-        jobs_path, out_path = Path(tmp) / "jobs.json", Path(tmp) / "out.json"
-        jobs_path.write_text(json.dumps(jobs))
-        argv = [nc.torchrun_argv(state, node, _worker_argv(jobs_path, out_path)) for node in range(state.num_nodes)]
-        lines: list[str] = []
-        code = nc.launch_on_cluster(state, argv, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
-                                    on_line=lambda node, line: lines.append(f"[n{node}] {line}"))
-        if code != 0:
-            raise RuntimeError("cluster run failed:\n" + "\n".join(lines[-40:]))
-        return json.loads(out_path.read_text())
+    where = Where(nproc=WORLD) if cluster is None else Where(cluster=cluster)
+    runs = run_workers("runners.train", {"runs": [cfg for _, cfg in jobs]}, where=where)["runs"]
+    return [{"label": label, "steps": run["steps"], "summary": run["summary"]} for (label, _), run in zip(jobs, runs)]
 
 
 # --- analysis ------------------------------------------------------------------------------------------
@@ -237,11 +191,12 @@ def load_or_measure_profile(args):
     """The --profile JSON, or a quick profile measured on the (up) 2 x 2 cluster and saved beside it."""
     from specs.jsonio import write_json_atomic
     from specs.hardware import resolve_hardware
-    from profilers.profile import ProfileOptions, run_profile
+    from planner.profiling import measure_profile
+    from profilers.profile import ProfileOptions
 
     if args.profile and Path(args.profile).exists():
         return resolve_hardware(args.profile)
-    hw = run_profile(ProfileOptions(quick=True, cluster_prefix=PREFIX))
+    hw = measure_profile(ProfileOptions(quick=True, cluster_prefix=PREFIX))
     if args.profile:
         write_json_atomic(Path(args.profile), hw.to_dict())
     return hw
@@ -253,12 +208,12 @@ def run_shape(shape: str, args, *, need_profile: bool):
 
     num_nodes, per_node = SHAPES[shape]
     nc.down(prefix=PREFIX)
-    state = nc.up(num_nodes=num_nodes, procs_per_node=per_node, inter_node_bandwidth=args.bandwidth,
+    nc.up(num_nodes=num_nodes, procs_per_node=per_node, inter_node_bandwidth=args.bandwidth,
                   inter_node_latency=None, prefix=PREFIX)
     try:
         hardware = load_or_measure_profile(args) if need_profile else None
         jobs = interleaved_jobs(shape, repeats=args.repeats, steps=args.steps)
-        return (run_on_cluster(state, jobs) if jobs else []), hardware
+        return (run_jobs(jobs, cluster=PREFIX) if jobs else []), hardware
     finally:
         nc.down(prefix=PREFIX)
 
@@ -274,12 +229,7 @@ def main() -> int:
     parser.add_argument("--local-only", action="store_true", help="byte counters only, no emulated cluster")
     parser.add_argument("--results", help="also write the raw per-run step times and counters (JSON) here")
     parser.add_argument("--analyse", help="print the step-time table of a --results file (with --profile), no runs")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--jobs", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        return worker(args.jobs, args.out)
 
     if args.analyse:
         from specs.hardware import resolve_hardware
@@ -288,7 +238,7 @@ def main() -> int:
                     bandwidth=args.bandwidth, repeats=args.repeats)
         return 0
     byte_jobs = [(f"{name}|0|0", run_config(name, steps=2).to_dict()) for name in PLANS]
-    print_bytes(run_local(byte_jobs))
+    print_bytes(run_jobs(byte_jobs))
     sys.stdout.flush()
     if args.local_only:
         return 0

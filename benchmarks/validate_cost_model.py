@@ -86,11 +86,12 @@ def main() -> int:
 
     profile = args.profile
     if profile is None:
-        from profilers.profile import ProfileOptions, run_profile
+        from planner.profiling import measure_profile
+        from profilers.profile import ProfileOptions
 
         log(f"profiling {args.nproc} processes (quick)")
         profile = str(out / "profile.json")
-        run_profile(ProfileOptions(nproc=args.nproc, quick=True)).save(profile)
+        measure_profile(ProfileOptions(nproc=args.nproc, quick=True)).save(profile)
     settings = ValidateSettings(hardware=profile, nproc=args.nproc, global_batch=args.global_batch, seq_len=args.seq_len,
                                 steps=args.steps, rounds=args.rounds, top_k=args.top,
                                 timing_rounds=args.timing_rounds, timing_steps=args.timing_steps)

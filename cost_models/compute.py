@@ -77,7 +77,7 @@ def layer_gemms(model: ModelSpec, *, micro_batch: int, seq_len: int, tp: int = 1
     tokens, kv, d = b * s, model.kv_dim, model.head_dim
     heads = b * model.num_heads // tp
     if model.arch == "llama":
-        # Our engine's llama layer: separate q, k, v, gate and up projections (runners/model.py).
+        # Our engine's llama layer: separate q, k, v, gate and up projections (runners/transformer.py).
         dense = [Gemm(tokens, h // tp, h), Gemm(tokens, kv // tp, h), Gemm(tokens, kv // tp, h),
                  Gemm(tokens, h, h // tp), Gemm(tokens, f // tp, h), Gemm(tokens, f // tp, h),
                  Gemm(tokens, h, f // tp)]

@@ -23,7 +23,7 @@ resident set on CPU (runtime included).
 CPU-side costs the datasheet model leaves out, also calibration keys (default 0; `planner calibrate`
 fits them to measured runs, see planner/calibrate.py): op_overhead_s (seconds every op our eager engine
 launches pays in Python dispatch and allocation, on top of its kernel time; counted per layer, embedding,
-head and optimizer unit by `_num_ops`), collective_overhead_s (seconds every collective call pays on top
+head and optimizer unit by `num_ops`), collective_overhead_s (seconds every collective call pays on top
 of its latency-bandwidth time per log2 of its group size: gloo's per-call synchronisation under a busy
 host), comm_overlap_efficiency (the fraction of per-micro-batch DP/ZeRO communication the separate
 stream hides, default 1; see `_overlap`), recompute_overhead_s (seconds per checkpointed region and
@@ -95,7 +95,7 @@ class Estimate:
 
 # --- pricing --------------------------------------------------------------------------------------
 POLICIES = ("none", "selective", "full")
-# Ops Adam launches per flat unit (runners/sharding.py `_adam`: lerp, mul, addcmul, sqrt, div, add,
+# Ops Adam launches per flat unit (runners/sharding/adam.py: lerp, mul, addcmul, sqrt, div, add,
 # addcdiv, the copy, the gradient zeroing) and a backward's ops per forward op (autograd runs an
 # input-gradient and, for GEMMs, a weight-gradient kernel for most forward ops).
 ADAM_OPS_PER_UNIT = 10
@@ -142,7 +142,7 @@ def _wire_fraction(cluster, *, collective: str, size_bytes: float, group_size: i
     return max(0.0, total - collective_time_s(cluster, size_bytes=1.0, **kwargs)) / total
 
 
-def _num_ops(model) -> dict[str, int]:
+def num_ops(model) -> dict[str, int]:
     """Forward ops our engine launches: one layer ('layer'), its attention core ('core', what selective
     recomputation repeats), the embedding ('embed') and final norm + head + loss ('head'). The layer's
     GEMMs and elementwise kernels are compute.py's; fused attention is one op, the materialised core two
@@ -190,11 +190,11 @@ class LayerCosts:
 
 
 def _with_op_overhead(model, times, ends, *, op_overhead_s: float):
-    """Layer and end compute times plus `op_overhead_s` per launched op (`_num_ops`; backward
+    """Layer and end compute times plus `op_overhead_s` per launched op (`num_ops`; backward
     BACKWARD_OPS_PER_FORWARD_OP times the forward's ops)."""
     if op_overhead_s <= 0:
         return times, ends
-    ops, k = _num_ops(model), BACKWARD_OPS_PER_FORWARD_OP
+    ops, k = num_ops(model), BACKWARD_OPS_PER_FORWARD_OP
     times = dataclasses.replace(
         times, forward_s=times.forward_s + ops["layer"] * op_overhead_s,
         backward_s=times.backward_s + k * ops["layer"] * op_overhead_s,
@@ -404,7 +404,7 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
     if "device" in tiers and plan.pp > 1:
         fresh = _fresh_forwards(plan.schedule, plan.pp, plan.virtual_stages, plan.num_micro_batches)[chunk]
         fraction = fresh / plan.num_micro_batches
-    # The runner's units outside the layers (runners/model.py): embedding (+ learned positions) first,
+    # The runner's units outside the layers (runners/transformer.py): embedding (+ learned positions) first,
     # final norm and head last.
     num_end_units = (1 + int(model.learned_positions) if first else 0) + (2 if last else 0)
     comm = _sharding_comm(plan, cluster, tiers=tiers, layer_bytes=layer_bytes, grad_bytes=num_params * grad_bytes,
@@ -412,7 +412,7 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
     backward = total - forward
     reduce_s, last_bucket_s = _boundary_reduce(plan, cluster, grad_bytes=num_params * grad_bytes)
     per_node = cluster.ranks_per_node_in_group(size=plan.param_shard, stride=plan.tp)
-    # MAZ3 (module doc of runners/sharding.py): one kept copy per layer, the full layer on the device
+    # MAZ3 (module doc of runners/sharding/): one kept copy per layer, the full layer on the device
     # tier, the node's 1/per_node slice of it on the secondary tier, the full layer in host memory.
     cache = layer_bytes * (tiers.count("device") + tiers.count("secondary") / per_node)
     working = max((costs.activation_bytes["none"] - costs.activation_bytes[p] for p in policies), default=0.0)
@@ -440,7 +440,7 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
 @functools.lru_cache(maxsize=512)
 def _fresh_forwards(schedule: str, pp: int, virtual_stages: int, num_micro_batches: int) -> tuple[int, ...]:
     """Per chunk, the forwards that start with no micro-batch of the chunk in flight: where a MAZ3
-    device-tier layer must gather (runners/sharding.py keeps it until the last in-flight backward).
+    device-tier layer must gather (runners/sharding/ keeps it until the last in-flight backward).
     1F1B's last stage alternates forward and backward (every forward); earlier stages keep micro-batches
     in flight through the steady state (one per step)."""
     counts = [0] * (pp * virtual_stages)

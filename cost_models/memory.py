@@ -108,7 +108,7 @@ def _saved_tensors(model: ModelSpec, *, micro_batch: int, seq_len: int, precisio
 
 
 def _saved_tensors_fused(model: ModelSpec, *, micro_batch: int, seq_len: int, precision: str) -> dict[str, tuple[float, str]]:
-    """The llama layer as our engine runs it (runners/model.py), tensor by tensor:
+    """The llama layer as our engine runs it (runners/transformer.py), tensor by tensor:
 
     RMSNorm computes in fp32 (keeps the fp32 input and the normalised value before the weight);
     fused attention (scaled_dot_product_attention) keeps q, the key/value heads repeated to every query

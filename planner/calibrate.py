@@ -32,14 +32,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from dataclasses import dataclass
+
 
 import numpy as np
 
 from specs.errors import PlannerError
 from specs.problem import Problem
 from specs.plan import Plan
-from planner.validate import agreement, repredict
+from planner.reports import Agreement, CalibrationResult, ValidationReport, ValidationRow
+from planner.validate import repredict
 from specs.hardware import Hardware, with_calibration
 
 # Parameter -> (unit the logarithm is taken against, default when the hardware has none).
@@ -60,31 +61,16 @@ LOG_FLOOR = -12.0
 LOG_CEILING = 12.0
 
 
-@dataclass(frozen=True)
-class CalibrationResult:
-    calibration: dict[str, float]
-    fit_labels: tuple[str, ...]
-    held_out_labels: tuple[str, ...]
-    fit_before: dict
-    fit_after: dict
-    held_out_before: dict
-    held_out_after: dict
-    rms_relative_error: float  # of the fitted plans after the fit
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+def ok_rows(rows: list[ValidationRow]) -> list[ValidationRow]:
+    return [r for r in rows if r.ok]
 
 
-def ok_rows(rows: list[dict]) -> list[dict]:
-    return [r for r in rows if r["status"] == "ok" and r["measured_step_time_s"] is not None]
-
-
-def split_held_out(rows: list[dict], *, held_out_every: int = 2) -> tuple[list[dict], list[dict]]:
+def split_held_out(rows: list[ValidationRow], *, held_out_every: int = 2) -> tuple[list[ValidationRow], list[ValidationRow]]:
     """(fit, held out): the plans that ran, sorted by measured step time, every `held_out_every`-th
     (starting with the second) held out, so both halves cover the fast and the slow plans."""
     if held_out_every < 2:
         raise PlannerError(f"--held-out-every must be at least 2, got {held_out_every}")
-    ranked = sorted(ok_rows(rows), key=lambda r: r["measured_step_time_s"])
+    ranked = sorted(ok_rows(rows), key=lambda r: r.measured_step_time_s)
     held = [r for i, r in enumerate(ranked) if i % held_out_every == 1]
     fit = [r for i, r in enumerate(ranked) if i % held_out_every != 1]
     return fit, held
@@ -101,7 +87,7 @@ def _predict_step_times(plans: list[Plan], problem: Problem, hardware: Hardware)
     return np.array([estimate(p, model=problem.model, cluster=cluster, job=problem.job).step_time_s for p in plans])
 
 
-def fit_time_parameters(rows: list[dict], problem: Problem, *, parameters: tuple[str, ...] = tuple(TIME_PARAMETERS),
+def fit_time_parameters(rows: list[ValidationRow], problem: Problem, *, parameters: tuple[str, ...] = tuple(TIME_PARAMETERS),
                         max_iterations: int = 60) -> tuple[dict[str, float], float]:
     """(calibration, rms relative error) of the step-time parameters fitted to `rows` (module docstring)."""
     unknown = [p for p in parameters if p not in TIME_PARAMETERS]
@@ -111,8 +97,8 @@ def fit_time_parameters(rows: list[dict], problem: Problem, *, parameters: tuple
     if len(rows) < len(parameters):
         raise PlannerError(f"fitting {len(parameters)} parameters needs at least as many measured plans, got {len(rows)}")
     base = problem.cluster.hardware
-    plans = [Plan.from_dict(r["plan"]) for r in rows]
-    measured = np.array([r["measured_step_time_s"] for r in rows])
+    plans = [r.plan for r in rows]
+    measured = np.array([r.measured_step_time_s for r in rows])
     units = np.array([TIME_PARAMETERS[p][0] for p in parameters])
 
     def calibration_of(u: np.ndarray) -> dict[str, float]:
@@ -170,7 +156,7 @@ def _levenberg_marquardt(residuals, u0: np.ndarray, *, max_iterations: int) -> t
     return u, r
 
 
-def fit_memory_reserve(rows: list[dict], problem: Problem) -> float:
+def fit_memory_reserve(rows: list[ValidationRow], problem: Problem) -> float:
     """framework_reserve_bytes that makes the median memory error of `rows` zero (module docstring)."""
     from cost_models.estimate import estimate
 
@@ -179,13 +165,13 @@ def fit_memory_reserve(rows: list[dict], problem: Problem) -> float:
         raise PlannerError("no measured plan to fit the memory reserve to")
     gaps, reserves = [], []
     for r in rows:
-        est = estimate(Plan.from_dict(r["plan"]), model=problem.model, cluster=problem.cluster, job=problem.job)
-        gaps.append(r["measured_peak_memory_bytes"] - est.peak_memory_bytes)
+        est = estimate(r.plan, model=problem.model, cluster=problem.cluster, job=problem.job)
+        gaps.append(r.measured_peak_memory_bytes - est.peak_memory_bytes)
         reserves.append(est.breakdown["framework_reserve_bytes"])
     return float(max(0.0, statistics.median(reserves) + statistics.median(gaps)))
 
 
-def calibrate(rows: list[dict], problem: Problem, *, parameters: tuple[str, ...] = tuple(TIME_PARAMETERS),
+def calibrate(rows: list[ValidationRow], problem: Problem, *, parameters: tuple[str, ...] = tuple(TIME_PARAMETERS),
               held_out_every: int = 2, fit_memory: bool = True) -> CalibrationResult:
     """Fit on part of the measured plans and score on the rest (module docstring). `problem` carries the
     hardware the fit starts from; the result's calibration is what to merge into it."""
@@ -196,21 +182,38 @@ def calibrate(rows: list[dict], problem: Problem, *, parameters: tuple[str, ...]
     if fit_memory:
         calibration["framework_reserve_bytes"] = fit_memory_reserve(fit, problem)
     calibrated = _problem_with(problem, with_calibration(problem.cluster.hardware, calibration))
-    empty = agreement([])
     return CalibrationResult(
-        calibration=calibration, fit_labels=tuple(r["label"] for r in fit), held_out_labels=tuple(r["label"] for r in held),
-        fit_before=agreement(repredict(fit, problem)), fit_after=agreement(repredict(fit, calibrated)),
-        held_out_before=agreement(repredict(held, problem)) if held else empty,
-        held_out_after=agreement(repredict(held, calibrated)) if held else empty, rms_relative_error=rms)
+        calibration=calibration, fit_labels=tuple(r.label for r in fit), held_out_labels=tuple(r.label for r in held),
+        fit_before=Agreement.of(repredict(fit, problem)), fit_after=Agreement.of(repredict(fit, calibrated)),
+        held_out_before=Agreement.of(repredict(held, problem)), held_out_after=Agreement.of(repredict(held, calibrated)),
+        rms_relative_error=rms)
 
 
-def problem_from_report(report: dict, *, hardware: str | None = None) -> Problem:
+def problem_from_report(report: ValidationReport, *, hardware: str | None = None) -> Problem:
     """The problem a validate report was measured on, priced on `hardware` (default: the report's)."""
     from specs.problem import make_problem
 
-    for key in ("model", "hardware", "nproc", "global_batch", "seq_len", "precision", "plans"):
-        if key not in report:
-            raise PlannerError(f"measurements file: missing key {key!r} (expected a `planner validate --out` report)")
-    return make_problem(model=report["model"], hardware=hardware or report["hardware"], gpus=report["nproc"],
-                        gpus_per_node=report["nproc"], global_batch=report["global_batch"], seq_len=report["seq_len"],
-                        precision=report["precision"])
+    return make_problem(model=report.model, hardware=hardware or report.hardware, gpus=report.nproc,
+                        gpus_per_node=report.nproc, global_batch=report.global_batch, seq_len=report.seq_len,
+                        precision=report.precision)
+
+
+def calibrate_measurements(path: str, *, hardware: str | None, out: str | None, held_out_every: int = 2,
+                           fit_memory: bool = True, parameters: tuple[str, ...] | None = None) -> tuple[str, CalibrationResult]:
+    """`planner calibrate`: fit to a `planner validate --out` report and write the calibrated profile to
+    `out`, or over the profile file the fit started from (never over a preset). Returns (where it was
+    written, the result)."""
+    from specs.hardware import PRESETS
+    from specs.jsonio import read_json_file
+
+    report = ValidationReport.from_dict(read_json_file(path, what="measurements"), what=f"measurements file {path}")
+    problem = problem_from_report(report, hardware=hardware)
+    source = hardware or report.hardware
+    target = out or (None if source in PRESETS else source)
+    if target is None:
+        raise PlannerError(f"--hardware {source} is a preset; give --out for the calibrated profile")
+    result = calibrate(list(report.plans), problem, parameters=parameters or tuple(TIME_PARAMETERS),
+                       held_out_every=held_out_every, fit_memory=fit_memory)
+    calibrated = with_calibration(problem.cluster.hardware, result.calibration)
+    dataclasses.replace(calibrated, calibrated_from_runs=len(result.fit_labels)).save(target)
+    return target, result

@@ -10,10 +10,12 @@ becomes one line on stderr and exit code 2, never a traceback.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
+import inspect
 import json
 import os
 import sys
+import warnings
 from enum import Enum
 from typing import Annotated, Optional
 
@@ -22,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from specs.errors import PlannerError
+from specs.plan import PLAN_KNOBS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Auto-tuning planner for distributed LLM training.")
@@ -31,6 +34,12 @@ console = Console()
 @app.callback()
 def _root() -> None:
     """Auto-tuning planner for distributed LLM training: profile, search, estimate, run."""
+    warnings.showwarning = _show_warning
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A library warning (an option without effect, a profile of another device) as one line."""
+    err_console.print(f"warning: {message}", markup=False, highlight=False, soft_wrap=True)
 
 err_console = Console(stderr=True)
 
@@ -50,23 +59,45 @@ SeqLenOpt = Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per 
 PrecisionOpt = Annotated[Optional[str], typer.Option("--precision", help="bf16, fp16 or fp32 (default: fp32 on CPU, else bf16).")]
 FormatOpt = Annotated[OutputFormat, typer.Option("--format", help="table or json.")]
 
-DpOpt = Annotated[Optional[int], typer.Option("--dp", help="Data-parallel degree (default: devices / (tp x pp)).")]
-TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel degree.")]
-PpOpt = Annotated[int, typer.Option("--pp", help="Pipeline-parallel degree.")]
-VirtualStagesOpt = Annotated[int, typer.Option("--virtual-stages", help="Model chunks per pipeline rank (interleaved 1F1B).")]
-MicroBatchOpt = Annotated[int, typer.Option("--micro-batch", help="Sequences per micro-batch.")]
-ScheduleOpt = Annotated[Optional[str], typer.Option("--schedule", help="gpipe, 1f1b or interleaved-1f1b.")]
-RecomputeOpt = Annotated[str, typer.Option("--recompute", help="Activation recomputation: none, selective, full.")]
-SequenceParallelOpt = Annotated[bool, typer.Option("--sequence-parallel/--no-sequence-parallel", help="Megatron sequence parallelism (needs tp > 1).")]
-ZeroOpt = Annotated[Optional[int], typer.Option("--zero", help="ZeRO stage 0-3: shorthand for the three shard degrees.")]
-ParamShardOpt = Annotated[Optional[int], typer.Option("--param-shard", help="DP ranks that shard parameters.")]
-GradShardOpt = Annotated[Optional[int], typer.Option("--grad-shard", help="DP ranks that shard gradients.")]
-OptimShardOpt = Annotated[Optional[int], typer.Option("--optim-shard", help="DP ranks that shard optimizer states.")]
-PrefetchOpt = Annotated[int, typer.Option("--prefetch-depth", help="Layers whose parameters are gathered ahead.")]
-BucketOpt = Annotated[Optional[float], typer.Option("--bucket-size-mb", help="Gradient bucket size in MiB.")]
-ParamCacheOpt = Annotated[str, typer.Option("--param-cache", help="MAZ3 tier: none, device, host, secondary.")]
-CommshiftOpt = Annotated[bool, typer.Option("--commshift/--no-commshift", help="Move DP gradient reduction off the pipeline's critical path.")]
 PlanFileOpt = Annotated[Optional[str], typer.Option("--plan", help="Plan JSON (from search --out); replaces the plan flags.")]
+
+
+def _plan_parameters() -> list[inspect.Parameter]:
+    """One option per plan knob the CLI offers (specs.plan.PLAN_KNOBS), and the --zero shorthand."""
+    params = []
+    for spec in PLAN_KNOBS:
+        if not spec.knob.cli:
+            continue
+        kind = spec.scalar_type
+        text = spec.knob.help + (f" In {spec.knob.cli_help_unit}." if spec.knob.cli_help_unit else "")
+        if spec.knob.choices:
+            text += f" One of: {', '.join(spec.knob.choices)}."
+        decls = [f"{spec.flag}/--no-{spec.flag[2:]}"] if kind is bool else [spec.flag]
+        option = typer.Option(*decls, help=text, rich_help_panel="Plan")
+        params.append(inspect.Parameter(spec.name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                        annotation=Annotated[Optional[kind], option]))
+    zero = typer.Option("--zero", help="ZeRO stage 0-3: shorthand for the three shard degrees.", rich_help_panel="Plan")
+    params.append(inspect.Parameter("zero", inspect.Parameter.KEYWORD_ONLY, default=None,
+                                    annotation=Annotated[Optional[int], zero]))
+    return params
+
+
+def takes_plan_options(func):
+    """Give command `func` an option per plan knob; it receives their values (None: not given) as one dict
+    `plan_options` (planner.inputs.plan_from_options reads it). A new knob needs no change here."""
+    base = inspect.signature(func, eval_str=True)
+    own = [p for p in base.parameters.values() if p.name != "plan_options"]
+    extra = _plan_parameters()
+    names = [p.name for p in extra]
+
+    @functools.wraps(func)
+    def wrapper(**kwargs):
+        options = {name: kwargs.pop(name) for name in names}
+        return func(**kwargs, plan_options=options)
+
+    wrapper.__signature__ = base.replace(parameters=own + extra)
+    wrapper.__annotations__ = {p.name: p.annotation for p in own + extra}
+    return wrapper
 
 
 def print_json(data: object) -> None:
@@ -109,6 +140,7 @@ StepsOpt = Annotated[int, typer.Option("--steps", help="Optimizer steps to train
 
 
 @app.command()
+@takes_plan_options
 def run(
     model: ModelOpt = "tiny",
     hardware: HardwareOpt = "cpu",
@@ -126,11 +158,6 @@ def run(
     lr: Annotated[float, typer.Option("--lr")] = 1e-3,
     precision: PrecisionOpt = None,
     plan_file: PlanFileOpt = None,
-    dp: DpOpt = None, tp: TpOpt = 1, pp: PpOpt = 1, virtual_stages: VirtualStagesOpt = 1,
-    micro_batch: MicroBatchOpt = 1, schedule: ScheduleOpt = None, recompute: RecomputeOpt = "none",
-    sequence_parallel: SequenceParallelOpt = False, zero: ZeroOpt = None, param_shard: ParamShardOpt = None,
-    grad_shard: GradShardOpt = None, optim_shard: OptimShardOpt = None, prefetch_depth: PrefetchOpt = 1,
-    bucket_size_mb: BucketOpt = None, param_cache: ParamCacheOpt = "none", commshift: CommshiftOpt = False,
     metrics_out: Annotated[Optional[str], typer.Option("--metrics-out", help="Write the metrics JSON here.")] = None,
     checkpoint_dir: Annotated[Optional[str], typer.Option("--checkpoint-dir", help="Save sharded, plan-independent checkpoints here (shared by all nodes).")] = None,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Checkpoint every N steps (0: only after the last step).")] = 0,
@@ -139,6 +166,7 @@ def run(
     max_restarts: Annotated[int, typer.Option("--max-restarts", help="torchrun restarts after a failure; each resumes from the newest checkpoint.")] = 0,
     timeout: Annotated[Optional[float], typer.Option("--timeout", help="Seconds a collective may wait for a peer before the run fails (default: derived from the plan's predicted step time).")] = None,
     fmt: FormatOpt = OutputFormat.table,
+    plan_options: dict | None = None,
 ) -> None:
     """Train with a plan on our engine (launched with torchrun) and report measured beside predicted.
 
@@ -151,7 +179,6 @@ def run(
       planner run --nproc 4 --tp 2 --checkpoint-dir ckpt --resume   # continue under another plan
     """
     from specs.jsonio import write_json_atomic
-    from planner.inputs import PlanFlags
     from planner.run_command import RunRequest, build_run, run_in_this_process, under_torchrun
 
     request = RunRequest(model=model, hardware=hardware, global_batch=global_batch, seq_len=seq_len,
@@ -160,12 +187,7 @@ def run(
                          engine=engine, plan_file=plan_file, timeout_s=timeout, checkpoint_dir=checkpoint_dir,
                          checkpoint_every=checkpoint_every, checkpoint_keep=checkpoint_keep, resume=resume,
                          max_restarts=max_restarts)
-    flags = PlanFlags(dp=dp, tp=tp, pp=pp, virtual_stages=virtual_stages, micro_batch=micro_batch,
-                      schedule=schedule, recompute=recompute, sequence_parallel=sequence_parallel, zero=zero,
-                      param_shard=param_shard, grad_shard=grad_shard, optim_shard=optim_shard,
-                      prefetch_depth=prefetch_depth, bucket_size_mb=bucket_size_mb, param_cache=param_cache,
-                      commshift=commshift)
-    cfg = build_run(request, flags)
+    cfg = build_run(request, plan_options or {})
     if under_torchrun():
         metrics = run_in_this_process(cfg)
         if os.environ.get("RANK", "0") != "0":
@@ -175,40 +197,36 @@ def run(
     if metrics is None:
         return
     if metrics_out:
-        write_json_atomic(metrics_out, metrics)
+        write_json_atomic(metrics_out, metrics.to_dict())
     if fmt is OutputFormat.json:
-        print_json(metrics)
+        print_json(metrics.to_dict())
     else:
         _print_run_report(metrics)
 
 
 def _launch_with_progress(cfg, request, *, quiet: bool):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from runners.launch import RunFailed, launch
 
-    with Progress(TextColumn("[bold]training[/]"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=err_console,
-                  disable=quiet, transient=False) as progress:
-        task = progress.add_task("train", total=cfg.steps, info=cfg.plan.describe())
+    bar, update = _stage_progress(quiet)
+    with bar:
+        update("training", 0, cfg.steps, cfg.plan.describe())
 
         def on_step(record: dict) -> None:
-            # completed, not advance: a resumed or restarted run reports from its checkpoint's step.
-            progress.update(task, completed=record["step"] + 1,
-                            info=f"loss {record['loss']:.4f}  {record['step_time_s'] * 1e3:.0f} ms/step")
+            # The step number, not a count: a resumed or restarted run reports from its checkpoint's step.
+            update("training", record["step"] + 1, cfg.steps,
+                   f"loss {record['loss']:.4f}  {record['step_time_s'] * 1e3:.0f} ms/step")
 
         try:
-            return launch(cfg, nproc=request.nproc, nnodes=request.nnodes, node_rank=request.node_rank,
-                          rdzv_endpoint=request.rdzv_endpoint, on_step=on_step, max_restarts=request.max_restarts)
+            return launch(cfg, where=request.where(), on_step=on_step)
         except RunFailed as exc:
             err_console.print(f"error: {exc}", markup=False, highlight=False)
             raise typer.Exit(1)
 
 
-def _print_run_report(metrics: dict) -> None:
-    summary, predicted = metrics["summary"], metrics.get("predicted") or {}
-    steps = metrics["steps"]
-    console.print(f"plan: {_describe_plan(metrics['plan'])}   losses: {steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f}")
+def _print_run_report(metrics) -> None:
+    summary, predicted = metrics.summary, metrics.predicted or {}
+    losses = metrics.losses
+    console.print(f"plan: {metrics.plan.describe()}   losses: {losses[0]:.4f} -> {losses[-1]:.4f}")
     table = Table(title="Measured beside predicted")
     for col in ("", "measured", "predicted", "measured / predicted"):
         table.add_column(col, justify="right")
@@ -217,14 +235,14 @@ def _print_run_report(metrics: dict) -> None:
         ratio = f"{measured / pred:.2f}" if pred else "-"
         table.add_row(name, fmt(measured), fmt(pred) if pred is not None else "-", ratio)
 
-    row("step time", summary["median_step_time_s"], predicted.get("step_time_s"), lambda v: f"{v * 1e3:.1f} ms")
-    row("tokens/s", summary["tokens_per_s"], predicted.get("tokens_per_s"), lambda v: f"{v:,.0f}")
-    row("peak memory / rank", summary["peak_memory_bytes"], predicted.get("peak_memory_bytes"),
+    row("step time", summary.median_step_time_s, predicted.get("step_time_s"), lambda v: f"{v * 1e3:.1f} ms")
+    row("tokens/s", summary.tokens_per_s, predicted.get("tokens_per_s"), lambda v: f"{v:,.0f}")
+    row("peak memory / rank", summary.peak_memory_bytes, predicted.get("peak_memory_bytes"),
         lambda v: f"{v / 2**20:,.1f} MiB")
     console.print(table)
-    comm = summary["comm_bytes"]
     console.print("communication per step (all ranks): " + ", ".join(
-        f"{k} {v / 2**20:.2f} MiB" for k, v in comm.items() if v) + f"; waiting {summary['comm_wait_s'] * 1e3:.1f} ms/rank")
+        f"{k} {v / 2**20:.2f} MiB" for k, v in summary.comm_bytes.items() if v)
+        + f"; waiting {summary.comm_wait_s * 1e3:.1f} ms/rank")
 
 
 # --- planner search and planner estimate ------------------------------------------------------------
@@ -282,14 +300,11 @@ def search_command(
                 top_k=top, on_progress=lambda n: status.update(f"searching: {n} plans priced")))
             ranked, num_evaluated = list(result.candidates), result.num_evaluated
             if optuna_trials:
-                from planner.tuning import tune
+                from planner.optuna_search import refined_ranking
 
                 status.update(f"tuning {result.winner.plan.describe()} with {optuna_trials} TPE trials")
-                tuned = tune(problem, base=result.winner.plan, num_trials=optuna_trials, seed=seed, storage=storage,
-                             study_name=study_name)
-                num_evaluated += tuned.num_new_trials
-                if tuned.best is not None and tuned.best.estimate.step_time_s < ranked[0].estimate.step_time_s:
-                    ranked.insert(0, tuned.best)
+                ranked, num_evaluated = refined_ranking(result, problem, num_trials=optuna_trials, seed=seed,
+                                                        storage=storage, study_name=study_name)
         search_time_s = time.perf_counter() - start
     winner = ranked[0]
     if out:
@@ -358,16 +373,13 @@ def _why_winner(winner, runner_up) -> str:
 
 
 @app.command("estimate")
+@takes_plan_options
 def estimate_command(
     model: ModelOpt, hardware: HardwareOpt, gpus: GpusOpt, global_batch: GlobalBatchOpt,
     gpus_per_node: GpusPerNodeOpt = None, seq_len: SeqLenOpt = None, precision: PrecisionOpt = None,
     plan_file: PlanFileOpt = None,
-    dp: DpOpt = None, tp: TpOpt = 1, pp: PpOpt = 1, virtual_stages: VirtualStagesOpt = 1,
-    micro_batch: MicroBatchOpt = 1, schedule: ScheduleOpt = None, recompute: RecomputeOpt = "none",
-    sequence_parallel: SequenceParallelOpt = False, zero: ZeroOpt = None, param_shard: ParamShardOpt = None,
-    grad_shard: GradShardOpt = None, optim_shard: OptimShardOpt = None, prefetch_depth: PrefetchOpt = 1,
-    bucket_size_mb: BucketOpt = None, param_cache: ParamCacheOpt = "none", commshift: CommshiftOpt = False,
     fmt: FormatOpt = OutputFormat.table,
+    plan_options: dict | None = None,
 ) -> None:
     """Price one plan: step time, tokens/s, MFU, memory per device, and where the time and memory go.
 
@@ -378,22 +390,12 @@ def estimate_command(
     """
     from cost_models.estimate import estimate
     from specs.problem import make_problem
-    from planner.inputs import PlanFlags, load_plan, plan_from_flags
+    from planner.inputs import load_plan, plan_from_options
 
     with _BadInput():
         problem = make_problem(model=model, hardware=hardware, gpus=gpus, gpus_per_node=gpus_per_node,
                                global_batch=global_batch, seq_len=seq_len, precision=precision)
-        if plan_file:
-            plan = load_plan(plan_file, problem)
-        else:
-            if dp is not None and dp * tp * pp != problem.cluster.num_devices:
-                raise PlannerError(f"dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp}, but the cluster has "
-                                   f"{problem.cluster.num_devices} devices")
-            plan = plan_from_flags(PlanFlags(
-                dp=dp, tp=tp, pp=pp, virtual_stages=virtual_stages, micro_batch=micro_batch, schedule=schedule,
-                recompute=recompute, sequence_parallel=sequence_parallel, zero=zero, param_shard=param_shard,
-                grad_shard=grad_shard, optim_shard=optim_shard, prefetch_depth=prefetch_depth,
-                bucket_size_mb=bucket_size_mb, param_cache=param_cache, commshift=commshift), problem)
+        plan = load_plan(plan_file, problem) if plan_file else plan_from_options(plan_options or {}, problem)
         est = estimate(plan, model=problem.model, cluster=problem.cluster, job=problem.job)
     if fmt is OutputFormat.json:
         print_json({"plan": plan.to_dict(), **est.to_dict()})
@@ -416,12 +418,6 @@ def estimate_command(
     if not est.fits:
         console.print(f"does not fit: needs {est.memory_shortfall_bytes / 2**30:.2f} GiB more per device than the "
                       f"{est.memory_limit_bytes / 2**30:.2f} GiB it has", style="bold red", highlight=False)
-
-
-def _describe_plan(plan_dict: dict) -> str:
-    from specs.plan import Plan
-
-    return Plan.from_dict(plan_dict).describe()
 
 
 def _count(n: float) -> str:
@@ -451,27 +447,21 @@ def profile(
       planner profile --nproc 4 --gpus-per-node 2 --out profile.json    # 2 emulated nodes of 2
       planner profile --cluster --quick --out profile.json              # on `planner cluster up`
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from specs.hardware import COLLECTIVES
-    from profilers.profile import ProfileFailed, ProfileOptions, parse_sizes, run_profile, summary
+    from planner.profiling import measure_profile
+    from profilers.profile import ProfileOptions, parse_sizes, summary
+    from runners.launch import RunFailed
 
     options = ProfileOptions(
         nproc=nproc, ranks_per_node=gpus_per_node, quick=quick, model=model,
         sizes_bytes=parse_sizes(sizes) if sizes else None,
         collectives=tuple(c.strip() for c in collectives.split(",")) if collectives else COLLECTIVES,
         cluster_prefix=cluster_prefix if cluster else None)
-    with Progress(TextColumn("[bold]{task.fields[stage]}[/]"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[label]}"), TimeElapsedColumn(), console=err_console,
-                  disable=fmt is OutputFormat.json) as bar:
-        task = bar.add_task("profile", total=None, stage="profile", label="")
-
-        def on_progress(stage: str, done: int, total: int | None, label: str) -> None:
-            bar.update(task, completed=done, total=total, stage=stage, label=label)
-
+    bar, update = _stage_progress(fmt is OutputFormat.json)
+    with bar:
         try:
-            hardware = run_profile(options, progress=on_progress)
-        except ProfileFailed as exc:
+            hardware = measure_profile(options, progress=update)
+        except RunFailed as exc:
             err_console.print(f"error: {exc}", markup=False, highlight=False)
             raise typer.Exit(1)
     hardware.save(out)
@@ -521,7 +511,8 @@ def _pct(value) -> str:
     return "-" if value is None else f"{value:.1%}"
 
 
-def _agreement_table(title: str, columns: dict[str, dict]) -> Table:
+def _agreement_table(title: str, columns: dict) -> Table:
+    """One column per Agreement (planner.reports)."""
     table = Table(title=title)
     table.add_column("")
     for name in columns:
@@ -530,7 +521,7 @@ def _agreement_table(title: str, columns: dict[str, dict]) -> Table:
                        ("kendall_tau", "Kendall tau"), ("regret", "regret of top pick"), ("memory_mape", "memory MAPE")):
         cells = []
         for stats in columns.values():
-            value = stats.get(key)
+            value = getattr(stats, key)
             cells.append("-" if value is None else str(value) if key == "num_ok" else
                          f"{value:.3f}" if key == "kendall_tau" else _pct(value))
         table.add_row(label, *cells)
@@ -577,26 +568,26 @@ def validate_command(
         bar, update = _stage_progress(fmt is OutputFormat.json)
         with bar:
             report = validate(settings, progress=lambda done, total, label: update("validate", done, total, label))
-    write_json_atomic(out, report)
+    write_json_atomic(out, report.to_dict())
     png = png or os.path.splitext(out)[0] + ".png"
     write_scatter_png(report, png)
     if fmt is OutputFormat.json:
-        print_json(report)
+        print_json(report.to_dict())
         return
-    where = f"emulated cluster {cluster_prefix}, {report['nproc']} processes" if cluster else f"{nproc} processes"
-    table = Table(title=f"Measured against predicted ({report['hardware_name']}, {where})")
+    where = f"emulated cluster {cluster_prefix}, {report.nproc} processes" if cluster else f"{nproc} processes"
+    table = Table(title=f"Measured against predicted ({report.hardware_name}, {where})")
     for col in ("plan", "", "predicted", "measured", "error", "memory error"):
         table.add_column(col, justify="left" if col in ("plan", "") else "right")
-    for r in report["plans"]:
-        if r["status"] != "ok":
-            table.add_row(r["label"], r["describe"], f"{r['predicted_step_time_s'] * 1e3:.1f} ms", "failed",
-                          r["error"] or "", "")
+    for r in report.plans:
+        if not r.ok:
+            table.add_row(r.label, r.describe, f"{r.predicted_step_time_s * 1e3:.1f} ms", "failed", r.error or "", "")
             continue
-        table.add_row(r["label"], r["describe"], f"{r['predicted_step_time_s'] * 1e3:.1f} ms",
-                      f"{r['measured_step_time_s'] * 1e3:.1f} ms", f"{r['step_time_error']:+.1%}", f"{r['memory_error']:+.1%}")
+        table.add_row(r.label, r.describe, f"{r.predicted_step_time_s * 1e3:.1f} ms",
+                      f"{r.measured_step_time_s * 1e3:.1f} ms", f"{r.step_time_error:+.1%}", f"{r.memory_error:+.1%}")
     console.print(table)
-    console.print(_agreement_table("Agreement", {"all plans": report}))
-    console.print(f"top pick {report['top_pick']}, best measured {report['best_measured']}; report {out}, scatter {png}",
+    agree = report.agreement
+    console.print(_agreement_table("Agreement", {"all plans": agree}))
+    console.print(f"top pick {agree.top_pick}, best measured {agree.best_measured}; report {out}, scatter {png}",
                   highlight=False)
 
 
@@ -619,25 +610,12 @@ def calibrate_command(
       planner calibrate --measurements validate.json --hardware cpu --out calibrated.json --format json
       planner calibrate --measurements validate.json --parameters op_overhead_s,collective_overhead_s --held-out-every 3
     """
-    from planner.calibrate import TIME_PARAMETERS, calibrate, problem_from_report
-    from specs.jsonio import read_json_file
-    from specs.hardware import PRESETS, with_calibration
+    from planner.calibrate import calibrate_measurements
 
-    with _BadInput():
-        report = read_json_file(measurements, what="measurements")
-        if not isinstance(report, dict):
-            raise PlannerError(f"measurements file {measurements}: expected a `planner validate --out` report")
-        problem = problem_from_report(report, hardware=hardware)
-        source = hardware or report["hardware"]
-        target = out or (None if source in PRESETS else source)
-        if target is None:
-            raise PlannerError(f"--hardware {source} is a preset; give --out for the calibrated profile")
-        names = tuple(p.strip() for p in parameters.split(",")) if parameters else tuple(TIME_PARAMETERS)
-        with err_console.status("fitting"):
-            result = calibrate(report["plans"], problem, parameters=names, held_out_every=held_out_every,
-                               fit_memory=memory)
-        calibrated = with_calibration(problem.cluster.hardware, result.calibration)
-        dataclasses.replace(calibrated, calibrated_from_runs=len(result.fit_labels)).save(target)
+    with _BadInput(), err_console.status("fitting"):
+        target, result = calibrate_measurements(
+            measurements, hardware=hardware, out=out, held_out_every=held_out_every, fit_memory=memory,
+            parameters=tuple(p.strip() for p in parameters.split(",")) if parameters else None)
     if fmt is OutputFormat.json:
         print_json({"out": target, **result.to_dict()})
         return
@@ -697,7 +675,7 @@ def explain_command(
     write_timeline_png(ex, png, metrics=metrics)
     if fmt is OutputFormat.json:
         print_json({"plan": plan.to_dict(), "estimate": ex.estimate.to_dict(), "png": png,
-                    "measured_step_time_s": metrics["summary"]["median_step_time_s"] if metrics else None,
+                    "measured_step_time_s": metrics.summary.median_step_time_s if metrics else None,
                     "spans": [{"rank": s.rank, "kind": s.kind, "chunk": s.chunk, "micro_batch": s.micro_batch,
                                "start_s": s.start_s, "end_s": s.end_s} for s in ex.spans]})
         return
@@ -787,7 +765,7 @@ def tune_command(
             err_console.print(f"error: {exc}", markup=False, highlight=False)
             raise typer.Exit(1)
     if fmt is OutputFormat.json:
-        print_json(report)
+        print_json(report.to_dict())
         return
     for line in report_lines(report):
         console.print(line, highlight=False, soft_wrap=True)

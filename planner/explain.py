@@ -85,9 +85,10 @@ def explain(plan: Plan, problem: Problem) -> Explanation:
 
 
 # --- measured metrics -----------------------------------------------------------------------------
-def load_measured(path: str, plan: Plan) -> dict:
-    """The metrics of a `planner run --metrics-out` file, refused (naming the field) if it is for
+def load_measured(path: str, plan: Plan):
+    """The RunMetrics of a `planner run --metrics-out` file, refused (naming the field) if it is for
     another plan."""
+    from runners.config import RunMetrics
     from specs.jsonio import read_json_file
 
     data = read_json_file(path, what="metrics")
@@ -101,21 +102,16 @@ def load_measured(path: str, plan: Plan) -> dict:
         mine, theirs = getattr(plan, f.name), getattr(measured_plan, f.name)
         if mine != theirs:
             raise PlannerError(f"metrics file {path} is for another plan: {f.name} is {theirs!r} there, {mine!r} here")
-    summary = data["summary"]
-    if not isinstance(summary, dict) or "median_step_time_s" not in summary:
-        raise PlannerError(f"metrics file {path}: summary has no median_step_time_s")
-    return data
+    return RunMetrics.from_dict(data, what=f"metrics file {path}")
 
 
-def measured_phases(metrics: dict) -> dict[str, float]:
-    """Per-step timings the metrics carry besides the step time (e.g. comm_wait_s), in seconds."""
-    summary = metrics["summary"]
-    return {k: float(v) for k, v in summary.items()
-            if k.endswith("_s") and k != "median_step_time_s" and isinstance(v, (int, float))}
+def measured_phases(metrics) -> dict[str, float]:
+    """Per-step timings the metrics carry besides the step time (comm_wait_s), in seconds."""
+    return {"comm_wait_s": metrics.summary.comm_wait_s}
 
 
 # --- text -----------------------------------------------------------------------------------------
-def breakdown_lines(ex: Explanation, *, metrics: dict | None = None) -> list[str]:
+def breakdown_lines(ex: Explanation, *, metrics=None) -> list[str]:
     """The terminal breakdown: the additive terms of the critical rank, per-rank busy and bubble time,
     hidden communication, and measured beside predicted."""
     e, b = ex.estimate, ex.estimate.breakdown
@@ -135,7 +131,7 @@ def breakdown_lines(ex: Explanation, *, metrics: dict | None = None) -> list[str
         lines.append(f"  pipeline rank {r}: busy {busy * ms:.2f} ms, idle (bubble) {(ex.compute_end_s[r] - busy) * ms:.2f} ms, "
                      f"comm hidden under compute {hidden * ms:.2f} ms, optimizer {ex.tails_s[r][0] * ms:.2f} ms")
     if metrics is not None:
-        measured = metrics["summary"]["median_step_time_s"]
+        measured = metrics.summary.median_step_time_s
         lines.append(f"measured step {measured * ms:.2f} ms: predicted / measured = {e.step_time_s / measured:.2f}")
         for k, v in measured_phases(metrics).items():
             lines.append(f"  measured {k.removesuffix('_s').replace('_', ' ')}: {v * ms:.2f} ms")
@@ -143,7 +139,7 @@ def breakdown_lines(ex: Explanation, *, metrics: dict | None = None) -> list[str
 
 
 # --- the picture ----------------------------------------------------------------------------------
-def write_timeline_png(ex: Explanation, path: str, *, metrics: dict | None = None, title: str | None = None) -> None:
+def write_timeline_png(ex: Explanation, path: str, *, metrics=None, title: str | None = None) -> None:
     """The step's timeline per pipeline rank (module docstring), with the measured step beside it."""
     import matplotlib
 
@@ -195,7 +191,7 @@ def write_timeline_png(ex: Explanation, path: str, *, metrics: dict | None = Non
     ax.text(step_ms, 1.0, f"predicted step {step_ms:.1f} ms", fontsize=8, va="bottom", ha="right",
             transform=ax.get_xaxis_transform())
     if metrics is not None:
-        measured_ms = metrics["summary"]["median_step_time_s"] * ms
+        measured_ms = metrics.summary.median_step_time_s * ms
         ax.broken_barh([(0, measured_ms)], (0.3, 0.6), facecolor="#d64c4c")
         phases = ", ".join(f"{k.removesuffix('_s')} {v * ms:.1f} ms" for k, v in measured_phases(metrics).items())
         ax.text(0, 1.0, f"measured step {measured_ms:.1f} ms" + (f" ({phases})" if phases else ""), fontsize=8)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from specs.errors import PlannerError
 from specs.job import Job
 from specs.model import ModelSpec
-from specs.plan import DEFAULT_BUCKET_BYTES, Plan
+from specs.plan import DEFAULT_BUCKET_BYTES, PLAN_KNOBS, Plan
 
 TARGETS = ("torchtitan", "megatron", "deepspeed")
 
@@ -65,13 +65,17 @@ def export_plan(plan: Plan, *, model: ModelSpec, job: Job, target: str) -> Expor
     return builders[target](plan, model, job)
 
 
-def _common_unsupported(plan: Plan) -> list[str]:
-    """Our knobs no target exposes."""
+def _common_unsupported(plan: Plan, target: str) -> list[str]:
+    """The plan's knobs that `target` has no setting for (no export rule in the knob table, specs/plan.py)
+    and that are off their default, each in one line from the knob's help; and a per-layer
+    recomputation mix, which no target expresses."""
     out = []
-    if plan.param_cache != "none":
-        out.append(f"param_cache={plan.param_cache!r} (MAZ3 cache tiers): no equivalent; parameters are re-gathered in backward")
-    if plan.commshift:
-        out.append("commshift (DP reduction after the last input-gradient send): no equivalent; the reduction overlaps the last backward")
+    for spec in PLAN_KNOBS:
+        value = getattr(plan, spec.name)
+        if target not in spec.knob.exports and value != spec.default:
+            shown = value if isinstance(value, str) or not isinstance(value, tuple) else "per-layer"
+            out.append(f"{spec.name}={shown!r}: {target} has no such setting ({spec.knob.help.rstrip('.')}); "
+                       f"its default is used")
     if plan.recompute_layers is not None and len(set(plan.recompute_layers)) > 1:
         out.append(f"per-layer recomputation {_mix(plan.recompute_layers)}: one policy for every layer is used "
                    f"({_dominant(plan.recompute_layers)})")
@@ -115,7 +119,7 @@ def _toml_value(value) -> str:
 
 
 def _torchtitan(plan: Plan, model: ModelSpec, job: Job) -> Export:
-    unsupported, notes = _common_unsupported(plan), []
+    unsupported, notes = _common_unsupported(plan, "torchtitan"), []
     s_p, s_g, s_os = plan.shard_degrees
     replicate, shard, reshard = plan.dp, 1, None
     if plan.shard_degrees == (1, 1, 1):
@@ -155,10 +159,6 @@ def _torchtitan(plan: Plan, model: ModelSpec, job: Job) -> Export:
     else:
         # Without PP, torchtitan accumulates gradients over global / (local x DP) micro-batches.
         training["local_batch_size"] = plan.micro_batch
-    if plan.prefetch_depth != 1:
-        unsupported.append(f"prefetch_depth={plan.prefetch_depth}: FSDP2 prefetches one layer ahead")
-    if plan.bucket_size_bytes != DEFAULT_BUCKET_BYTES:
-        unsupported.append(f"bucket_size_bytes={plan.bucket_size_bytes}: FSDP2 reduces per layer, DDP uses its own bucket size")
     recompute = _recompute(plan)
     checkpoint = {"mode": recompute}
     if recompute == "selective":
@@ -175,7 +175,7 @@ def _torchtitan(plan: Plan, model: ModelSpec, job: Job) -> Export:
 
 # --- Megatron-LM -----------------------------------------------------------------------------------
 def _megatron(plan: Plan, model: ModelSpec, job: Job) -> Export:
-    unsupported, notes = _common_unsupported(plan), []
+    unsupported, notes = _common_unsupported(plan, "megatron"), []
     args: dict = {
         "--num-layers": model.num_layers, "--hidden-size": model.hidden_size,
         "--num-attention-heads": model.num_heads, "--ffn-hidden-size": model.ffn_hidden_size,
@@ -223,9 +223,7 @@ def _megatron(plan: Plan, model: ModelSpec, job: Job) -> Export:
     if plan.bucket_size_bytes != DEFAULT_BUCKET_BYTES:
         # Megatron's --ddp-bucket-size counts parameters, not bytes.
         args["--ddp-bucket-size"] = plan.bucket_size_bytes // (4 if job.precision == "fp32" else 2)
-    if plan.prefetch_depth != 1:
-        unsupported.append(f"prefetch_depth={plan.prefetch_depth}: Megatron overlaps one bucket's parameter gather")
-    parts = ["torchrun", f"--nproc-per-node=<gpus per node>", "pretrain_gpt.py"]
+    parts = ["torchrun", "--nproc-per-node=<gpus per node>", "pretrain_gpt.py"]
     for k, v in args.items():
         parts.append(k if v is True else f"{k} {v}")
     text = " \\\n    ".join(parts) + "\n"
@@ -256,7 +254,7 @@ def _megatron_pipeline(plan: Plan, model: ModelSpec, args: dict, unsupported: li
 
 # --- DeepSpeed -------------------------------------------------------------------------------------
 def _deepspeed(plan: Plan, model: ModelSpec, job: Job) -> Export:
-    unsupported, notes = [u for u in _common_unsupported(plan) if not u.startswith("param_cache")], []
+    unsupported, notes = _common_unsupported(plan, "deepspeed"), []
     config: dict = {
         "train_batch_size": job.global_batch, "train_micro_batch_size_per_gpu": plan.micro_batch,
         "gradient_accumulation_steps": plan.num_micro_batches,

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 from specs.errors import PlannerError
 from specs.problem import Problem, make_problem
-from planner.inputs import PlanFlags, load_plan, plan_from_flags
+from planner.inputs import load_plan, plan_from_options
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,13 @@ class RunRequest:
     resume: bool = False
     max_restarts: int = 0
 
+    def where(self):
+        """Where the run's processes go (runners.launch.Where; it checks the counts)."""
+        from runners.launch import Where
+
+        return Where(nproc=self.nproc, nnodes=self.nnodes, node_rank=self.node_rank, rdzv_endpoint=self.rdzv_endpoint,
+                     max_restarts=self.max_restarts)
+
 
 def under_torchrun() -> bool:
     """True when this process is already one rank of a torchrun (or scheduler) launch."""
@@ -42,69 +50,69 @@ def under_torchrun() -> bool:
                                                    and "LOCAL_RANK" in os.environ)
 
 
-def build_run(request: RunRequest, flags: PlanFlags):
-    """The RunConfig for a request; raises PlannerError on any bad input before a process starts."""
-    from runners.train import RunConfig
+def build_run(request: RunRequest, plan_options: dict):
+    """The RunConfig for a request (the plan from its file or the plan options, the cost model's prediction
+    handed in); raises PlannerError on any bad input before a process starts. RunConfig checks its own
+    fields; what is checked here is what it cannot see (files, the launch, flags that need others)."""
+    from runners.config import RunConfig
 
-    if request.steps < 1:
-        raise PlannerError(f"--steps must be at least 1, got {request.steps}")
-    if request.nproc < 1 or request.nnodes < 1:
-        raise PlannerError(f"--nproc and --nnodes must be at least 1, got {request.nproc} and {request.nnodes}")
+    where = request.where()
     if request.data is not None and not os.path.exists(request.data):
         raise PlannerError(f"data path not found: {request.data}")
-    if request.engine not in ("ours", "torch"):
-        raise PlannerError(f"--engine must be ours or torch, got {request.engine!r}")
-    _check_reliability_flags(request)
-    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else request.nproc * request.nnodes
-    per_node = request.gpus_per_node or (int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_torchrun() else request.nproc)
+    if request.max_restarts < 0:
+        raise PlannerError(f"--max-restarts must be at least 0, got {request.max_restarts}")
+    if (request.checkpoint_every > 0 or request.resume or request.max_restarts > 0) and not request.checkpoint_dir:
+        raise PlannerError("--checkpoint-every, --resume and --max-restarts need --checkpoint-dir")
+    if request.checkpoint_dir and os.path.exists(request.checkpoint_dir) and not os.path.isdir(request.checkpoint_dir):
+        raise PlannerError(f"--checkpoint-dir {request.checkpoint_dir} exists and is not a directory")
+    world, per_node = (int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))) \
+        if under_torchrun() else where.topology()
     problem: Problem = make_problem(model=request.model, hardware=request.hardware, gpus=world,
-                                    gpus_per_node=per_node, global_batch=request.global_batch,
+                                    gpus_per_node=request.gpus_per_node or per_node, global_batch=request.global_batch,
                                     seq_len=request.seq_len, precision=request.precision or "fp32")
-    if request.plan_file:
-        plan = load_plan(request.plan_file, problem)
-    else:
-        plan = plan_from_flags(flags, problem)
+    _warn_if_profile_mismatch(problem)
+    plan = load_plan(request.plan_file, problem) if request.plan_file else plan_from_options(plan_options, problem)
     if request.engine == "torch":
         from runners.torch_engine import torch_strategy
 
         torch_strategy(plan)  # refuse a plan torch cannot express before any process starts
+    predicted = predict(plan, problem)
     try:
         return RunConfig(plan=plan, model=problem.model, job=problem.job, steps=request.steps, seed=request.seed,
-                         lr=request.lr, data=request.data, ranks_per_node=per_node, engine=request.engine,
-                         hardware=request.hardware, timeout_s=request.timeout_s or run_timeout_s(plan, problem),
+                         lr=request.lr, data=request.data, ranks_per_node=request.gpus_per_node or per_node,
+                         engine=request.engine, predicted=predicted.to_dict() if predicted is not None else None,
+                         timeout_s=request.timeout_s if request.timeout_s is not None else run_timeout_s(predicted, plan, problem),
                          checkpoint_dir=request.checkpoint_dir, checkpoint_every=request.checkpoint_every,
                          checkpoint_keep=request.checkpoint_keep, resume=request.resume)
     except ValueError as exc:
         raise PlannerError(str(exc)) from None
 
 
-def _check_reliability_flags(request: RunRequest) -> None:
-    """The timeout, checkpoint and restart flags, checked before any process starts."""
-    if request.timeout_s is not None and not 0 < request.timeout_s < float("inf"):
-        raise PlannerError(f"--timeout must be a positive number of seconds, got {request.timeout_s}")
-    if request.checkpoint_every < 0 or request.checkpoint_keep < 1 or request.max_restarts < 0:
-        raise PlannerError(f"--checkpoint-every and --max-restarts must be >= 0 and --checkpoint-keep >= 1, got "
-                           f"{request.checkpoint_every}, {request.max_restarts} and {request.checkpoint_keep}")
-    wants_checkpoints = request.checkpoint_every > 0 or request.resume or request.max_restarts > 0
-    if wants_checkpoints and not request.checkpoint_dir:
-        raise PlannerError("--checkpoint-every, --resume and --max-restarts need --checkpoint-dir")
-    if request.checkpoint_dir is not None:
-        if os.path.exists(request.checkpoint_dir) and not os.path.isdir(request.checkpoint_dir):
-            raise PlannerError(f"--checkpoint-dir {request.checkpoint_dir} exists and is not a directory")
-        if request.engine != "ours":
-            raise PlannerError("--checkpoint-dir is implemented for --engine ours only")
+def _warn_if_profile_mismatch(problem: Problem) -> None:
+    import torch
+
+    mismatch = problem.cluster.hardware.mismatch(device_type="cuda" if torch.cuda.is_available() else "cpu")
+    if mismatch:
+        warnings.warn(mismatch, stacklevel=3)
 
 
-def run_timeout_s(plan, problem: Problem) -> float:
-    """The collective timeout for a run: from the cost model's step time on the problem's hardware and
-    the checkpoint bytes each rank writes (runners.faults.derive_timeout_s)."""
+def predict(plan, problem: Problem):
+    """The cost model's Estimate of `plan` on the problem's hardware, or None for a plan it cannot price
+    (which still runs)."""
     from cost_models.estimate import estimate
-    from runners.faults import checkpoint_bytes_per_rank, derive_timeout_s
 
     try:
-        step_time_s = estimate(plan, model=problem.model, cluster=problem.cluster, job=problem.job).step_time_s
-    except (ValueError, ZeroDivisionError):  # a plan the cost model cannot price still runs, with the floor
-        step_time_s = 0.0
+        return estimate(plan, model=problem.model, cluster=problem.cluster, job=problem.job)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def run_timeout_s(predicted, plan, problem: Problem) -> float:
+    """The collective timeout for a run: from the predicted step time (None: the floor) and the
+    checkpoint bytes each rank writes (runners.faults.derive_timeout_s)."""
+    from runners.faults import checkpoint_bytes_per_rank, derive_timeout_s
+
+    step_time_s = predicted.step_time_s if predicted is not None else 0.0
     return derive_timeout_s(step_time_s=step_time_s, checkpoint_bytes_per_rank=checkpoint_bytes_per_rank(
         num_params=problem.model.num_params(), world_size=plan.world_size))
 

@@ -11,7 +11,7 @@ count, since both change what one process can do; `planner calibrate` results wr
 are used by the next tune's search.
 
 Closing the loop: the profile's probes fit the CPU's per-op cost, compute slowdown and overlap from one
-layer (profilers/layer_probe.py), but not what a whole engine step adds (hooks, the optimizer step,
+layer (runners/probe.py), but not what a whole engine step adds (hooks, the optimizer step,
 collectives under load). So when the profile has never been fitted to training runs, tune times a
 handful of real plans first (the search's top 3 and the validation spread, CALIBRATION_PLANS in all) in
 one batched, interleaved torchrun launch (planner/validate.py), fits CALIBRATION_PARAMETERS to them by
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from planner.reports import TuneCalibration, TuneReport, ValidationRow
 from specs.errors import PlannerError
 
 Progress = Callable[[str, int, "int | None", str], None]
@@ -93,14 +94,15 @@ def ensure_profile(settings: TuneSettings, *, progress: Progress = _no_progress)
             return str(path), True
         except PlannerError:
             pass  # a stale or broken cache entry is measured again
-    from profilers.profile import ProfileOptions, run_profile
+    from planner.profiling import measure_profile
+    from profilers.profile import ProfileOptions
 
-    hardware = run_profile(ProfileOptions(nproc=settings.nproc, quick=True, model=settings.model), progress=progress)
+    hardware = measure_profile(ProfileOptions(nproc=settings.nproc, quick=True, model=settings.model), progress=progress)
     hardware.save(path)
     return str(path), False
 
 
-def calibrate_profile(profile: str, settings: TuneSettings, *, progress: Progress = _no_progress) -> dict:
+def calibrate_profile(profile: str, settings: TuneSettings, *, progress: Progress = _no_progress) -> TuneCalibration:
     """Time CALIBRATION_PLANS plans in one batched interleaved run, fit CALIBRATION_PARAMETERS to them,
     and write the calibrated profile back to `profile`; returns what was fitted and how well."""
     from cost_models.estimate import estimate
@@ -117,7 +119,8 @@ def calibrate_profile(profile: str, settings: TuneSettings, *, progress: Progres
     progress("calibrate", 0, None, f"timing {len(entries)} plans")
     times = measure_step_times_batched(entries, vs, rounds=2, steps_per_round=3,
                                        progress=lambda done, total, label: progress("calibrate", done, total, label))
-    rows = [{"label": e.label, "plan": e.plan.to_dict(), "status": "ok", "measured_step_time_s": statistics.median(t)}
+    rows = [ValidationRow(label=e.label, source=e.source, plan=e.plan, status="ok", error=None, predicted_step_time_s=0.0,
+                          predicted_peak_memory_bytes=0, measured_step_time_s=statistics.median(t))
             for e, t in zip(entries, times) if t]
     parameters = CALIBRATION_PARAMETERS[:max(1, min(len(CALIBRATION_PARAMETERS), len(rows) - 1))]
     calibration, _ = fit_time_parameters(rows, problem, parameters=parameters)
@@ -126,12 +129,12 @@ def calibrate_profile(profile: str, settings: TuneSettings, *, progress: Progres
 
     def mape(hw) -> float:
         cluster = dataclasses.replace(problem.cluster, hardware=hw)
-        return statistics.fmean(abs(estimate(e.plan, model=problem.model, cluster=cluster, job=problem.job).step_time_s
-                                    / r["measured_step_time_s"] - 1) for e, r in zip(entries, rows))
+        return statistics.fmean(abs(estimate(r.plan, model=problem.model, cluster=cluster, job=problem.job).step_time_s
+                                    / r.measured_step_time_s - 1) for r in rows)
 
     before, after = mape(hardware), mape(calibrated)
     calibrated.save(profile)
-    return {"num_plans": len(rows), "parameters": calibration, "mape_before": before, "mape_after": after}
+    return TuneCalibration(num_plans=len(rows), parameters=calibration, mape_before=before, mape_after=after)
 
 
 def _default_precision(profile: str) -> str:
@@ -141,12 +144,12 @@ def _default_precision(profile: str) -> str:
 
 
 def tune(settings: TuneSettings = TuneSettings(), *, progress: Progress = _no_progress,
-         on_step: Callable[[dict], None] | None = None) -> dict:
+         on_step: Callable[[dict], None] | None = None) -> TuneReport:
     """Profile, search, run the winner, and return the report (see `report_lines`)."""
     from specs.problem import make_problem
     from planner.search import SearchOptions, search
-    from runners.launch import launch
-    from runners.train import RunConfig
+    from runners.config import RunConfig
+    from runners.launch import Where, launch
 
     from specs.hardware import resolve_hardware
 
@@ -165,48 +168,41 @@ def tune(settings: TuneSettings = TuneSettings(), *, progress: Progress = _no_pr
     searched = time.perf_counter()
     progress("train", 0, settings.steps, winner.plan.describe())
     cfg = RunConfig(plan=winner.plan, model=problem.model, job=problem.job, steps=settings.steps, seed=settings.seed,
-                    ranks_per_node=settings.nproc, hardware=profile, timeout_s=settings.timeout_s)
-    metrics = launch(cfg, nproc=settings.nproc, on_step=on_step)
+                    ranks_per_node=settings.nproc, timeout_s=settings.timeout_s, predicted=winner.estimate.to_dict())
+    metrics = launch(cfg, where=Where(nproc=settings.nproc), on_step=on_step)
     if metrics is None:
         raise PlannerError("the run wrote no metrics")
     done = time.perf_counter()
-    predicted, summary = winner.estimate, metrics["summary"]
-    return {
-        "profile": profile, "profile_reused": reused,
-        "calibrated_from_runs": problem.cluster.hardware.calibrated_from_runs, "calibration": calibration,
-        "plan": winner.plan.to_dict(), "describe": winner.plan.describe(),
-        "runner_up": [c.plan.describe() for c in result.candidates[1:3]],
-        "predicted": predicted.to_dict(), "measured": summary, "losses": [s["loss"] for s in metrics["steps"]],
-        "step_time_ratio": summary["median_step_time_s"] / predicted.step_time_s,
-        "memory_ratio": summary["peak_memory_bytes"] / predicted.peak_memory_bytes,
-        "profile_time_s": profiled - start, "calibrate_time_s": calibrated_at - profiled,
-        "search_time_s": searched - calibrated_at, "run_time_s": done - searched,
-        "total_time_s": done - start,
-    }
+    return TuneReport(
+        profile=profile, profile_reused=reused, calibrated_from_runs=problem.cluster.hardware.calibrated_from_runs,
+        calibration=calibration, plan=winner.plan, runner_up=tuple(c.plan.describe() for c in result.candidates[1:3]),
+        predicted=winner.estimate.to_dict(), measured=metrics.summary, losses=tuple(metrics.losses),
+        times_s={"profile": profiled - start, "calibrate": calibrated_at - profiled, "search": searched - calibrated_at,
+                 "run": done - searched, "total": done - start})
 
 
-def report_lines(report: dict) -> list[str]:
+def report_lines(report: TuneReport) -> list[str]:
     """The terminal summary of a tune report."""
-    p, m = report["predicted"], report["measured"]
-    fitted = report["calibrated_from_runs"]
+    p, m, times = report.predicted, report.measured, report.times_s
+    fitted = report.calibrated_from_runs
     lines = [
-        f"profile: {report['profile']} ({'reused' if report['profile_reused'] else 'measured now'}"
-        f"{f', calibrated on {fitted} timed plans' if fitted else ', probes only'}) in {report['profile_time_s']:.1f} s",
-        f"best plan: {report['describe']} (searched in {report['search_time_s']:.1f} s)",
-        f"trained {len(report['losses'])} steps in {report['run_time_s']:.1f} s: loss {report['losses'][0]:.4f} -> "
-        f"{report['losses'][-1]:.4f}",
-        f"step time: measured {m['median_step_time_s'] * 1e3:.1f} ms, predicted {p['step_time_s'] * 1e3:.1f} ms "
-        f"(measured / predicted {report['step_time_ratio']:.2f})",
-        f"peak memory per rank: measured {m['peak_memory_bytes'] / 2**20:.1f} MiB, predicted "
-        f"{p['peak_memory_bytes'] / 2**20:.1f} MiB (measured / predicted {report['memory_ratio']:.2f})",
-        f"total {report['total_time_s']:.1f} s",
+        f"profile: {report.profile} ({'reused' if report.profile_reused else 'measured now'}"
+        f"{f', calibrated on {fitted} timed plans' if fitted else ', probes only'}) in {times['profile']:.1f} s",
+        f"best plan: {report.plan.describe()} (searched in {times['search']:.1f} s)",
+        f"trained {len(report.losses)} steps in {times['run']:.1f} s: loss {report.losses[0]:.4f} -> "
+        f"{report.losses[-1]:.4f}",
+        f"step time: measured {m.median_step_time_s * 1e3:.1f} ms, predicted {p['step_time_s'] * 1e3:.1f} ms "
+        f"(measured / predicted {report.step_time_ratio:.2f})",
+        f"peak memory per rank: measured {m.peak_memory_bytes / 2**20:.1f} MiB, predicted "
+        f"{p['peak_memory_bytes'] / 2**20:.1f} MiB (measured / predicted {report.memory_ratio:.2f})",
+        f"total {times['total']:.1f} s",
     ]
-    if report["calibration"] is not None:
-        c = report["calibration"]
-        lines.insert(1, f"calibrated on {c['num_plans']} timed plans in {report['calibrate_time_s']:.1f} s: "
-                        f"their mean |error| {c['mape_before']:.0%} -> {c['mape_after']:.0%} ("
-                        + ", ".join(f"{k} {v:.3g}" for k, v in c["parameters"].items()) + ")")
-    if not fitted and abs(report["step_time_ratio"] - 1) > 0.2:
+    if report.calibration is not None:
+        c = report.calibration
+        lines.insert(1, f"calibrated on {c.num_plans} timed plans in {times['calibrate']:.1f} s: "
+                        f"their mean |error| {c.mape_before:.0%} -> {c.mape_after:.0%} ("
+                        + ", ".join(f"{k} {v:.3g}" for k, v in c.parameters.items()) + ")")
+    if not fitted and abs(report.step_time_ratio - 1) > 0.2:
         lines.append("the profile was never fitted to training runs; run `planner tune --recalibrate`, or "
-                     f"`planner validate --hardware {report['profile']} --out v.json` then `planner calibrate`")
+                     f"`planner validate --hardware {report.profile} --out v.json` then `planner calibrate`")
     return lines

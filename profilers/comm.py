@@ -1,37 +1,31 @@
 """Collective benchmark worker, one process per rank under torchrun (gloo on CPU, NCCL on CUDA).
 
-    python -m torch.distributed.run --nproc-per-node 2 -m profilers.comm --spec spec.json --out-dir out/
+    python -m torch.distributed.run --nproc-per-node 2 -m profilers.comm --work-dir DIR   (DIR/spec.json: CommSpec)
 
-`planner profile` writes the spec (sizes, collectives and the process groups to measure) and launches
-this; rank 0 writes `comm.json` with one curve per (group, collective). An inter-node group is measured
+`planner profile` launches this through runners.launch with the spec (sizes, collectives and the
+process groups to measure); rank 0 returns one curve per (group, collective). An inter-node group is measured
 alone, the other ranks idling in step, so its curve is the link's own speed. An intra-node shape is
 measured on all its copies at once (every block of consecutive ranks of its size: each node's groups,
 and the other groups inside a node), the slowest copy kept: in a training step every node's tensor- or
 data-parallel groups communicate at the same time, so on a real cluster nothing changes, while on one
 machine emulating several nodes (runners/netns_cluster.py) the nodes share the host's cores and this
-is the speed a step sees. A failing rank writes
-`rank<N>.error` with its exception, so the parent can say which rank failed and why.
+is the speed a step sees. A failing rank is named by the launcher (runners.launch.worker_main).
 """
 
 from __future__ import annotations
 
-import argparse
-import ctypes
 import datetime
-import json
 import os
-import signal
 import statistics
 import sys
 import time
-import traceback
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-PROGRESS_PREFIX = "@@progress"
+from runners.launch import emit_event
+
 ELEMENT_BYTES = 4  # float32 payloads: the byte count, not the dtype, sets a collective's time
 
 
@@ -75,26 +69,9 @@ class CommSpec:
     budget_s_per_point: float
     max_repeats: int
     timeout_s: float
-    # {"model": ModelSpec.to_dict(), "budget_s": seconds per point}: time one layer on every rank at once
-    # after the collectives (profilers/layer_probe.py); None skips it.
-    layer_probe: dict | None = None
 
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self)))
-
-    @classmethod
-    def load(cls, path: Path) -> "CommSpec":
-        data = json.loads(path.read_text())
-        data["groups"] = tuple(GroupShape(g["name"], g["link"], tuple(g["ranks"])) for g in data["groups"])
-        return cls(**{**data, "sizes_bytes": tuple(data["sizes_bytes"]), "collectives": tuple(data["collectives"])})
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this worker when its torchrun agent dies, so no rank outlives a killed run."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except OSError:
-        pass
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 def _make_op(collective: str, nbytes: int, *, ranks: tuple[int, ...], group, device: torch.device):
@@ -176,7 +153,8 @@ def copies(shape: GroupShape, world_size: int) -> list[tuple[int, ...]]:
     return [shape.ranks]
 
 
-def run(spec: CommSpec, *, out_dir: Path, device: torch.device) -> None:
+def run(spec: CommSpec, *, device: torch.device) -> list[dict]:
+    """Measure every (group, collective, size) point; rank 0 returns the curves."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     # Every rank creates every group, in the same order (torch.distributed.new_group's contract).
     groups = []
@@ -212,72 +190,35 @@ def run(spec: CommSpec, *, out_dir: Path, device: torch.device) -> None:
                 curve["repeats"].append(len(times))
                 done += 1
                 if rank == 0:
-                    print(f"{PROGRESS_PREFIX} {done} {len(points)} {shape.name} {collective} {size}", flush=True)
+                    emit_event("progress", done=done, total=len(points), label=f"{shape.name} {collective} {size}")
             if rank == 0:
                 curves.append(curve)
-    probe = _layer_probe(spec, device=device) if spec.layer_probe else None
-    if rank == 0:
-        tmp = out_dir / "comm.json.tmp"
-        tmp.write_text(json.dumps({"world_size": dist.get_world_size(), "backend": dist.get_backend(),
-                                   "curves": curves, "layer_probe": probe}))
-        os.replace(tmp, out_dir / "comm.json")
+    return curves
 
 
-def _layer_probe(spec: CommSpec, *, device: torch.device) -> dict:
-    """Every rank times one layer at the same time, then the overlap of an all-gather with it
-    (profilers/layer_probe.py); each point keeps the slowest rank's means, since a synchronous step
-    waits for its slowest rank."""
-    from specs.model import ModelSpec
-    from profilers.layer_probe import measure_layer, measure_overlap
+def run_task(spec_dict: dict) -> dict | None:
+    """The worker task (runners.launch.worker_main)."""
+    from specs.jsonio import dataclass_from_dict
 
-    if dist.get_rank() == 0:
-        print(f"{PROGRESS_PREFIX} 1 1 layer probe", flush=True)
-    model = ModelSpec.from_dict(spec.layer_probe["model"])
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    points = measure_layer(model, device=device, dtype=dtype, budget_s=float(spec.layer_probe["budget_s"]),
-                           barrier=dist.barrier)
-    times = torch.tensor([[p.forward_s, p.forward_backward_s] for p in points], dtype=torch.float64, device=device)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    probe = {"points": [{**asdict(p), "forward_s": float(f), "forward_backward_s": float(fb)}
-                        for p, (f, fb) in zip(points, times.tolist())]}
-    if dist.get_world_size() > 1:
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        probe["overlap"] = measure_overlap(model, device=device, dtype=dtype, group=dist.group.WORLD,
-                                           repeats=int(spec.layer_probe.get("overlap_repeats", 10)), all_gather=gather)
-    return probe
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", type=Path, required=True)
-    parser.add_argument("--out-dir", type=Path, required=True)
-    args = parser.parse_args(argv)
-    _die_with_parent()
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        spec = CommSpec.load(args.spec)
-        if torch.cuda.is_available():
-            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-            device = torch.device("cuda", local_rank)
-            torch.cuda.set_device(device)
-            backend = "nccl"
-        else:
-            device, backend = torch.device("cpu"), "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=spec.timeout_s))
-        if os.environ.get("PLANNER_PROFILE_FAIL_RANK") == str(rank):
-            # Test hook: lets the integration test check that a failed rank is reported by name.
-            raise RuntimeError("injected failure (PLANNER_PROFILE_FAIL_RANK)")
-        run(spec, out_dir=args.out_dir, device=device)
-        dist.destroy_process_group()
-    except BaseException as exc:  # noqa: BLE001 - any failure must be reported with the rank that hit it
-        message = f"{type(exc).__name__}: {exc}".strip()
-        (args.out_dir / f"rank{rank}.error").write_text(
-            json.dumps({"rank": rank, "host": os.uname().nodename, "error": message,
-                        "traceback": traceback.format_exc()}))
-        print(f"rank {rank} failed: {message}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+    spec = dataclass_from_dict(CommSpec, spec_dict, what="collective benchmark spec")
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=spec.timeout_s))
+    if os.environ.get("PLANNER_PROFILE_FAIL_RANK") == os.environ.get("RANK", "0"):
+        # Test hook: lets the integration test check that a failed rank is reported by name.
+        raise RuntimeError("injected failure (PLANNER_PROFILE_FAIL_RANK)")
+    curves = run(spec, device=device)
+    rank, result = dist.get_rank(), {"world_size": dist.get_world_size(), "backend": dist.get_backend(), "curves": curves}
+    dist.destroy_process_group()
+    return result if rank == 0 else None
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from runners.launch import worker_main
+
+    sys.exit(worker_main(run_task))

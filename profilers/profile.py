@@ -3,47 +3,37 @@
     planner profile --nproc 2 --quick --out profile.json
     planner profile --cluster --quick --out profile.json      # on `planner cluster up`
 
-Compute and memory are measured in this process (with the cores and memory one of the run's processes gets);
-collectives by `python -m torch.distributed.run ... -m profilers.comm` (locally, or in each namespace of
-the emulated cluster), then fitted (profilers.fit) into the Hardware type the presets use.
+Compute and memory are measured in this process (with the cores and memory one of the run's processes
+gets); collectives by the profilers.comm worker and the engine's own layer by runners.probe, both
+launched on every rank through runners.launch (locally, or in each namespace of the emulated cluster),
+then fitted (profilers.fit) into the Hardware type the presets use. The layer probe's points are kept
+raw; what they mean for the cost model is fitted by the application (planner/profiling.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
-import threading
-from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
-from specs.errors import PlannerError
-from specs.model import resolve_model
-from profilers.comm import PROGRESS_PREFIX, CommSpec, plan_groups
+from profilers.comm import CommSpec, plan_groups
 from profilers.compute import ComputeResult, measure_compute
 from profilers.fit import GemmFit, bus_factor, fit_gemm, fit_latency_bandwidth
-from specs.hardware import (COLLECTIVES, PRESETS, CollectiveFit, GemmPoint, Hardware, LayerProbePoint, LinkSpec,
-                                with_calibration)
 from profilers.memory import MemoryResult, measure_memory
+from runners.launch import Where, run_workers
+from specs.errors import PlannerError
+from specs.hardware import COLLECTIVES, PRESETS, CollectiveFit, GemmPoint, Hardware, LayerProbePoint, LinkSpec
+from specs.model import resolve_model
 
 log = logging.getLogger(__name__)
 
 KIB, MIB = 1024, 1024**2
 FULL_SIZES_BYTES = tuple(KIB * 4**i for i in range(10))  # 1 KiB .. 256 MiB
 QUICK_SIZES_BYTES = tuple(KIB * 4**i for i in range(8))  # 1 KiB .. 16 MiB
-
-
-class ProfileFailed(RuntimeError):
-    """A rank (or the launcher) failed while measuring; the message names the rank and its error."""
 
 
 class Progress(Protocol):
@@ -77,16 +67,7 @@ class ProfileOptions:
             raise PlannerError("--sizes needs at least two positive message sizes to fit latency and bandwidth")
 
 
-# --- collectives ------------------------------------------------------------------------------------
-@dataclass
-class CommRun:
-    curves: list[dict]
-    world_size: int
-    ranks_per_node: int
-    backend: str
-    layer_probe: dict | None = None  # {"points": [...], "overlap": {...}} from profilers.comm
-
-
+# --- collectives and the layer probe ----------------------------------------------------------------
 def parse_sizes(text: str) -> tuple[int, ...]:
     """'1k,64k,1m' (binary units k/m/g, or plain bytes) to message sizes in bytes."""
     units = {"": 1, "b": 1, "k": KIB, "kb": KIB, "m": MIB, "mb": MIB, "g": 1024**3, "gb": 1024**3}
@@ -104,95 +85,48 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def _launch_local(options: ProfileOptions, module_argv: list[str], on_line: Callable[[int, str], None]) -> int:
-    """torchrun on this node (--standalone picks a free port); kill the whole process tree on Ctrl-C."""
-    from runners.netns_cluster import kill_process_tree
-
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(options.nproc),
-            *module_argv]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            on_line(0, line.rstrip("\n"))
-        return proc.wait()
-    except BaseException:
-        kill_process_tree(proc.pid)
-        proc.wait()
-        raise
-
-
-def _launch_cluster(options: ProfileOptions, module_argv: list[str], on_line: Callable[[int, str], None]) -> int:
-    from runners.netns_cluster import launch_on_cluster, load_state, torchrun_argv
-
-    state = load_state(options.cluster_prefix or "planner")
-    argv = [torchrun_argv(state, node, module_argv) for node in range(state.num_nodes)]
-    return launch_on_cluster(state, argv, env={"OMP_NUM_THREADS": "1"}, on_line=on_line)
+def _where(options: ProfileOptions) -> Where:
+    return Where(nproc=options.nproc, cluster=options.cluster_prefix)
 
 
 def _topology(options: ProfileOptions) -> tuple[int, int]:
     """(world size, ranks per node) of the collective run."""
     if options.cluster_prefix is not None:
-        from runners.netns_cluster import load_state
-
-        state = load_state(options.cluster_prefix)
-        return state.num_nodes * state.procs_per_node, state.procs_per_node
+        return _where(options).topology()
     per_node = options.ranks_per_node or options.nproc
     if per_node < 1 or options.nproc % per_node:
         raise PlannerError(f"--nproc {options.nproc} is not a multiple of --gpus-per-node {per_node}")
     return options.nproc, per_node
 
 
-def _failure_message(work_dir: Path, code: int, tail: deque[str]) -> str:
-    errors = []
-    for path in sorted(work_dir.glob("rank*.error")):
-        try:
-            data = json.loads(path.read_text())
-            errors.append(f"rank {data['rank']} ({data['host']}) failed: {data['error']}")
-        except (OSError, json.JSONDecodeError, KeyError):
-            errors.append(f"{path.stem} failed (unreadable error file)")
-    if errors:
-        return "; ".join(errors) + f" (torchrun exit code {code})"
-    return f"collective benchmark failed with exit code {code}; last output:\n" + "\n".join(tail)
-
-
-def run_collectives(options: ProfileOptions, *, progress: Progress = _no_progress) -> CommRun:
-    """Launch the collective benchmark on all ranks and return rank 0's curves; a failed rank raises."""
+def run_collectives(options: ProfileOptions, *, progress: Progress = _no_progress) -> list[dict]:
+    """Run the collective benchmark (profilers.comm) on all ranks; rank 0's curves. A failed rank raises
+    runners.launch.RunFailed naming it."""
     world_size, ranks_per_node = _topology(options)
     sizes = options.sizes_bytes or (QUICK_SIZES_BYTES if options.quick else FULL_SIZES_BYTES)
     spec = CommSpec(sizes_bytes=tuple(sizes), collectives=tuple(options.collectives),
                     groups=tuple(plan_groups(world_size=world_size, ranks_per_node=ranks_per_node, quick=options.quick)),
                     budget_s_per_point=0.1 if options.quick else 0.5, max_repeats=20 if options.quick else 50,
-                    timeout_s=options.comm_timeout_s,
-                    layer_probe={"model": resolve_model(options.model).to_dict(),
-                                 "budget_s": 1.5 if options.quick else 4.0})
-    tail: deque[str] = deque(maxlen=40)
-    lock = threading.Lock()
+                    timeout_s=options.comm_timeout_s)
 
-    def on_line(node: int, line: str) -> None:
-        if line.startswith(PROGRESS_PREFIX):
-            _, done, total, *label = line.split()
-            progress("collectives", int(done), int(total), " ".join(label))
-            return
-        with lock:
-            tail.append(f"[n{node}] {line}" if options.cluster_prefix else line)
-        log.debug("%s", line)
+    def on_event(event: dict) -> None:
+        if event.get("kind") == "progress":
+            progress("collectives", event["done"], event["total"], event["label"])
 
-    # A directory every namespace sees (namespaces share the filesystem): spec in, results and errors out.
-    work_dir = Path(tempfile.mkdtemp(prefix="planner-profile-"))
-    try:
-        spec.save(work_dir / "spec.json")
-        module_argv = ["-m", "profilers.comm", "--spec", str(work_dir / "spec.json"), "--out-dir", str(work_dir)]
-        launch = _launch_cluster if options.cluster_prefix is not None else _launch_local
-        code = launch(options, module_argv, on_line)
-        if code != 0 or not (work_dir / "comm.json").exists():
-            raise ProfileFailed(_failure_message(work_dir, code, tail))
-        data = json.loads((work_dir / "comm.json").read_text())
-    finally:
-        shutil.rmtree(work_dir, ignore_errors=True)
-    return CommRun(curves=data["curves"], world_size=data["world_size"], ranks_per_node=ranks_per_node,
-                   backend=data["backend"], layer_probe=data.get("layer_probe"))
+    return run_workers("profilers.comm", spec.to_dict(), where=_where(options), on_event=on_event)["curves"]
+
+
+def run_layer_probe(options: ProfileOptions, *, progress: Progress = _no_progress) -> tuple[tuple[LayerProbePoint, ...], dict]:
+    """The engine's layer and overlap probes (runners.probe) on every rank at once: (points, overlap)."""
+    model = resolve_model(options.model)
+    spec = {"model": model.to_dict(), "budget_s": 1.5 if options.quick else 4.0, "timeout_s": options.comm_timeout_s}
+
+    def on_event(event: dict) -> None:
+        if event.get("kind") == "progress":
+            progress("layer probe", event["done"], event["total"], event["label"])
+
+    result = run_workers("runners.probe", spec, where=_where(options), on_event=on_event)
+    return tuple(LayerProbePoint(**p) for p in result["points"]), dict(result.get("overlap") or {})
 
 
 def fit_collectives(curves: list[dict]) -> list[CollectiveFit]:
@@ -281,12 +215,14 @@ def build_hardware(*, device: torch.device, compute: ComputeResult, memory: Memo
 
 
 def run_profile(options: ProfileOptions, *, progress: Progress = _no_progress) -> Hardware:
-    """Measure collectives, compute and memory and return the fitted Hardware profile."""
+    """Measure collectives, the engine's layer, compute and memory; the Hardware profile with the layer
+    probe's raw points (planner/profiling.py fits what they mean for the cost model)."""
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     world_size, _ranks_per_node = _topology(options)
     model = resolve_model(options.model)
     # Collectives first: the multi-process part is what fails (a rank, the network), so fail fast.
-    comm = run_collectives(options, progress=progress)
+    curves = run_collectives(options, progress=progress)
+    points, overlap = run_layer_probe(options, progress=progress)
     # Every rank runs on this host (locally, or in the emulated cluster's namespaces), so a training
     # process gets 1/world_size of its cores and memory; measure with exactly that share.
     host_procs = world_size
@@ -302,43 +238,8 @@ def run_profile(options: ProfileOptions, *, progress: Progress = _no_progress) -
     finally:
         torch.set_num_threads(threads_before)
     base = PRESETS["cpu"] if device.type == "cpu" else PRESETS["h100"]
-    hardware = build_hardware(device=device, compute=compute, memory=memory, fits=fit_collectives(comm.curves), base=base)
-    return with_layer_probe(hardware, comm.layer_probe or {}, model=model)
-
-
-def with_layer_probe(hardware: Hardware, probe: dict, *, model) -> Hardware:
-    """Keep the layer and overlap probes' measurements and, on CPU, fit op_overhead_s and
-    compute_time_scale from the layer points and take comm_overlap_efficiency from the overlap probe
-    (profilers/layer_probe.py). On CUDA the kernel queue hides per-op dispatch and the collective stream
-    runs beside compute, so the cost model keeps its GPU defaults and the probes are only recorded."""
-    from profilers.layer_probe import fit_overheads
-
-    points = tuple(LayerProbePoint(**p) for p in probe.get("points", []))
-    overlap = dict(probe.get("overlap") or {})
-    hardware = dataclasses.replace(hardware, layer_probe=points, overlap_probe=overlap)
-    if hardware.device_type != "cpu":
-        return hardware
-    calibration = fit_overheads(model, hardware, list(points)) if points else {}
-    if overlap:
-        calibration["comm_overlap_efficiency"] = overlap["efficiency"]
-    return with_calibration(hardware, calibration)
-
-
-def warn_if_mismatch(hardware: Hardware, *, device_type: str, device_name: str | None = None) -> str | None:
-    """Warn (and return the message) when a measured profile describes another kind of device than the
-    cluster it is used for; datasheet presets are hypothetical by design and never warn."""
-    if hardware.source != "profile":
-        return None
-    message = None
-    if hardware.device_type != device_type:
-        message = (f"hardware profile was measured on {hardware.device_type} ({hardware.device_name}) "
-                   f"but the cluster runs on {device_type}; its numbers will not match")
-    elif device_name is not None and device_name != hardware.device_name:
-        message = (f"hardware profile was measured on {hardware.device_name!r} but the cluster has "
-                   f"{device_name!r}; re-run `planner profile` there")
-    if message:
-        log.warning("%s", message)
-    return message
+    hardware = build_hardware(device=device, compute=compute, memory=memory, fits=fit_collectives(curves), base=base)
+    return dataclasses.replace(hardware, layer_probe=points, overlap_probe=overlap)
 
 
 def summary(hardware: Hardware) -> dict:

@@ -4,9 +4,9 @@
     planner run --nproc 4 --tp 2 --checkpoint-dir ckpt --resume      # a different plan resumes it
 
 What is saved does not depend on the plan that saved it. Every parameter is stored under its
-one-process name (runners/model.py: `canonical_name`) as three global tensors: its fp32 master value
+one-process name (runners/transformer.py: `canonical_name`) as three global tensors: its fp32 master value
 (`model/<name>`) and its Adam moments (`optim/exp_avg/<name>`, `optim/exp_avg_sq/<name>`). Each rank
-writes only the part it owns: the slice of its optimizer shard (runners/sharding.py's nested layout)
+writes only the part it owns: the slice of its optimizer shard (runners/sharding/'s nested layout)
 that falls in each parameter, placed at its offsets in the full tensor (the TP shard's position along
 `tp_split_dim`). A contiguous slice of a row-major [rows, cols] shard is at most three rectangles (a
 partial row, whole rows, a partial row), so every piece is a box DCP can index; DCP's load plan then
@@ -69,7 +69,6 @@ META_FILE = "planner_meta.json"
 LATEST_FILE = "latest"
 DCP_METADATA_FILE = ".metadata"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def step_dir_name(step: int) -> str:
@@ -223,7 +222,7 @@ def pieces_in_range(params, *, start: int, stop: int, tp_rank: int, tp: int) -> 
 
 @dataclass(frozen=True)
 class UnitLayout:
-    """One unit's flat-buffer ranges on this rank under the plan (runners/sharding.py's nested shards)."""
+    """One unit's flat-buffer ranges on this rank under the plan (runners/sharding/'s nested shards)."""
 
     module: torch.nn.Module
     params: list
@@ -320,7 +319,7 @@ def save_pieces(trainer, *, plan: Plan) -> dict[str, list[tuple[Piece, torch.Ten
     out: dict[str, list[tuple[Piece, torch.Tensor]]] = {}
     if not _writes_params(plan=plan, dp_rank=mesh.dp_rank):
         return out
-    from runners.model import LMHead
+    from runners.transformer import LMHead
 
     state = trainer.engine.local_state()
     for i, layout in enumerate(unit_layouts(trainer.chunks, plan=plan, dp_rank=mesh.dp_rank)):

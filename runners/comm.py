@@ -6,7 +6,7 @@ prices): all-gather and reduce-scatter (n - 1)/n x the unsharded size, all-reduc
 broadcast and point-to-point x size. The volume is split between link classes by the ring's edges: of
 the n edges of a ring over the group's ranks in order, those that join ranks on different (emulated)
 nodes carry inter-node traffic. "host_device" counts bytes copied between device and host memory (the
-MAZ3 host tier, runners/sharding.py), in either direction; they use no network link, so they are in
+MAZ3 host tier, runners/sharding/), in either direction; they use no network link, so they are in
 neither intra_node nor inter_node.
 """
 
@@ -21,8 +21,8 @@ import torch.distributed as dist
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "p2p", "host_device")
 
 # Newer torch names them *_single and deprecates the *_tensor / *_into_tensor spellings.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass
@@ -91,7 +91,7 @@ class Comm:
             output.copy_(shard)
             return None
         self._count("all_gather", (n - 1) / n * output.numel() * output.element_size(), ranks)
-        return _all_gather_single(output, shard, group=group, async_op=async_op)
+        return all_gather_single(output, shard, group=group, async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, group, *, async_op: bool = False):
         """Sum `full` over the group and leave chunk i (group-rank order) in group rank i's `output`."""
@@ -101,7 +101,7 @@ class Comm:
             output.copy_(full)
             return None
         self._count("reduce_scatter", (n - 1) / n * full.numel() * full.element_size(), ranks)
-        return _reduce_scatter_single(output, full, group=group, async_op=async_op)
+        return reduce_scatter_single(output, full, group=group, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, *, src: int, group, async_op: bool = False):
         ranks = self._group_ranks(group)

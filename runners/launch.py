@@ -1,44 +1,211 @@
-"""Launch a training run under torchrun on this node (or one node of several) and collect its metrics.
+"""The one torchrun launcher: every multi-process job of the project starts here, with one environment
+policy and one protocol for progress, results and failures.
 
-A failed rank is named in one line (from the error file each rank writes, or torchrun's failure
-summary); Ctrl-C or a dead rank stops every process of the run: the whole torchrun process group is
-killed, so nothing is orphaned.
+    metrics = launch(cfg, where=Where(nproc=4))                       # a training run
+    result = run_workers("profilers.comm", spec, where=Where(nproc=2))  # any worker module
+
+Where: `nproc` local processes (torchrun --standalone), one node of several real ones (--nnodes,
+--node-rank, --rdzv-endpoint), or every node of an emulated cluster (runners/netns_cluster.py: one
+torchrun per network namespace, rendezvousing on node 0).
+
+Environment policy (`worker_env`): the processes on one host share its cores, so each gets
+OMP_NUM_THREADS = cores // processes on the host (at least 1; the emulated nodes share one host);
+unbuffered output; this checkout importable.
+
+Protocol: a worker module is run as `python -m <module> --work-dir DIR` under torchrun; it reads
+DIR/spec.json, rank 0 writes DIR/result.json, prints progress as `PLANNER_EVENT {json}` lines
+(`emit_event`), and a failing rank writes DIR/errors/rank<N>.json (`worker_main` does all of this
+around a task function). A failed rank is named in one line (from those files, or torchrun's failure
+summary); bad input on any rank is raised as PlannerError. Ctrl-C or a dead rank stops every process
+of the run: the whole torchrun process group (or every namespace's tree) is killed, nothing orphaned.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import traceback
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from specs.errors import PlannerError
 from specs.jsonio import read_json_file, write_json_atomic
-from runners.train import STEP_PREFIX, RunConfig
+
+EVENT_PREFIX = "PLANNER_EVENT "
+CHECKOUT = str(Path(__file__).resolve().parents[1])
 
 
 class RunFailed(RuntimeError):
     """A rank failed for a reason other than bad input."""
 
 
-def torchrun_command(*, nproc: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None, run_args: list[str],
-                     max_restarts: int = 0) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}"]
-    if nnodes == 1 and not rdzv_endpoint:
+@dataclass(frozen=True)
+class Where:
+    """Where the workers run: nproc local processes, one node of a multi-node job, or an emulated cluster."""
+
+    nproc: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    cluster: str | None = None  # name prefix of an emulated cluster (`planner cluster up`)
+    max_restarts: int = 0
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1 or self.nnodes < 1:
+            raise PlannerError(f"--nproc and --nnodes must be at least 1, got {self.nproc} and {self.nnodes}")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise PlannerError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT")
+
+    def topology(self) -> tuple[int, int]:
+        """(world size, ranks per node)."""
+        if self.cluster is not None:
+            from runners.netns_cluster import load_state
+
+            state = load_state(self.cluster)
+            return state.num_nodes * state.procs_per_node, state.procs_per_node
+        return self.nproc * self.nnodes, self.nproc
+
+    def procs_on_host(self) -> int:
+        """Processes sharing this host's cores: every rank on an emulated cluster, else this node's."""
+        return self.topology()[0] if self.cluster is not None else self.nproc
+
+
+# --- the environment policy -------------------------------------------------------------------------
+def worker_env(*, procs_on_host: int) -> dict[str, str]:
+    """What every worker needs: its share of the host's cores, unbuffered output, this checkout importable.
+    An OMP_NUM_THREADS the user set is kept."""
+    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // procs_on_host)),
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [CHECKOUT, os.environ.get("PYTHONPATH")]))}
+
+
+# --- the worker side --------------------------------------------------------------------------------
+def emit_event(kind: str, **fields: object) -> None:
+    """Print one progress event for the launcher (call on rank 0 only)."""
+    print(EVENT_PREFIX + json.dumps({"kind": kind, **fields}), flush=True)
+
+
+def _parse_event(line: str) -> dict | None:
+    if not line.startswith(EVENT_PREFIX):
+        return None
+    try:
+        event = json.loads(line[len(EVENT_PREFIX):])
+    except json.JSONDecodeError:
+        return None
+    return event if isinstance(event, dict) else None
+
+
+def report_failure(work_dir: str | Path, *, rank: int, message: str, bad_input: bool, detail: str = "") -> None:
+    """Write this rank's failure where the launcher looks for it."""
+    write_json_atomic(Path(work_dir) / "errors" / f"rank{rank}.json",
+                      {"rank": rank, "host": socket.gethostname(), "error": message, "bad_input": bad_input,
+                       "traceback": detail})
+
+
+def worker_main(task: Callable[[dict], object], argv: list[str] | None = None) -> int:
+    """The body of every worker module's `__main__`: read DIR/spec.json, run `task(spec)` on this rank,
+    write its result (rank 0; an object with to_dict(), a dict or None) to DIR/result.json, and report
+    a failure the way the launcher names it. Returns the process exit code (2: bad input)."""
+    from runners.faults import describe_failure, die_with_parent
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--work-dir", required=True)
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", 0))
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: never outlive its agent
+        die_with_parent()
+    try:
+        result = task(read_json_file(Path(args.work_dir) / "spec.json", what="worker spec"))
+        if rank == 0 and result is not None:
+            write_json_atomic(Path(args.work_dir) / "result.json", result.to_dict() if hasattr(result, "to_dict") else result)
+        return 0
+    except (PlannerError, ValueError) as exc:
+        report_failure(args.work_dir, rank=rank, message=str(exc), bad_input=True)
+        print(f"rank {rank}: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except BaseException as exc:  # noqa: BLE001 - reported by the launcher with the rank's name
+        report_failure(args.work_dir, rank=rank, message=describe_failure(exc), bad_input=False,
+                       detail=traceback.format_exc())
+        traceback.print_exc()
+        return 1
+
+
+# --- the launcher side ------------------------------------------------------------------------------
+def torchrun_command(where: Where, module_argv: list[str]) -> list[str]:
+    """torchrun for this node (local or one of several real nodes)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={where.nproc}",
+           f"--max-restarts={where.max_restarts}"]
+    if where.nnodes == 1 and not where.rdzv_endpoint:
         cmd.append("--standalone")
     else:
-        if not rdzv_endpoint:
-            raise PlannerError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT")
-        cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
-    return cmd + ["-m", "runners.train", *run_args]
+        cmd += [f"--nnodes={where.nnodes}", f"--node-rank={where.node_rank}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={where.rdzv_endpoint}"]
+    return cmd + module_argv
 
 
-def _failure_message(error_dir: Path, stderr_tail: list[str], returncode: int) -> tuple[str, bool]:
+def run_workers(module: str, spec: dict, *, where: Where, on_event: Callable[[dict], None] | None = None,
+                env: dict[str, str] | None = None) -> dict | None:
+    """Run `python -m module --work-dir DIR` on every rank of `where` with DIR/spec.json = spec; returns
+    rank 0's DIR/result.json (None where this node wrote none). A failed rank raises RunFailed naming it,
+    bad input PlannerError. Events of node 0's rank 0 go to `on_event`."""
+    with tempfile.TemporaryDirectory(prefix="planner-") as tmp:
+        work_dir = Path(tmp)  # every emulated node sees it: the namespaces share the file system
+        (work_dir / "errors").mkdir()
+        write_json_atomic(work_dir / "spec.json", spec)
+        module_argv = ["-m", module, "--work-dir", str(work_dir)]
+        child_env = {**worker_env(procs_on_host=where.procs_on_host()), **(env or {})}
+        tail: deque[str] = deque(maxlen=200)
+
+        def on_line(node: int, line: str) -> None:
+            event = _parse_event(line)
+            if event is None:
+                tail.append(f"[n{node}] {line}" if where.cluster else line)
+            elif on_event is not None and node == 0:
+                on_event(event)
+
+        if where.cluster is not None:
+            returncode = _run_on_cluster(where.cluster, module_argv, env=child_env, on_line=on_line)
+        else:
+            returncode = _run_local(torchrun_command(where, module_argv), env=child_env, on_line=on_line)
+        if returncode != 0:
+            message, bad_input = _failure_message(work_dir / "errors", list(tail), returncode)
+            raise (PlannerError if bad_input else RunFailed)(message)
+        result = work_dir / "result.json"
+        return read_json_file(result, what=f"{module} result") if result.exists() else None
+
+
+def _run_local(cmd: list[str], *, env: dict[str, str], on_line: Callable[[int, str], None]) -> int:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **env}, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            on_line(0, line.rstrip("\n"))
+        return proc.wait()
+    finally:
+        if proc.poll() is None:
+            _kill_group(proc)
+
+
+def _run_on_cluster(prefix: str, module_argv: list[str], *, env: dict[str, str],
+                    on_line: Callable[[int, str], None]) -> int:
+    from runners import netns_cluster as nc
+
+    state = nc.load_state(prefix)
+    argv = [nc.torchrun_argv(state, node, module_argv) for node in range(state.num_nodes)]
+    return nc.launch_on_cluster(state, argv, env=env, on_line=on_line)
+
+
+def _failure_message(error_dir: Path, tail: list[str], returncode: int) -> tuple[str, bool]:
     """(message naming the failed rank, whether it was bad input)."""
     reports = []
     for path in sorted(error_dir.glob("rank*.json")):
@@ -51,7 +218,7 @@ def _failure_message(error_dir: Path, stderr_tail: list[str], returncode: int) -
         if first.get("bad_input"):
             return first["error"], True
         return f"rank {first['rank']} failed: {first['error']}", False
-    text = "\n".join(stderr_tail)
+    text = "\n".join(tail)
     # torchrun's summary lists the root cause (first observed failure) after the other failures, which
     # are usually the ranks its agent then stopped with SIGTERM.
     text = text[text.rfind("Root Cause"):] if "Root Cause" in text else text
@@ -60,58 +227,7 @@ def _failure_message(error_dir: Path, stderr_tail: list[str], returncode: int) -
         code = int(match.group(2))
         how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
         return f"rank {match.group(1)} failed ({how})", False
-    return f"the run failed (exit code {returncode}); last output:\n" + "\n".join(stderr_tail[-15:]), False
-
-
-def launch(cfg: RunConfig, *, nproc: int, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None,
-           on_step=None, env: dict | None = None, max_restarts: int = 0) -> dict | None:
-    """Run `cfg` under torchrun; returns the metrics (None on nodes other than node 0 of several).
-
-    With max_restarts > 0 torchrun restarts every worker after a failure (up to that many times) and the
-    workers resume from the newest checkpoint in cfg.checkpoint_dir."""
-    with tempfile.TemporaryDirectory(prefix="planner-run-") as tmp:
-        tmp_path = Path(tmp)
-        config_path, metrics_path, error_dir = tmp_path / "run.json", tmp_path / "metrics.json", tmp_path / "errors"
-        error_dir.mkdir()
-        write_json_atomic(config_path, cfg.to_dict())
-        cmd = torchrun_command(nproc=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
-                               run_args=["--config", str(config_path), "--metrics-out", str(metrics_path),
-                                         "--error-dir", str(error_dir)], max_restarts=max_restarts)
-        child_env = {**os.environ, **(env or {})}
-        child_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, nproc))))
-        child_env["PYTHONUNBUFFERED"] = "1"
-        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
-                                                               child_env.get("PYTHONPATH")]))
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env,
-                                start_new_session=True)
-        tail: deque[str] = deque(maxlen=200)
-        try:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                line = line.rstrip("\n")
-                if line.startswith(STEP_PREFIX):
-                    if on_step is not None:
-                        on_step(json.loads(line[len(STEP_PREFIX):]))
-                else:
-                    tail.append(line)
-            returncode = proc.wait()
-        except KeyboardInterrupt:
-            _kill_group(proc)
-            raise
-        finally:
-            if proc.poll() is None:
-                _kill_group(proc)
-        return _outcome(returncode, error_dir=error_dir, tail=list(tail), metrics_path=metrics_path)
-
-
-def _outcome(returncode: int, *, error_dir: Path, tail: list[str], metrics_path: Path) -> dict | None:
-    """The run's metrics (None where this node wrote none), or the failure raised naming the rank."""
-    if returncode != 0:
-        message, bad_input = _failure_message(error_dir, tail, returncode)
-        raise (PlannerError if bad_input else RunFailed)(message)
-    if not metrics_path.exists():
-        return None
-    return read_json_file(metrics_path, what="metrics")
+    return f"the run failed (exit code {returncode}); last output:\n" + "\n".join(tail[-15:]), False
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -128,41 +244,16 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def cluster_worker_env(world: int) -> dict[str, str]:
-    """What every worker on the emulated cluster's nodes needs beside node_env: this host's cores split
-    over all `world` ranks (the nodes share them), unbuffered output, and this checkout importable."""
-    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world)), "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
-                                                       os.environ.get("PYTHONPATH")]))}
+# --- training runs ----------------------------------------------------------------------------------
+def launch(cfg, *, where: Where, on_step: Callable[[dict], None] | None = None, env: dict[str, str] | None = None):
+    """Train `cfg` (runners.config.RunConfig) on `where`; returns its RunMetrics (None on nodes other
+    than node 0 of several). With where.max_restarts > 0 torchrun restarts every worker after a failure
+    (up to that many times) and the workers resume from the newest checkpoint in cfg.checkpoint_dir."""
+    from runners.config import RunMetrics
 
+    def on_event(event: dict) -> None:
+        if event.get("kind") == "step" and on_step is not None:
+            on_step(event)
 
-def launch_on_emulated_cluster(cfg: RunConfig, *, prefix: str, on_step=None) -> dict | None:
-    """Run `cfg` across the nodes of an emulated cluster (`planner cluster up --prefix`): one torchrun per
-    network namespace, rendezvousing on node 0, exactly as on real nodes; returns the metrics.
-
-    The namespaces share this machine's file system, so the config, metrics and error files live in one
-    temporary directory every node sees. A failed rank is named as by `launch`."""
-    from runners import netns_cluster as nc
-
-    state = nc.load_state(prefix)
-    world = state.num_nodes * state.procs_per_node
-    with tempfile.TemporaryDirectory(prefix="planner-run-") as tmp:
-        tmp_path = Path(tmp)
-        config_path, metrics_path, error_dir = tmp_path / "run.json", tmp_path / "metrics.json", tmp_path / "errors"
-        error_dir.mkdir()
-        write_json_atomic(config_path, cfg.to_dict())
-        module_argv = ["-m", "runners.train", "--config", str(config_path), "--metrics-out", str(metrics_path),
-                       "--error-dir", str(error_dir)]
-        argv = [nc.torchrun_argv(state, node, module_argv) for node in range(state.num_nodes)]
-        env = cluster_worker_env(world)
-        tail: deque[str] = deque(maxlen=200)
-
-        def on_line(node: int, line: str) -> None:
-            if line.startswith(STEP_PREFIX):
-                if on_step is not None and node == 0:
-                    on_step(json.loads(line[len(STEP_PREFIX):]))
-            else:
-                tail.append(f"[n{node}] {line}")
-
-        returncode = nc.launch_on_cluster(state, argv, env=env, on_line=on_line)
-        return _outcome(returncode, error_dir=error_dir, tail=list(tail), metrics_path=metrics_path)
+    result = run_workers("runners.train", cfg.to_dict(), where=where, on_event=on_event, env=env)
+    return None if result is None else RunMetrics.from_dict(result)

@@ -1,10 +1,10 @@
 """The device mesh: one process's coordinates and process groups under a plan.
 
 Ranks follow Megatron-LM's order, tensor parallel innermost, then data parallel, then pipeline:
-rank = (pp_rank * dp + dp_rank) * tp + tp_rank (Narayanan et al., SC'21, and planner/cluster.py), so a
+rank = (pp_rank * dp + dp_rank) * tp + tp_rank (Narayanan et al., SC'21, and specs/cluster.py), so a
 TP group is `tp` consecutive ranks and stays inside a node whenever tp <= ranks_per_node.
 
-The data-parallel sharding groups (runners/sharding.py) are built from *consecutive* DP positions, so a
+The data-parallel sharding groups (runners/sharding/) are built from *consecutive* DP positions, so a
 group fills a node before it spans nodes. For DP position q and degrees s_p | s_g | s_os | dp:
 - param group: the s_p positions that together hold a unit's parameters (all-gather before use);
 - grad group: the s_g positions that reduce-scatter a unit's gradient;
@@ -54,10 +54,6 @@ class Mesh:
     @property
     def dp_group(self):
         return self.groups["dp"]
-
-    @property
-    def pp_group(self):
-        return self.groups["pp"]
 
     @property
     def param_group(self):

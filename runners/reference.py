@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from runners.data import make_data
-from runners.model import build_chunk
+from runners.transformer import build_chunk
 from runners.tensor_parallel import TPContext
 
 

@@ -110,10 +110,6 @@ def copy_to_tp(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
     return x if tp.size == 1 else _CopyToTP.apply(x, tp)
 
 
-def reduce_from_tp(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
-    return x if tp.size == 1 else _ReduceFromTP.apply(x, tp)
-
-
 def enter_tp_region(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
     """Before a column-parallel GEMM: f, or the sequence all-gather under sequence parallelism."""
     if tp.size == 1:

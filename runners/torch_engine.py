@@ -2,7 +2,7 @@
 
     planner run --engine torch ...        (or RunConfig(engine="torch") under runners.train)
 
-Same model code (runners/model.py, seeded by parameter name), same data, same loss (the head scales the
+Same model code (runners/transformer.py, seeded by parameter name), same data, same loss (the head scales the
 summed cross entropy by 1 / tokens in the global batch), same Adam (torch.optim.Adam, betas (0.9, 0.999),
 eps 1e-8); only the engine differs. The mapping, and how each point differs from ours:
 
@@ -185,7 +185,7 @@ def fully_shard_units(root: nn.Module, groups: list[list[nn.Module]], *, mesh, r
             module.set_force_sum_reduction_for_comms(True)
 
 
-def TorchTrainer(cfg, *, device: torch.device):  # noqa: N802 (the trainer class name train() imports)
+def make_torch_trainer(cfg, *, device: torch.device):
     """The trainer for `cfg.plan` on torch's components: a pipeline or a data-parallel one."""
     if torch_strategy(cfg.plan) == "pipeline":
         return TorchPipelineTrainer(cfg, device=device)
@@ -199,11 +199,11 @@ class TorchDataParallelTrainer:
 
     def __init__(self, cfg, *, device: torch.device) -> None:
         from runners.tensor_parallel import TPContext
-        from runners.train import build_local_chunks, compute_dtype
+        from runners.transformer import build_local_chunks, compute_dtype
 
         self.cfg, self.plan, self.device = cfg, cfg.plan, device
         self.strategy = torch_strategy(self.plan)
-        self.dtype = compute_dtype(cfg)
+        self.dtype = compute_dtype(cfg.job.precision)
         if self.strategy in ("ddp", "zero1", "tp") and self.dtype != torch.float32:
             raise PlannerError(f"--engine torch runs {cfg.job.precision} only with sharded parameters or gradients "
                                f"(FSDP2's mixed precision); {self.strategy} needs precision fp32")
@@ -347,7 +347,7 @@ class _Stage(nn.Module):
     its local shard, and a later stage re-wraps its input as Shard(0) under sequence parallelism."""
 
     def __init__(self, chunk: nn.Module, *, first: bool, tp_mesh=None, sequence_parallel: bool = False) -> None:
-        from runners.model import LMHead
+        from runners.transformer import LMHead
         from runners.torch_tp import TorchHead
 
         super().__init__()
@@ -394,14 +394,14 @@ class TorchPipelineTrainer:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         from runners.tensor_parallel import TPContext
-        from runners.train import build_local_chunks, compute_dtype
+        from runners.transformer import build_local_chunks, compute_dtype
 
         self.cfg, self.plan, self.device = cfg, cfg.plan, device
         plan = self.plan
         if cfg.model.tied_embeddings:
             raise PlannerError("--engine torch cannot pipeline a model with tied embeddings (torch's schedules do "
                                "not sum the first and last stages' copies); use pp 1 or an untied model")
-        if compute_dtype(cfg) != torch.float32:
+        if compute_dtype(cfg.job.precision) != torch.float32:
             raise PlannerError(f"--engine torch runs pipelines in fp32 only (no fp32 master weights without FSDP); "
                                f"got precision {cfg.job.precision}")
         ranks_per_node = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from runners.model import MLP, Attention, Block, Chunk, Embedding, LMHead, Norm, Positions, _rope
+from runners.transformer import MLP, Attention, Block, Chunk, Embedding, LMHead, Norm, Positions, _rope
 
 
 def _linear(weight: nn.Parameter, bias: nn.Parameter | None) -> nn.Linear:

@@ -1,88 +1,27 @@
-"""One training process: build the plan's mesh, chunks and engine, and train.
+"""One training process: build the plan's mesh, chunks and engine, and train; the one step loop.
 
-    python -m torch.distributed.run --nproc-per-node 4 -m runners.train --config run.json
+    python -m torch.distributed.run --nproc-per-node 4 -m runners.train --work-dir DIR   (DIR/spec.json: a RunConfig)
 
-`planner run` writes run.json and launches this under torchrun (runners/launch.py); under an existing
-torchrun or scheduler, run the module directly. Rank 0 prints one `PLANNER_STEP {json}` line per step
-(the launcher's progress bar reads them) and writes the metrics JSON.
+`planner run` launches this through runners/launch.py; under an existing torchrun or scheduler,
+`planner run` calls `train` in the process itself. Rank 0 emits one `step` event per step (the
+launcher's progress bar reads them) and returns the RunMetrics the launcher reads back.
+`timed_step` is the step every measurement reuses (this loop, runners/timing.py's batched timing).
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import datetime
-import json
 import os
 import statistics
-import sys
 import time
-import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from runners.config import RunConfig, RunMetrics, RunSummary, StepRecord
 from specs.errors import PlannerError
-from specs.job import Job
-from specs.jsonio import dataclass_from_dict, read_json_file, write_json_atomic
-from specs.model import ModelSpec
-from specs.plan import Plan, check_plan
-
-STEP_PREFIX = "PLANNER_STEP "
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """Everything one run needs besides the processes: the plan and inputs, and how long to train."""
-
-    plan: Plan
-    model: ModelSpec
-    job: Job
-    steps: int = 10
-    seed: int = 0
-    lr: float = 1e-3
-    data: str | None = None
-    ranks_per_node: int = 0  # 0: all local ranks form one node
-    engine: str = "ours"
-    hardware: str = "cpu"
-    timeout_s: float = 300.0
-    # Checkpoints (runners/checkpoint.py): every N steps (0: only at the end) into checkpoint_dir, keeping
-    # the newest checkpoint_keep; resume continues from the newest (as does any torchrun restart).
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    checkpoint_keep: int = 2
-    resume: bool = False
-
-    def __post_init__(self) -> None:
-        if self.steps < 1:
-            raise ValueError(f"steps must be at least 1, got {self.steps}")
-        if self.engine not in ("ours", "torch"):
-            raise ValueError(f"engine must be ours or torch, got {self.engine!r}")
-        if not 0 < self.lr < float("inf"):
-            raise ValueError(f"lr must be a positive finite number, got {self.lr}")
-        if self.ranks_per_node < 0 or self.seed < 0:
-            raise ValueError(f"ranks_per_node and seed must be non-negative, got {self.ranks_per_node} and {self.seed}")
-        if not self.timeout_s > 0 or self.timeout_s == float("inf"):
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {self.timeout_s}")
-        if self.checkpoint_every < 0 or self.checkpoint_keep < 1:
-            raise ValueError(f"checkpoint_every must be >= 0 and checkpoint_keep >= 1, got {self.checkpoint_every} "
-                             f"and {self.checkpoint_keep}")
-        if (self.checkpoint_dir or self.resume) and self.engine != "ours":
-            raise ValueError("checkpoints are implemented for --engine ours only")
-        if self.resume and not self.checkpoint_dir:
-            raise ValueError("resume needs a checkpoint_dir")
-
-    def to_dict(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        out.update(plan=self.plan.to_dict(), model=self.model.to_dict(), job=self.job.to_dict())
-        return out
-
-    @classmethod
-    def from_dict(cls, data: object, *, what: str = "run config") -> "RunConfig":
-        """Any JSON value gives a RunConfig or a PlannerError naming the bad key (types checked)."""
-        return dataclass_from_dict(cls, data, what=what)
+from specs.plan import check_plan
 
 
 # --- memory ---------------------------------------------------------------------------------------------
@@ -105,26 +44,6 @@ def peak_memory_bytes(device: torch.device) -> int:
     return 0
 
 
-# --- model assembly ---------------------------------------------------------------------------------------
-def build_local_chunks(cfg: RunConfig, *, pp_rank: int, tp, device: torch.device):
-    """The chunks this pipeline rank holds, in local order (chunk c = j * pp + pp_rank)."""
-    from runners.model import build_chunk, check_tp_shapes
-
-    plan, spec = cfg.plan, cfg.model
-    check_tp_shapes(spec, plan.tp)
-    ranges = plan.chunk_layer_ranges(spec.num_layers)
-    recompute = list(plan.recompute_layers) if plan.recompute_layers is not None else plan.recompute
-    loss_scale = 1.0 / (cfg.job.global_batch * cfg.job.seq_len)
-    chunk_ids = [j * plan.pp + pp_rank for j in range(plan.virtual_stages)]
-    chunks = [build_chunk(spec, layers=ranges[c], first=c == 0, last=c == plan.num_chunks - 1, seed=cfg.seed,
-                          tp=tp, recompute=recompute, loss_scale=loss_scale).to(device) for c in chunk_ids]
-    return chunk_ids, chunks
-
-
-def compute_dtype(cfg: RunConfig) -> torch.dtype:
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.job.precision]
-
-
 # --- the step loop ----------------------------------------------------------------------------------------
 class Trainer:
     """Our engine: mesh, chunks, sharding engine, pipeline executor."""
@@ -133,6 +52,7 @@ class Trainer:
         from runners.comm import Comm
         from runners.mesh import build_mesh
         from runners.sharding import ShardedDataParallel
+        from runners.transformer import build_local_chunks, canonical_names, compute_dtype
         from runners.tensor_parallel import TPContext
 
         self.cfg, self.plan, self.device = cfg, cfg.plan, device
@@ -143,12 +63,11 @@ class Trainer:
         tp = TPContext(group=self.mesh.tp_group, rank=self.mesh.tp_rank, size=self.plan.tp, comm=self.comm,
                        sequence_parallel=self.plan.sequence_parallel)
         self.chunk_ids, self.chunks = build_local_chunks(cfg, pp_rank=self.mesh.pp_rank, tp=tp, device=device)
-        from runners.model import canonical_names
         self.names = canonical_names(self.chunks, self.chunk_ids)
         self.engine = ShardedDataParallel(self.chunks, plan=self.plan, mesh=self.mesh, comm=self.comm,
                                           num_micro_batches=self.plan.num_micro_batches, lr=cfg.lr,
                                           defer_grad_sync=self.plan.commshift and self.plan.pp > 1,
-                                          param_dtype=compute_dtype(cfg))  # bf16/fp16: 2-byte params and grads
+                                          param_dtype=compute_dtype(cfg.job.precision))  # bf16/fp16: 2-byte params and grads
         self.holds_loss = self.chunk_ids[-1] == self.plan.num_chunks - 1 and self.mesh.tp_rank == 0
         self.tied_units, self.tied_group = self._tied_embedding_units()
 
@@ -158,7 +77,7 @@ class Trainer:
         Megatron's embedding group does. Every rank creates every such group, in the same order."""
         if not self.cfg.model.tied_embeddings:
             return [], None
-        from runners.model import Embedding, LMHead
+        from runners.transformer import Embedding, LMHead
 
         units = [u for chunk in self.chunks for u in chunk.units if isinstance(u, (Embedding, LMHead))]
         group = None
@@ -228,95 +147,91 @@ class Trainer:
         return merged
 
 
-def train(cfg: RunConfig, *, device: torch.device, on_step=None):
+def timed_step(trainer, sequences: torch.Tensor, *, device: torch.device, barrier: bool = False) -> StepRecord:
+    """One optimizer step on this rank's share of the global batch `sequences` [B, S + 1]: the summed loss
+    over ranks and the slowest rank's wall time (every rank gets the same record; step index 0)."""
+    from runners.data import rank_micro_batches
+
+    plan = trainer.plan
+    micro_batches = rank_micro_batches(sequences, dp=plan.dp, dp_rank=trainer.mesh.dp_rank,
+                                       micro_batch=plan.micro_batch, device=device)
+    if barrier:  # start every rank together, so the slowest rank's time is the step's own
+        dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    contribution = trainer.step(micro_batches)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - start
+    # On the device: an NCCL-only group has no CPU backend.
+    loss = torch.tensor([contribution], dtype=torch.float64, device=device)
+    seconds = torch.tensor([elapsed], dtype=torch.float64, device=device)
+    dist.all_reduce(loss)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return StepRecord(step=0, loss=loss.item(), step_time_s=seconds.item())
+
+
+def make_trainer(cfg: RunConfig, *, device: torch.device):
+    """Our engine's Trainer, or torch's (runners/torch_engine.py) for engine "torch"."""
+    if cfg.engine == "ours":
+        return Trainer(cfg, device=device)
+    from runners.torch_engine import make_torch_trainer
+
+    return make_torch_trainer(cfg, device=device)
+
+
+def train(cfg: RunConfig, *, device: torch.device, on_step=None) -> tuple[RunMetrics, object]:
     """Train `cfg.steps` steps in the current process group; returns (metrics, trainer), the metrics the
     same on every rank."""
-    from runners.data import make_data, rank_micro_batches
+    from runners.data import make_data
     from runners.faults import post_progress
 
-    plan, job = cfg.plan, cfg.job
-    trainer = Trainer(cfg, device=device) if cfg.engine == "ours" else _torch_trainer(cfg, device)
-    data = make_data(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=job.seq_len, seed=cfg.seed)
+    trainer = make_trainer(cfg, device=device)
+    data = make_data(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.job.seq_len, seed=cfg.seed)
     start_step = 0
     if cfg.checkpoint_dir:
         from runners import checkpoint
 
         start_step = checkpoint.maybe_restore(trainer, cfg)
-    steps, step_times = [], []
+    records: list[StepRecord] = []
     for step in range(start_step, cfg.steps):
         post_progress(step)  # lets a rank whose collective times out name the rank that stopped
         if step == start_step + 1 or start_step == cfg.steps - 1:
             reset_peak_memory(device)  # the first step allocates lazily; measure the steady state
             trainer.comm.counters.reset()
-        micro_batches = rank_micro_batches(data.global_batch(step, job.global_batch), dp=plan.dp,
-                                           dp_rank=trainer.mesh.dp_rank, micro_batch=plan.micro_batch, device=device)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        contribution = trainer.step(micro_batches)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        elapsed = time.perf_counter() - start
-        stats = torch.tensor([contribution, elapsed], dtype=torch.float64)
-        dist.all_reduce(stats[:1])
-        dist.all_reduce(stats[1:], op=dist.ReduceOp.MAX)
-        record = {"step": step, "loss": stats[0].item(), "step_time_s": stats[1].item()}
-        steps.append(record)
-        step_times.append(record["step_time_s"])
+        record = timed_step(trainer, data.global_batch(step, cfg.job.global_batch), device=device)
+        record = StepRecord(step=step, loss=record.loss, step_time_s=record.step_time_s)
+        records.append(record)
         if cfg.checkpoint_dir and checkpoint.save_due(cfg, step=step + 1):
             # Before the step is reported: a launcher that has seen step k knows checkpoint k is complete.
             checkpoint.save_checkpoint(trainer, cfg, step=step + 1, keep=cfg.checkpoint_keep)
         if on_step is not None:
             on_step(record)
-    return _summary(cfg, trainer, steps, step_times, device), trainer
+    return RunMetrics(plan=cfg.plan, steps=tuple(records), summary=_summary(cfg, trainer, records, device),
+                      predicted=cfg.predicted), trainer
 
 
-def _summary(cfg: RunConfig, trainer, steps: list[dict], step_times: list[float], device) -> dict:
+def _summary(cfg: RunConfig, trainer, records: list[StepRecord], device) -> RunSummary:
+    step_times = [r.step_time_s for r in records]
     measured = step_times[1:] if len(step_times) > 1 else step_times
     median = statistics.median(measured)
     counters = trainer.comm.counters
-    totals = torch.tensor([float(v) for v in counters.snapshot().values()] + [counters.wait_s, peak_memory_bytes(device)],
-                          dtype=torch.float64)
-    peak = totals[-1:].clone()
-    dist.all_reduce(totals[:-1])
+    keys = list(counters.snapshot().keys())
+    totals = torch.tensor([float(v) for v in counters.snapshot().values()] + [counters.wait_s],
+                          dtype=torch.float64, device=device)
+    peak = torch.tensor([float(peak_memory_bytes(device))], dtype=torch.float64, device=device)
+    dist.all_reduce(totals)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     world = dist.get_world_size()
-    keys = list(counters.snapshot().keys())
+    totals_list = totals.tolist()
     num_measured = len(measured)
-    summary = {
-        "median_step_time_s": median,
-        "tokens_per_s": cfg.job.global_batch * cfg.job.seq_len / median,
-        "peak_memory_bytes": int(peak.item()),
-        # Bytes per step summed over all ranks, and seconds per step blocked on communication per rank.
-        "comm_bytes": {k: int(totals[i].item() / num_measured) for i, k in enumerate(keys)},
-        "comm_wait_s": totals[len(keys)].item() / num_measured / world,
-        "world_size": world,
-        "device": device.type,
-        "engine": cfg.engine,
-        # False under --engine torch: torch's collectives bypass runners.comm, so comm_bytes stay zero.
-        "comm_counted": getattr(trainer, "comm_counted", True),
-    }
-    return {"plan": cfg.plan.to_dict(), "steps": steps, "summary": summary, "predicted": predicted(cfg, world)}
-
-
-def predicted(cfg: RunConfig, world: int) -> dict | None:
-    """The cost model's estimate of the same plan on the hardware named in the config."""
-    try:
-        from cost_models.estimate import estimate
-        from specs.cluster import make_cluster
-        from specs.hardware import resolve_hardware
-    except ImportError:
-        return None
-    hardware = resolve_hardware(cfg.hardware)
-    per_node = cfg.ranks_per_node or world
-    cluster = make_cluster(hardware=hardware, num_devices=world, devices_per_node=per_node)
-    return estimate(cfg.plan, model=cfg.model, cluster=cluster, job=cfg.job).to_dict()
-
-
-def _torch_trainer(cfg: RunConfig, device):
-    from runners.torch_engine import TorchTrainer
-
-    return TorchTrainer(cfg, device=device)
+    return RunSummary(
+        median_step_time_s=median, tokens_per_s=cfg.job.global_batch * cfg.job.seq_len / median,
+        peak_memory_bytes=int(peak.item()),
+        comm_bytes={k: int(totals_list[i] / num_measured) for i, k in enumerate(keys)},
+        comm_wait_s=totals_list[len(keys)] / num_measured / world, world_size=world, device=device.type,
+        engine=cfg.engine, comm_counted=getattr(trainer, "comm_counted", True))
 
 
 # --- process entry ----------------------------------------------------------------------------------------
@@ -328,51 +243,44 @@ def pick_device() -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
-def _write_error(error_dir: str | None, rank: int, message: str, *, bad_input: bool) -> None:
-    if error_dir:
-        write_json_atomic(Path(error_dir) / f"rank{rank}.json", {"rank": rank, "error": message, "bad_input": bad_input})
+def run_task(spec: dict) -> RunMetrics | dict | None:
+    """The worker task (runners.launch.worker_main): train the RunConfig `spec` on this rank, or each of
+    `spec["runs"]` in turn in one process group (benchmarks that interleave plans); rank 0 returns the
+    RunMetrics, or {"runs": [RunMetrics, ...]}."""
+    from runners.faults import init_distributed
+    from runners.launch import emit_event
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="runners.train")
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--metrics-out")
-    parser.add_argument("--error-dir")
-    args = parser.parse_args(argv)
-    rank = int(os.environ.get("RANK", 0))
-    try:
-        cfg = RunConfig.from_dict(read_json_file(args.config, what="run config"))
-        world = int(os.environ.get("WORLD_SIZE", 1))
+    series = "runs" in spec if isinstance(spec, dict) else False
+    cfgs = [RunConfig.from_dict(c, what=f"run config {i}") for i, c in enumerate(spec["runs"])] if series else \
+        [RunConfig.from_dict(spec)]
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    for cfg in cfgs:
         if world != cfg.plan.world_size:
             raise PlannerError(f"the plan needs dp x tp x pp = {cfg.plan.world_size} processes, but {world} were launched")
         check_plan(cfg.plan, model=cfg.model, num_devices=world, job=cfg.job)
-        device, backend = pick_device()
+    device, backend = pick_device()
+    init_distributed(backend, timeout_s=max(c.timeout_s for c in cfgs))
+    rank = dist.get_rank()
+
+    def on_step(record: StepRecord) -> None:
+        if rank == 0:
+            emit_event("step", step=record.step, loss=record.loss, step_time_s=record.step_time_s)
+
+    results = []
+    for cfg in cfgs:
         torch.manual_seed(cfg.seed)
-        from runners.faults import die_with_parent, init_distributed
-
-        die_with_parent()
-        init_distributed(backend, timeout_s=cfg.timeout_s)
-
-        def on_step(record: dict) -> None:
-            if rank == 0:
-                print(STEP_PREFIX + json.dumps(record), flush=True)
-
-        metrics, _ = train(cfg, device=device, on_step=on_step)
-        if rank == 0 and args.metrics_out:
-            write_json_atomic(args.metrics_out, metrics)
-        dist.destroy_process_group()
-        return 0
-    except (PlannerError, ValueError) as exc:
-        _write_error(args.error_dir, rank, str(exc), bad_input=True)
-        print(f"rank {rank}: error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    except Exception as exc:  # reported by the launcher with the rank's name
-        from runners.faults import describe_failure
-
-        _write_error(args.error_dir, rank, describe_failure(exc), bad_input=False)
-        traceback.print_exc()
-        return 1
+        metrics, trainer = train(cfg, device=device, on_step=on_step)
+        del trainer
+        results.append(metrics)
+    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    return {"runs": [m.to_dict() for m in results]} if series else results[0]
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import sys
+
+    from runners.launch import worker_main
+
+    sys.exit(worker_main(run_task))

@@ -38,11 +38,6 @@ class Cluster:
             return "intra_node"
         return "intra_node" if size * stride <= self.devices_per_node else "inter_node"
 
-    def nodes_spanned(self, *, size: int, stride: int) -> int:
-        """How many nodes a group of `size` ranks spaced `stride` apart touches."""
-        span = (size - 1) * stride + 1
-        return max(1, -(-span // self.devices_per_node)) if size > 1 else 1
-
     def ranks_per_node_in_group(self, *, size: int, stride: int) -> int:
         """Members of the group that share one node (the intra-node factor of the group)."""
         if stride >= self.devices_per_node:

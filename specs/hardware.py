@@ -72,7 +72,7 @@ class GemmPoint:
 
 @dataclass(frozen=True)
 class LayerProbePoint:
-    """One transformer layer timed on every rank at once (profilers/layer_probe.py): the slowest rank's
+    """One transformer layer timed on every rank at once (runners/probe.py): the slowest rank's
     mean forward and forward+backward seconds at this micro-batch and sequence length."""
 
     micro_batch: int
@@ -115,7 +115,7 @@ class Hardware:
     # The layer probe's raw points; on CPU `planner profile` fits op_overhead_s and compute_time_scale
     # from them into `calibration`.
     layer_probe: tuple[LayerProbePoint, ...] = ()
-    # The overlap probe (profilers/layer_probe.measure_overlap): compute_s, comm_s, both_s, efficiency.
+    # The overlap probe (runners/probe.measure_overlap): compute_s, comm_s, both_s, efficiency.
     overlap_probe: dict[str, float] = field(default_factory=dict)
     # Measured training runs the calibration was last fitted to (`planner calibrate`, `planner tune`);
     # 0: only the profile's own probes.
@@ -146,6 +146,19 @@ class Hardware:
                 raise ValueError(f"{name} must be a non-negative finite number, got {value}")
         if self.host_memory_bytes < 0:
             raise ValueError(f"host_memory_bytes must be non-negative, got {self.host_memory_bytes}")
+
+    def mismatch(self, *, device_type: str, device_name: str | None = None) -> str | None:
+        """Why this measured profile does not describe the devices a run uses (another device type or
+        model), or None; datasheet presets are hypothetical by design and never mismatch."""
+        if self.source != "profile":
+            return None
+        if self.device_type != device_type:
+            return (f"hardware profile was measured on {self.device_type} ({self.device_name}) but the run "
+                    f"uses {device_type}; its numbers will not match")
+        if device_name is not None and device_name != self.device_name:
+            return (f"hardware profile was measured on {self.device_name!r} but the run uses {device_name!r}; "
+                    f"re-run `planner profile` there")
+        return None
 
     def link(self, link_class: str) -> LinkSpec:
         return self.intra_node if link_class == "intra_node" else self.inter_node

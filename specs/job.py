@@ -37,11 +37,6 @@ class Job:
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len
 
-    @property
-    def bytes_per_param_compute(self) -> int:
-        """Bytes of one parameter (or gradient) in the compute dtype."""
-        return 4 if self.precision == "fp32" else 2
-
     def to_dict(self) -> dict:
         return dataclass_to_dict(self)
 

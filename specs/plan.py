@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from specs.errors import PlannerError
 from specs.jsonio import dataclass_from_dict, dataclass_to_dict
+from specs.knobs import CUSTOM, check_knob, knob, knob_fields
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 RECOMPUTE = ("none", "selective", "full")
@@ -34,65 +35,85 @@ def zero_degrees(level: int, dp: int) -> tuple[int, int, int]:
     return table[level]
 
 
+MIB = 1024 * 1024
+BUCKET_MB_CHOICES = (1, 5, 25, 100, 400)
+MAX_PREFETCH_DEPTH = 4
+
+
 @dataclass(frozen=True)
 class Plan:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    virtual_stages: int = 1
-    micro_batch: int = 1
-    num_micro_batches: int = 1
-    schedule: str = "1f1b"
-    recompute: str = "none"
+    """How one job is parallelised. Each field is a knob declared once with its Knob (specs/knobs.py):
+    the CLI, the checks, the tuning space and the exporters read it from here."""
+
+    dp: int = knob(1, help="Data-parallel degree (default: the devices tp x pp leave).", minimum=1,
+                   exports={"megatron": CUSTOM, "torchtitan": CUSTOM, "deepspeed": CUSTOM})
+    tp: int = knob(1, help="Tensor-parallel degree (Megatron column/row-parallel layers, vocab-parallel loss).",
+                   minimum=1, exports={"megatron": CUSTOM, "torchtitan": CUSTOM, "deepspeed": CUSTOM})
+    pp: int = knob(1, help="Pipeline-parallel degree.", minimum=1,
+                   exports={"megatron": CUSTOM, "torchtitan": CUSTOM, "deepspeed": CUSTOM})
+    virtual_stages: int = knob(1, help="Model chunks per pipeline rank (interleaved 1F1B).", minimum=1,
+                               exports={"megatron": CUSTOM, "torchtitan": CUSTOM, "deepspeed": CUSTOM})
+    micro_batch: int = knob(1, help="Sequences per micro-batch.", minimum=1,
+                            exports={"megatron": CUSTOM, "torchtitan": CUSTOM, "deepspeed": CUSTOM})
+    # Derived from the global batch on the command line.
+    num_micro_batches: int = knob(1, help="Micro-batches per step on each DP replica.", minimum=1, cli=False,
+                                  exports={"megatron": CUSTOM, "torchtitan": CUSTOM, "deepspeed": CUSTOM})
+    schedule: str = knob("1f1b", help="Pipeline schedule (default: 1f1b, interleaved-1f1b with --virtual-stages).",
+                         choices=SCHEDULES, exports={"megatron": CUSTOM, "torchtitan": CUSTOM, "deepspeed": CUSTOM})
+    recompute: str = knob("none", help="Activation recomputation of every layer.", choices=RECOMPUTE,
+                          exports={"megatron": CUSTOM, "torchtitan": CUSTOM, "deepspeed": CUSTOM})
     # Per-layer recomputation (length num_layers), overriding `recompute` where set (the ILP's output).
-    recompute_layers: tuple[str, ...] | None = None
-    sequence_parallel: bool = False
-    param_shard: int = 1
-    grad_shard: int = 1
-    optim_shard: int = 1
+    recompute_layers: tuple[str, ...] | None = knob(
+        None, help="Recomputation per layer (the search's ILP output), overriding --recompute.", choices=RECOMPUTE,
+        cli=False, exports={"megatron": CUSTOM, "torchtitan": CUSTOM, "deepspeed": CUSTOM})
+    sequence_parallel: bool = knob(False, help="Megatron sequence parallelism (needs tp > 1).",
+                                   tune=(False, True), exports={"megatron": CUSTOM, "torchtitan": CUSTOM})
+    param_shard: int = knob(1, help="DP ranks that shard parameters (Lins' s_p; --zero sets all three).", minimum=1,
+                            exports={"megatron": CUSTOM, "torchtitan": CUSTOM, "deepspeed": CUSTOM})
+    grad_shard: int = knob(1, help="DP ranks that shard gradients (Lins' s_g).", minimum=1,
+                           exports={"megatron": CUSTOM, "torchtitan": CUSTOM, "deepspeed": CUSTOM})
+    optim_shard: int = knob(1, help="DP ranks that shard optimizer states (Lins' s_os).", minimum=1,
+                            exports={"megatron": CUSTOM, "torchtitan": CUSTOM, "deepspeed": CUSTOM})
     # Transformer layers per model chunk, chunk c = v * pp + p on pipeline rank p (Megatron's
     # interleaved order); None splits evenly. The embedding is on chunk 0, the head on the last chunk.
-    stage_layers: tuple[int, ...] | None = None
+    stage_layers: tuple[int, ...] | None = knob(
+        None, help="Layers per pipeline chunk (unequal stages; the search's ILP output).", minimum=1, cli=False,
+        exports={"megatron": CUSTOM, "torchtitan": CUSTOM, "deepspeed": CUSTOM})
     # Overlap: layers whose parameters are gathered ahead of use, and the gradient bucket size.
-    prefetch_depth: int = 1
-    bucket_size_bytes: int = DEFAULT_BUCKET_BYTES
+    prefetch_depth: int = knob(1, help="Layers whose sharded parameters are gathered ahead of use.", minimum=0,
+                               applies=lambda plan: plan.param_shard > 1, needs="sharded parameters (param_shard > 1)",
+                               tune=tuple(range(MAX_PREFETCH_DEPTH + 1)), exports={"deepspeed": CUSTOM})
+    bucket_size_bytes: int = knob(DEFAULT_BUCKET_BYTES, help="Gradient bucket size.", minimum=1,
+                                  flag="--bucket-size-mb", cli_unit=MIB, cli_help_unit="MiB",
+                                  applies=lambda plan: plan.dp > 1, needs="data parallelism (dp > 1)",
+                                  tune=tuple(mb * MIB for mb in BUCKET_MB_CHOICES),
+                                  exports={"megatron": CUSTOM, "deepspeed": CUSTOM})
     # MAZ3: one tier for every layer or one per layer.
-    param_cache: str | tuple[str, ...] = "none"
+    param_cache: str | tuple[str, ...] = knob(
+        "none", help="MAZ3 tier of forward-gathered parameters until backward: none (gather again), device "
+        "(keep), host (copy to host memory), secondary (keep an intra-node shard, ZeRO++ hpZ).",
+        choices=CACHE_TIERS, exports={"deepspeed": CUSTOM})
     # Commshift: issue the DP gradient reduction after the stage's last input-gradient send.
-    commshift: bool = False
+    commshift: bool = knob(False, help="Move the DP gradient reduction of a stage's last micro-batch behind its "
+                           "last input-gradient send (Commshift).", applies=lambda plan: plan.pp > 1 and plan.dp > 1,
+                           needs="both pipeline (pp > 1) and data parallelism (dp > 1)", tune=(False, True))
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "virtual_stages", "micro_batch", "num_micro_batches",
-                     "param_shard", "grad_shard", "optim_shard", "bucket_size_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.prefetch_depth < 0:
-            raise ValueError(f"prefetch_depth must be at least 0, got {self.prefetch_depth}")
+        for spec in PLAN_KNOBS:
+            check_knob(spec, getattr(self, spec.name))
         self._check_schedule()
         self._check_sharding()
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
-        for policy in self.recompute_layers or ():
-            if policy not in RECOMPUTE:
-                raise ValueError(f"recompute_layers entry must be one of {', '.join(RECOMPUTE)}, got {policy!r}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1")
-        if self.stage_layers is not None:
-            if len(self.stage_layers) != self.num_chunks:
-                raise ValueError(f"stage_layers has {len(self.stage_layers)} entries, but pp x virtual_stages "
-                                 f"= {self.pp} x {self.virtual_stages} = {self.num_chunks}")
-            if min(self.stage_layers) < 1:
-                raise ValueError(f"every pipeline stage needs at least one layer, got stage_layers {list(self.stage_layers)}")
+        if self.stage_layers is not None and len(self.stage_layers) != self.num_chunks:
+            raise ValueError(f"stage_layers has {len(self.stage_layers)} entries, but pp x virtual_stages "
+                             f"= {self.pp} x {self.virtual_stages} = {self.num_chunks}")
         tiers = (self.param_cache,) if isinstance(self.param_cache, str) else self.param_cache
-        for tier in tiers:
-            if tier not in CACHE_TIERS:
-                raise ValueError(f"param_cache must be one of {', '.join(CACHE_TIERS)}, got {tier!r}")
         if any(t != "none" for t in tiers) and self.param_shard == 1:
             raise ValueError("param_cache needs sharded parameters (param_shard > 1)")
-        if self.commshift and (self.pp == 1 or self.dp == 1):
-            warnings.warn("commshift has no effect without both pipeline (pp > 1) and data parallelism (dp > 1)",
-                          stacklevel=3)
+        for spec in PLAN_KNOBS:
+            if spec.knob.applies is not None and getattr(self, spec.name) != spec.default and not spec.knob.applies(self):
+                warnings.warn(f"{spec.name} has no effect without {spec.knob.needs}", stacklevel=3)
 
     def _check_schedule(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -200,6 +221,10 @@ class Plan:
     @classmethod
     def from_dict(cls, data: object, *, what: str = "plan") -> "Plan":
         return dataclass_from_dict(cls, data, what=what)
+
+
+# The knob table: every Plan field with its Knob, in declaration order.
+PLAN_KNOBS = knob_fields(Plan)
 
 
 def check_plan(plan: Plan, *, model, num_devices: int, job) -> None:

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from specs.job import Job
 from specs.model import PRESETS
 from specs.plan import Plan
-from runners.train import RunConfig
+from runners.config import RunConfig
 
 LOSS_TOL = 1e-4
 PARAM_TOL = 1e-3
@@ -101,13 +101,13 @@ def run_plan(cfg: RunConfig) -> tuple[dict, dict[str, torch.Tensor]]:
     return run_plans([cfg])[0]
 
 
-def check_against_reference(cfg: RunConfig, metrics: dict, params: dict[str, torch.Tensor], *,
+def check_against_reference(cfg: RunConfig, metrics, params: dict[str, torch.Tensor], *,
                             check_params: bool = True) -> None:
     """Losses within 1e-4 and parameters within 1e-3 of the one-process reference."""
     from runners.reference import train_reference
 
     ref_losses, ref_params = train_reference(cfg)
-    losses = [s["loss"] for s in metrics["steps"]]
+    losses = metrics.losses
     assert len(losses) == len(ref_losses) == cfg.steps
     worst = max(abs(a - b) for a, b in zip(losses, ref_losses))
     assert worst <= LOSS_TOL, f"{cfg.plan.describe()}: loss differs by {worst:.2e}\n ours {losses}\n ref  {ref_losses}"

@@ -102,12 +102,12 @@ def test_resume_under_another_plan_continues_exactly(name, ckpt_root):
     save_metrics, _, resume_metrics, params = _results[name]
     if name in AGAINST_UNINTERRUPTED:
         whole_metrics, ref_params = _uninterrupted[name]
-        ref_losses = [s["loss"] for s in whole_metrics["steps"]]
+        ref_losses = whole_metrics.losses
     else:
         ref_losses, ref_params = train_reference(dataclasses.replace(resume_cfg, checkpoint_dir=None, resume=False))
-    assert [s["step"] for s in save_metrics["steps"]] == list(range(SAVE_STEPS))
-    assert [s["step"] for s in resume_metrics["steps"]] == list(range(SAVE_STEPS, TOTAL_STEPS))
-    losses = [s["loss"] for s in save_metrics["steps"] + resume_metrics["steps"]]
+    assert [s.step for s in save_metrics.steps] == list(range(SAVE_STEPS))
+    assert [s.step for s in resume_metrics.steps] == list(range(SAVE_STEPS, TOTAL_STEPS))
+    losses = save_metrics.losses + resume_metrics.losses
     worst = max(abs(a - b) for a, b in zip(losses, ref_losses))
     assert worst <= LOSS_TOL, f"{name}: loss differs by {worst:.2e}\n ours {losses}\n ref  {ref_losses}"
     assert set(params) == set(ref_params)

@@ -61,7 +61,7 @@ def _result(name: str) -> tuple[dict, dict]:
 
 def _unit_numels() -> tuple[list[int], list[int | None]]:
     """Padded numel of every unit of the one-chunk tiny model (multiple of s_os = 4) and its layer index."""
-    from runners.model import build_chunk
+    from runners.transformer import build_chunk
     from runners.tensor_parallel import TPContext
 
     spec = PRESETS["tiny"]
@@ -101,7 +101,7 @@ def test_technique_matches_one_process(name):
     ("zero3", ("none",) * 8), ("maz3-device", ("device",) * 8), ("maz3-host", ("host",) * 8),
     ("maz3-secondary", ("secondary",) * 8), ("maz3-mix", MIX)])
 def test_maz3_comm_bytes_follow_the_tiers(name, tiers):
-    got = _result(name)[0]["summary"]["comm_bytes"]
+    got = _result(name)[0].summary.comm_bytes
     want = _expected_bytes(tiers)
     for kind, value in want.items():
         assert got[kind] == value, (name, kind, got[kind], value)
@@ -114,7 +114,7 @@ def test_maz3_device_tier_saves_a_third_of_each_layers_traffic():
     numels, layers = _unit_numels()
     layer_elems = sum(n for n, i in zip(numels, layers) if i is not None)
     per_elem = DP * M * (DP - 1) / DP * FP32  # one gather (or reduce-scatter) of one element, all ranks
-    zero3, device = (_result(n)[0]["summary"]["comm_bytes"] for n in ("zero3", "maz3-device"))
+    zero3, device = (_result(n)[0].summary.comm_bytes for n in ("zero3", "maz3-device"))
     traffic = {name: c["all_gather"] + c["reduce_scatter"] for name, c in (("zero3", zero3), ("device", device))}
     layer_zero3 = 3 * per_elem * layer_elems
     assert traffic["zero3"] - traffic["device"] == layer_zero3 / 3
@@ -124,7 +124,7 @@ def test_maz3_device_tier_saves_a_third_of_each_layers_traffic():
 def test_maz3_secondary_removes_the_backward_gathers_inter_node_share():
     numels, layers = _unit_numels()
     layer_elems = sum(n for n, i in zip(numels, layers) if i is not None)
-    zero3, secondary = (_result(n)[0]["summary"]["comm_bytes"] for n in ("zero3", "maz3-secondary"))
+    zero3, secondary = (_result(n)[0].summary.comm_bytes for n in ("zero3", "maz3-secondary"))
     backward_gather_inter = DP * M * (DP - 1) / DP * FP32 * layer_elems / 2
     assert zero3["inter_node"] - secondary["inter_node"] == backward_gather_inter
     assert secondary["host_device"] == zero3["host_device"] == 0
@@ -136,7 +136,7 @@ def test_lins_redistribution_bytes_unchanged_by_overlap():
     the pair sharing a parameter chunk (issued at the step's end, waited in the next forward)."""
     numels, _ = _unit_numels()
     total = sum(numels)
-    got = _result("lins-2-2-4")[0]["summary"]["comm_bytes"]
+    got = _result("lins-2-2-4")[0].summary.comm_bytes
     gathers = M * 2 * (1 / 2) * total * FP32
     redistribute = (1 / 2) * (total / 2) * FP32
     assert got["all_gather"] == int(DP * (gathers + redistribute))
@@ -165,18 +165,18 @@ def _lins_order(cfg) -> dict:
     trainer = Trainer(cfg, device=torch.device("cpu"))
     engine = trainer.engine
     trainer.step(_step_inputs(trainer, cfg, 0))
-    in_flight_after_step = len(engine._redistributions)
+    in_flight_after_step = len(engine.lins.in_flight)
     awaited: list[int] = []
-    await_bucket = engine._await_redistribution
+    await_bucket = engine.lins.await_unit
 
     def logged(u) -> None:
         if u.redistribution is not None:
             awaited.append(engine.units.index(u))
         await_bucket(u)
 
-    engine._await_redistribution = logged
+    engine.lins.await_unit = logged
     trainer.run_micro_batches(_step_inputs(trainer, cfg, 1))
-    in_flight_after_forward = len(engine._redistributions)
+    in_flight_after_forward = len(engine.lins.in_flight)
     engine.optimizer_step()
     return {"in_flight_after_step": in_flight_after_step, "awaited": awaited,
             "in_flight_after_forward": in_flight_after_forward, "num_units": len(engine.units)}

@@ -73,9 +73,9 @@ def test_torch_engine_matches_one_process(world, name):
     assert torch_strategy(plan) == strategy  # the plan really ran on the torch component named
     metrics, params = _result(world, name)
     check_against_reference(_config(world, name), metrics, params)
-    summary = metrics["summary"]
-    assert summary["engine"] == "torch" and summary["comm_counted"] is False
-    assert all(v == 0 for v in summary["comm_bytes"].values())
+    summary = metrics.summary
+    assert summary.engine == "torch" and summary.comm_counted is False
+    assert all(v == 0 for v in summary.comm_bytes.values())
 
 
 @pytest.mark.parametrize("plan,knob", [
@@ -117,12 +117,12 @@ def _first_step_gradients(rank: int, world_size: int, names: list[str]) -> dict:
     import torch
 
     from runners.data import make_data, rank_micro_batches
-    from runners.torch_engine import TorchTrainer
+    from runners.torch_engine import make_torch_trainer
 
     out = {}
     for name in names:
         cfg = tiny_config(GRADIENT_PLANS[name], engine="torch")
-        trainer = TorchTrainer(cfg, device=torch.device("cpu"))
+        trainer = make_torch_trainer(cfg, device=torch.device("cpu"))
         data = make_data(None, vocab_size=cfg.model.vocab_size, seq_len=cfg.job.seq_len, seed=cfg.seed)
         batches = rank_micro_batches(data.global_batch(0, cfg.job.global_batch), dp=cfg.plan.dp, dp_rank=trainer.mesh.dp_rank,
                                      micro_batch=cfg.plan.micro_batch, device=torch.device("cpu"))
@@ -132,10 +132,9 @@ def _first_step_gradients(rank: int, world_size: int, names: list[str]) -> dict:
 
 
 def _reference_gradients(cfg) -> dict:
-    import torch
 
     from runners.data import make_data
-    from runners.model import build_chunk
+    from runners.transformer import build_chunk
     from runners.tensor_parallel import TPContext
 
     job = cfg.job

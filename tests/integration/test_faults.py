@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from specs.plan import Plan
-from runners.launch import RunFailed, launch
+from runners.launch import EVENT_PREFIX, RunFailed, Where, launch
 from tests.distributed.harness import tiny_config
 
 TORCHRUN_GRACE_S = 30  # torchrun's agent: SIGTERM, then SIGKILL after this many seconds
@@ -64,7 +64,7 @@ def _config(steps: int, **changes):
 
 
 def _launch(cfg, *, tag: str, on_step=None, max_restarts: int = 0):
-    return launch(cfg, nproc=2, on_step=on_step, max_restarts=max_restarts,
+    return launch(cfg, where=Where(nproc=2, max_restarts=max_restarts), on_step=on_step,
                   env={"PLANNER_TEST_TAG": tag, "OMP_NUM_THREADS": "1"})
 
 
@@ -135,7 +135,7 @@ def test_ten_kills_restart_and_resume_with_identical_losses(tmp_path):
     steps, num_kills = 12, 10
     tag = uuid.uuid4().hex
     reference = _launch(_config(steps), tag=uuid.uuid4().hex)
-    ref_losses = {s["step"]: s["loss"] for s in reference["steps"]}
+    ref_losses = {s.step: s.loss for s in reference.steps}
     killer = _RepeatedKiller(tag, num_kills=num_kills)
     metrics = _launch(_config(steps, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=1), tag=tag,
                       on_step=killer, max_restarts=num_kills)
@@ -144,7 +144,7 @@ def test_ten_kills_restart_and_resume_with_identical_losses(tmp_path):
     assert sorted(set(seen)) == list(range(steps)), seen
     for record in killer.records:
         assert record["loss"] == ref_losses[record["step"]], (record, ref_losses[record["step"]])
-    final = {s["step"]: s["loss"] for s in metrics["steps"]}
+    final = {s.step: s.loss for s in metrics.steps}
     assert all(final[k] == ref_losses[k] for k in final)
     assert _tagged_pids(tag) == []
 
@@ -182,18 +182,19 @@ def test_whole_node_lost_ends_the_other_node_within_the_bound(how, tmp_path, mon
     nc.down(prefix=prefix)
     state = nc.up(num_nodes=2, procs_per_node=1, inter_node_bandwidth=None, inter_node_latency=None, prefix=prefix)
     timeout_s = 15.0
-    config, errors = tmp_path / "run.json", tmp_path / "errors"
+    # The worker protocol of runners.launch by hand: DIR/spec.json in, DIR/errors/rank<N>.json out.
+    errors = tmp_path / "errors"
     errors.mkdir()
-    write_json_atomic(config, _config(500, timeout_s=timeout_s, ranks_per_node=1).to_dict())
+    write_json_atomic(tmp_path / "spec.json", _config(500, timeout_s=timeout_s, ranks_per_node=1).to_dict())
     procs = []
     try:
         for node in range(2):
-            argv = nc.exec_argv(state, node, nc.torchrun_argv(state, node, ["-m", "runners.train", "--config", str(config),
-                                                                            "--error-dir", str(errors)]))
+            argv = nc.exec_argv(state, node, nc.torchrun_argv(state, node, ["-m", "runners.train", "--work-dir",
+                                                                            str(tmp_path)]))
             procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                           start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"}))
         for line in procs[0].stdout:  # wait until rank 0 reports step 1
-            if line.startswith("PLANNER_STEP ") and json.loads(line[len("PLANNER_STEP "):])["step"] >= 1:
+            if line.startswith(EVENT_PREFIX) and json.loads(line[len(EVENT_PREFIX):]).get("step", -1) >= 1:
                 break
         victims = nc.namespace_pids(state.namespace(1))
         if how == "killed":
@@ -227,8 +228,9 @@ def test_cli_resume_under_another_plan_continues_the_losses(tmp_path, monkeypatc
     import sys
 
     from planner.cli import main
+    from runners.config import RunMetrics
 
-    def run(*flags: str) -> dict:
+    def run(*flags: str) -> RunMetrics:
         out = tmp_path / f"metrics{len(list(tmp_path.glob('metrics*')))}.json"
         monkeypatch.setattr(sys, "argv", ["planner", "run", "--nproc", "2", "--global-batch", "8", "--seq-len", "32",
                                           "--micro-batch", "2", "--seed", "7", "--format", "json",
@@ -236,15 +238,15 @@ def test_cli_resume_under_another_plan_continues_the_losses(tmp_path, monkeypatc
         with pytest.raises(SystemExit) as info:
             main()
         assert info.value.code == 0
-        return json.loads(out.read_text())
+        return RunMetrics.from_dict(json.loads(out.read_text()))
 
     ckpt = str(tmp_path / "ckpt")
     whole = run("--zero", "3", "--steps", "6")
     first = run("--zero", "3", "--steps", "3", "--checkpoint-dir", ckpt)
     rest = run("--tp", "2", "--steps", "6", "--checkpoint-dir", ckpt, "--resume")
-    assert [s["step"] for s in rest["steps"]] == [3, 4, 5]
-    losses = [s["loss"] for s in first["steps"] + rest["steps"]]
-    expected = [s["loss"] for s in whole["steps"]]
+    assert [s.step for s in rest.steps] == [3, 4, 5]
+    losses = first.losses + rest.losses
+    expected = whole.losses
     assert max(abs(a - b) for a, b in zip(losses, expected)) <= 1e-4, (losses, expected)
 
 

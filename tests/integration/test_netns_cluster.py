@@ -179,7 +179,8 @@ def test_latency_is_emulated_where_the_kernel_has_netem(state_dir) -> None:
 
 
 def test_profile_on_the_cluster_recovers_the_shaped_rate_and_names_a_failed_rank(state_dir, monkeypatch) -> None:
-    from profilers.profile import ProfileFailed, ProfileOptions, run_profile
+    from profilers.profile import ProfileOptions, run_profile
+    from runners.launch import RunFailed
 
     nc.up(num_nodes=2, procs_per_node=1, inter_node_bandwidth="200mbit", inter_node_latency=None, prefix=PREFIX)
     options = ProfileOptions(quick=True, cluster_prefix=PREFIX, collectives=("p2p", "all_reduce"),
@@ -189,7 +190,7 @@ def test_profile_on_the_cluster_recovers_the_shaped_rate_and_names_a_failed_rank
     assert {(f.collective, f.link) for f in hw.collectives} == {("p2p", "inter_node"), ("all_reduce", "inter_node")}
     assert hw.inter_node.bandwidth_bytes_per_s == pytest.approx(RATE_BITS / 8, rel=0.15)
     monkeypatch.setenv("PLANNER_PROFILE_FAIL_RANK", "1")
-    with pytest.raises(ProfileFailed, match="rank 1 .*injected failure"):
+    with pytest.raises(RunFailed, match="rank 1 .*injected failure"):
         run_profile(options)
     assert nc.namespace_pids(f"{PREFIX}-n0") == [] and nc.namespace_pids(f"{PREFIX}-n1") == []
 

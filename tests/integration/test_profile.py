@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
 from pathlib import Path
@@ -15,7 +14,6 @@ from planner.cli import app
 from specs.errors import PlannerError
 from profilers.fit import bus_factor
 from specs.hardware import Hardware, resolve_hardware
-from profilers.profile import warn_if_mismatch
 
 runner = CliRunner()
 # The largest message dominates its time by far, so a loaded machine cannot make the curve fall.
@@ -97,13 +95,13 @@ def test_corrupt_profile_names_the_field(profile_path: Path, tmp_path: Path) -> 
         resolve_hardware(str(bad))
 
 
-def test_profile_on_another_device_kind_warns(profile_path: Path, caplog) -> None:
+def test_profile_on_another_device_kind_is_named(profile_path: Path) -> None:
     hw = resolve_hardware(str(profile_path))
-    with caplog.at_level(logging.WARNING):
-        message = warn_if_mismatch(hw, device_type="cuda")
-    assert message and "measured on cpu" in message and message in caplog.text
-    assert warn_if_mismatch(hw, device_type="cpu", device_name=hw.device_name) is None
-    assert warn_if_mismatch(resolve_hardware("h100"), device_type="cpu") is None
+    message = hw.mismatch(device_type="cuda")
+    assert message and "measured on cpu" in message
+    assert hw.mismatch(device_type="cpu", device_name=hw.device_name) is None
+    assert "re-run `planner profile`" in hw.mismatch(device_type="cpu", device_name="another cpu")
+    assert resolve_hardware("h100").mismatch(device_type="cpu") is None
 
 
 def _comm_workers() -> list[int]:

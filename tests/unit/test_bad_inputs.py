@@ -122,16 +122,19 @@ def test_the_installed_script_too(tmp_path):
 
 @pytest.mark.parametrize("path", sorted(CORPUS.glob("run_config_*.json")), ids=lambda p: p.name)
 def test_worker_bad_run_config_is_one_line_and_exit_2(path, tmp_path, monkeypatch, capsys):
-    """The torchrun worker's own entry (runners.train) refuses a bad run.json before any collective."""
-    from runners.train import main
+    """The torchrun worker's own entry (runners.train under runners.launch.worker_main) refuses a bad
+    run config before any collective."""
+    from runners.launch import worker_main
+    from runners.train import run_task
 
+    shutil.copy(path, tmp_path / "spec.json")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    code = main(["--config", str(path), "--error-dir", str(tmp_path)])
+    code = worker_main(run_task, ["--work-dir", str(tmp_path)])
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
-    report = json.loads((tmp_path / "rank0.json").read_text())
+    report = json.loads((tmp_path / "errors" / "rank0.json").read_text())
     assert report["bad_input"] is True
 
 

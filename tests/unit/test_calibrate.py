@@ -51,9 +51,9 @@ def test_uncalibrated_model_is_far_off_and_calibration_fixes_held_out_plans():
     rows = _synthetic_rows(TRUE, noise=[1.03, 0.97, 1.0, 1.05, 0.96])
     result = calibrate(rows, _problem(), parameters=tuple(TRUE))
     assert len(result.held_out_labels) >= 8 and not set(result.held_out_labels) & set(result.fit_labels)
-    assert result.held_out_before["mape"] > 0.5  # the datasheet cpu preset misses the CPU overheads
-    assert result.held_out_after["mape"] < 0.06
-    assert result.held_out_after["kendall_tau"] > 0.8
+    assert result.held_out_before.mape > 0.5  # the datasheet cpu preset misses the CPU overheads
+    assert result.held_out_after.mape < 0.06
+    assert result.held_out_after.kendall_tau > 0.8
     assert result.calibration["framework_reserve_bytes"] == pytest.approx(300 * 2**20, rel=0.01)
 
 
@@ -65,8 +65,8 @@ def test_memory_reserve_is_the_median_gap():
 def test_held_out_split_alternates_by_measured_time():
     rows = _synthetic_rows(TRUE)
     fit, held = split_held_out(rows)
-    times = sorted(r["measured_step_time_s"] for r in rows)
-    assert [r["measured_step_time_s"] for r in held] == times[1::2]
+    times = sorted(r.measured_step_time_s for r in rows)
+    assert [r.measured_step_time_s for r in held] == times[1::2]
     assert len(fit) + len(held) == len(rows)
     with pytest.raises(PlannerError, match="held-out-every"):
         split_held_out(rows, held_out_every=1)
@@ -74,7 +74,7 @@ def test_held_out_split_alternates_by_measured_time():
 
 def test_failed_rows_are_ignored_and_too_few_plans_refused():
     rows = _synthetic_rows(TRUE)[:3]
-    rows[0] = {**rows[0], "status": "failed", "error": "rank 1 failed", "measured_step_time_s": None}
+    rows[0] = rows[0].replace(status="failed", error="rank 1 failed", measured_step_time_s=None)
     with pytest.raises(PlannerError, match="needs at least as many measured plans"):
         fit_time_parameters(rows, _problem())
     with pytest.raises(PlannerError, match="unknown calibration parameter 'speed'"):

@@ -117,12 +117,12 @@ def _probe_points(model, hardware, *, scale: float, op_overhead_s: float):
     import dataclasses
 
     from cost_models.compute import layer_compute_times
-    from cost_models.estimate import BACKWARD_OPS_PER_FORWARD_OP, _num_ops
+    from cost_models.estimate import BACKWARD_OPS_PER_FORWARD_OP, num_ops
     from specs.hardware import LayerProbePoint
-    from profilers.layer_probe import probe_shapes
+    from runners.probe import probe_shapes
 
     hw = dataclasses.replace(hardware, calibration={"compute_time_scale": scale})
-    n = _num_ops(model)["layer"]
+    n = num_ops(model)["layer"]
     points = []
     for b, s in probe_shapes(model):
         t = layer_compute_times(model, hw, micro_batch=b, seq_len=s, tp=1, sequence_parallel=False, precision="fp32")
@@ -137,7 +137,7 @@ def _probe_points(model, hardware, *, scale: float, op_overhead_s: float):
 def test_layer_probe_fit_recovers_the_scale_and_the_op_overhead(model_name, scale, op_overhead_s) -> None:
     from specs.model import resolve_model
     from specs.hardware import PRESETS
-    from profilers.layer_probe import fit_overheads
+    from planner.profiling import fit_overheads
 
     model, hw = resolve_model(model_name), PRESETS["cpu"]
     fit = fit_overheads(model, hw, _probe_points(model, hw, scale=scale, op_overhead_s=op_overhead_s))
@@ -150,7 +150,7 @@ def test_the_full_recomputation_point_gives_the_checkpoint_overhead() -> None:
 
     from specs.model import resolve_model
     from specs.hardware import PRESETS
-    from profilers.layer_probe import fit_overheads
+    from planner.profiling import fit_overheads
 
     model, hw = resolve_model("tiny"), PRESETS["cpu"]
     points = _probe_points(model, hw, scale=2.0, op_overhead_s=1e-5)
@@ -169,17 +169,17 @@ def test_probes_calibrate_a_cpu_profile_and_are_only_recorded_on_cuda() -> None:
 
     from specs.model import resolve_model
     from specs.hardware import PRESETS
-    from profilers.profile import with_layer_probe
+    from planner.profiling import with_layer_probe
 
     model = resolve_model("tiny")
-    points = [dataclasses.asdict(p) for p in _probe_points(model, PRESETS["cpu"], scale=3.0, op_overhead_s=3e-5)]
+    points = tuple(_probe_points(model, PRESETS["cpu"], scale=3.0, op_overhead_s=3e-5))
     overlap = {"compute_s": 1.0, "comm_s": 0.5, "both_s": 1.7, "efficiency": -0.4}
-    cpu = with_layer_probe(PRESETS["cpu"], {"points": points, "overlap": overlap}, model=model)
+    cpu = with_layer_probe(dataclasses.replace(PRESETS["cpu"], layer_probe=points, overlap_probe=overlap), model=model)
     assert cpu.calibration["compute_time_scale"] == pytest.approx(3.0, rel=0.02)
     assert cpu.calibration["op_overhead_s"] == pytest.approx(3e-5, rel=0.05)
     assert cpu.calibration["comm_overlap_efficiency"] == -0.4
     assert len(cpu.layer_probe) == len(points) and cpu.overlap_probe == overlap
-    gpu = with_layer_probe(PRESETS["h100"], {"points": points, "overlap": overlap}, model=model)
+    gpu = with_layer_probe(dataclasses.replace(PRESETS["h100"], layer_probe=points, overlap_probe=overlap), model=model)
     assert gpu.calibration == PRESETS["h100"].calibration and len(gpu.layer_probe) == len(points)
 
 

@@ -6,7 +6,7 @@ import pytest
 from cost_models.estimate import estimate
 from specs.problem import make_problem
 from specs.plan import Plan
-from planner.tuning import base_params, plan_from_trial, tune
+from planner.optuna_search import base_params, plan_from_trial, refine_with_optuna
 
 
 @pytest.fixture
@@ -32,16 +32,16 @@ def test_trial_parameters_round_trip(problem, plan):
 
 def test_second_call_continues_the_same_study(problem, tmp_path):
     storage = f"sqlite:///{tmp_path / 'tune.db'}"
-    first = tune(problem, base=BASE, num_trials=6, storage=storage, study_name="resume", seed=1)
-    second = tune(problem, base=BASE, num_trials=4, storage=storage, study_name="resume", seed=1)
+    first = refine_with_optuna(problem, base=BASE, num_trials=6, storage=storage, study_name="resume", seed=1)
+    second = refine_with_optuna(problem, base=BASE, num_trials=4, storage=storage, study_name="resume", seed=1)
     assert (first.num_trials, second.num_trials, second.num_new_trials) == (6, 10, 4)
     # The study remembers the best plan so far: resuming can only keep or improve it.
     assert second.best.estimate.step_time_s <= first.best.estimate.step_time_s
 
 
 def test_fixed_seed_is_reproducible_and_never_worse_than_the_base(problem):
-    a = tune(problem, base=BASE, num_trials=12, seed=3)
-    b = tune(problem, base=BASE, num_trials=12, seed=3)
+    a = refine_with_optuna(problem, base=BASE, num_trials=12, seed=3)
+    b = refine_with_optuna(problem, base=BASE, num_trials=12, seed=3)
     assert a.best.plan == b.best.plan
     base_est = estimate(BASE, model=problem.model, cluster=problem.cluster, job=problem.job)
     # The base plan is the study's first trial, so the best can only be as fast or faster.
@@ -53,4 +53,4 @@ def test_bad_storage_is_one_planner_error(problem, tmp_path):
     from specs.errors import PlannerError
 
     with pytest.raises(PlannerError, match="--storage"):
-        tune(problem, base=BASE, num_trials=1, storage="nosuchdb://x")
+        refine_with_optuna(problem, base=BASE, num_trials=1, storage="nosuchdb://x")

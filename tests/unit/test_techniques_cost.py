@@ -12,7 +12,6 @@ from cost_models import estimate as est
 from cost_models.estimate import cache_cost_inputs, estimate
 from cost_models.timeline import ChunkDurations, simulate
 from specs.cluster import Cluster
-from specs.errors import PlannerError
 from planner.ilp import CACHE_TIERS, CacheCosts, cache_exposed_s, cache_fits, choose_param_cache
 from specs.problem import Problem
 from specs.job import Job

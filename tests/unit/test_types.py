@@ -6,7 +6,7 @@ import pytest
 
 from specs.errors import PlannerError
 from specs.problem import make_problem
-from planner.inputs import PlanFlags, plan_from_flags
+from planner.inputs import plan_from_options
 from specs.job import Job
 from specs.model import PRESETS, ModelSpec, resolve_model
 from specs.plan import Plan, check_plan, zero_degrees
@@ -61,10 +61,10 @@ def test_check_plan_names_what_does_not_fit():
     with pytest.raises(PlannerError, match="tp 3 does not divide the model's num_heads 8"):
         check_plan(Plan(tp=3), model=problem.model, num_devices=3, job=Job(global_batch=1, seq_len=8))
     with pytest.raises(PlannerError, match="but the cluster has 4 devices"):
-        plan_from_flags(PlanFlags(dp=2, tp=1), problem)
-    assert plan_from_flags(PlanFlags(zero=3), problem).shard_degrees == (4, 4, 4)
+        plan_from_options({"dp": 2, "tp": 1}, problem)
+    assert plan_from_options({"zero": 3}, problem).shard_degrees == (4, 4, 4)
     with pytest.raises(PlannerError, match="global batch 8 is not divisible"):
-        plan_from_flags(PlanFlags(micro_batch=3), problem)
+        plan_from_options({"micro_batch": 3}, problem)
     with pytest.raises(PlannerError, match="exceeds the model's 8 layers"):
         check_plan(Plan(pp=16, num_micro_batches=1), model=problem.model, num_devices=16,
                    job=Job(global_batch=1, seq_len=8))

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import itertools
 
+from types import SimpleNamespace
+
 import pytest
 
 from specs.errors import PlannerError
-from planner.validate import (ValidateSettings, agreement, build_report, candidate_plans, kendall_tau,
-                              measure, write_scatter_png)
+from cost_models.estimate import estimate
+from planner.reports import Agreement, ValidationRow, kendall_tau
+from planner.validate import ValidateSettings, build_report, candidate_plans, measure, write_scatter_png
+from specs.plan import Plan
 from runners.launch import RunFailed
 
 
@@ -32,23 +36,25 @@ def test_kendall_tau_known_values_and_ties():
 
 
 def _row(label, predicted, measured, *, status="ok"):
-    return {"label": label, "source": "spread", "status": status, "predicted_step_time_s": predicted,
-            "measured_step_time_s": measured if status == "ok" else None,
-            "step_time_error": (predicted - measured) / measured if status == "ok" else None,
-            "predicted_peak_memory_bytes": 100, "measured_peak_memory_bytes": 110 if status == "ok" else None,
-            "memory_error": -10 / 110 if status == "ok" else None}
+    return ValidationRow(label=label, source="spread", plan=Plan(), status=status, error=None,
+                         predicted_step_time_s=predicted, predicted_peak_memory_bytes=100,
+                         measured_step_time_s=measured if status == "ok" else None,
+                         measured_peak_memory_bytes=110 if status == "ok" else None)
 
 
 def test_agreement_by_hand():
     rows = [_row("a", 1.0, 1.25), _row("b", 2.0, 1.0), _row("c", 3.0, 3.0), _row("d", 0.1, 9.0, status="failed")]
-    got = agreement(rows)
-    assert got["num_ok"] == 3
-    assert got["mape"] == pytest.approx((0.2 + 1.0 + 0.0) / 3)
-    assert got["max_error"] == pytest.approx(1.0)
+    got = Agreement.of(rows)
+    assert got.num_ok == 3
+    assert got.mape == pytest.approx((0.2 + 1.0 + 0.0) / 3)
+    assert got.max_error == pytest.approx(1.0)
     # The model's pick is a (1.0 predicted), measured 1.25 against b's 1.0 best: 25% regret.
-    assert got["top_pick"] == "a" and got["best_measured"] == "b" and got["regret"] == pytest.approx(0.25)
-    assert got["kendall_tau"] == pytest.approx(1 / 3)
-    assert agreement([])["mape"] is None
+    assert got.top_pick == "a" and got.best_measured == "b" and got.regret == pytest.approx(0.25)
+    assert got.kendall_tau == pytest.approx(1 / 3)
+    assert got.memory_mape == pytest.approx(10 / 110)
+    assert Agreement.of([]).mape is None
+    # The JSON form round-trips, derived fields included for readers and ignored on the way back.
+    assert ValidationRow.from_dict(rows[0].to_dict()) == rows[0] and rows[0].to_dict()["step_time_error"] == -0.2
 
 
 def test_candidates_span_the_knobs_without_duplicates():
@@ -70,24 +76,27 @@ def test_failed_run_is_reported_and_the_others_continue(tmp_path):
     settings = ValidateSettings(nproc=4, steps=3, rounds=2, top_k=0, max_plans=3)
     calls = []
 
-    def fake_runner(cfg, nproc):
+    def fake_runner(cfg, where):
         calls.append(cfg.plan)
         if cfg.plan.tp == 2:
             raise RunFailed("rank 1 failed: RuntimeError: boom")
         step = 0.1 * cfg.plan.pp + 0.01 * len(calls)
-        return {"summary": {"median_step_time_s": step, "peak_memory_bytes": 300 * 2**20}}
+        return SimpleNamespace(summary=SimpleNamespace(median_step_time_s=step, peak_memory_bytes=300 * 2**20))
 
     report = build_report(measure(candidate_plans(settings.problem(), top_k=0, max_plans=3), settings,
                                   runner=fake_runner), settings)
     # The failed plan ran once (not retried in round 2); the other two ran twice.
     assert len(calls) == 5
-    assert report["num_plans"] == 3 and report["num_failed"] == 1 and report["num_ok"] == 2
-    failed = [r for r in report["plans"] if r["status"] == "failed"]
-    assert failed[0]["label"] == "tp2" and "rank 1 failed" in failed[0]["error"]
-    dp = next(r for r in report["plans"] if r["label"] == "dp mb1")
-    assert dp["rounds_step_time_s"] == pytest.approx([0.11, 0.14])
-    assert dp["measured_step_time_s"] == pytest.approx(0.125)
-    assert dp["step_time_error"] == pytest.approx((dp["predicted_step_time_s"] - 0.125) / 0.125)
+    assert len(report.plans) == 3 and report.num_failed == 1 and report.agreement.num_ok == 2
+    failed = [r for r in report.plans if r.status == "failed"]
+    assert failed[0].label == "tp2" and "rank 1 failed" in failed[0].error
+    dp = next(r for r in report.plans if r.label == "dp mb1")
+    assert dp.rounds_step_time_s == pytest.approx((0.11, 0.14))
+    assert dp.measured_step_time_s == pytest.approx(0.125)
+    # The prediction is the cost model's for that plan on the settings' hardware, priced here independently.
+    problem = settings.problem()
+    predicted = estimate(dp.plan, model=problem.model, cluster=problem.cluster, job=problem.job).step_time_s
+    assert dp.predicted_step_time_s == predicted and dp.step_time_error == pytest.approx(predicted / 0.125 - 1)
     png = tmp_path / "scatter.png"
     write_scatter_png(report, str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

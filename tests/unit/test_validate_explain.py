@@ -68,8 +68,9 @@ def test_explanation_adds_up_to_the_estimate(plan, tmp_path):
 
 def test_measured_metrics_of_another_plan_are_refused(tmp_path):
     plan = Plan(dp=4, num_micro_batches=4)
-    metrics = {"plan": plan.replace(micro_batch=2, num_micro_batches=2).to_dict(), "steps": [],
-               "summary": {"median_step_time_s": 0.25, "comm_wait_s": 0.01}}
+    summary = {"median_step_time_s": 0.25, "tokens_per_s": 1000.0, "peak_memory_bytes": 2**28, "comm_bytes": {},
+               "comm_wait_s": 0.01, "world_size": 4, "device": "cpu", "engine": "ours"}
+    metrics = {"plan": plan.replace(micro_batch=2, num_micro_batches=2).to_dict(), "steps": [], "summary": summary}
     path = tmp_path / "m.json"
     path.write_text(json.dumps(metrics))
     with pytest.raises(PlannerError, match="micro_batch is 2 there, 1 here"):

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from specs.model import ModelSpec
-from runners.tensor_parallel import (TPContext, copy_to_tp, cross_entropy_sum, enter_tp_region, exit_tp_region,
+from runners.tensor_parallel import (TPContext, cross_entropy_sum, enter_tp_region, exit_tp_region,
                                      sequence_parallel_param)
 
 INIT_STD = 0.02
@@ -80,7 +80,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, *, name: str, seed: int, tp: TPContext, selective: bool) -> None:
         super().__init__()
-        h, kv, d = spec.hidden_size, spec.kv_dim, spec.head_dim
+        h, kv = spec.hidden_size, spec.kv_dim
         out_std = INIT_STD / math.sqrt(2 * spec.num_layers)
         self.tp, self.spec, self.selective = tp, spec, selective
         self.local_heads, self.local_kv_heads = spec.num_heads // tp.size, spec.num_kv_heads // tp.size
@@ -276,3 +276,22 @@ def check_tp_shapes(spec: ModelSpec, tp_size: int) -> None:
                         ("ffn_hidden_size", spec.ffn_hidden_size), ("vocab_size", spec.vocab_size)):
         if value % tp_size:
             raise ValueError(f"tp {tp_size} does not divide the model's {name} {value}")
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The torch dtype of a job's compute precision."""
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def build_local_chunks(cfg, *, pp_rank: int, tp: TPContext, device: torch.device) -> tuple[list[int], list[Chunk]]:
+    """The chunks pipeline rank `pp_rank` holds under a RunConfig's plan, in local order (chunk c = j * pp +
+    pp_rank), with the loss scaled to the global batch's mean."""
+    plan, spec = cfg.plan, cfg.model
+    check_tp_shapes(spec, plan.tp)
+    ranges = plan.chunk_layer_ranges(spec.num_layers)
+    recompute = list(plan.recompute_layers) if plan.recompute_layers is not None else plan.recompute
+    loss_scale = 1.0 / (cfg.job.global_batch * cfg.job.seq_len)
+    chunk_ids = [j * plan.pp + pp_rank for j in range(plan.virtual_stages)]
+    chunks = [build_chunk(spec, layers=ranges[c], first=c == 0, last=c == plan.num_chunks - 1, seed=cfg.seed,
+                          tp=tp, recompute=recompute, loss_scale=loss_scale).to(device) for c in chunk_ids]
+    return chunk_ids, chunks

@@ -4,10 +4,11 @@
         --optuna-trials 200 --storage sqlite:///tune.db --study-name gpt3-175b
 
 Given a plan's (dp, tp, pp, virtual stages, schedule), tune micro-batch size, the DP sharding point,
-sequence parallelism, commshift, gradient bucket size, prefetch depth, recomputation per pipeline stage
-and MAZ3 cache tier per stage: with pp stages that is 3^pp x 4^pp x ... combinations, where the
-enumerating search uses one policy and one tier for all stages. TPE (Bergstra et al., NeurIPS 2011)
-with a fixed seed; a study in `--storage` resumes where the last call stopped.
+recomputation per pipeline stage, the MAZ3 cache tier per stage, and every plan knob that declares a
+tuning space (`Knob.tune` in specs/plan.py: sequence parallelism, commshift, gradient bucket size,
+prefetch depth, and any knob added later) where it applies: with pp stages that is 3^pp x 4^pp x ...
+combinations, where the enumerating search uses one policy and one tier for all stages. TPE (Bergstra
+et al., NeurIPS 2011) with a fixed seed; a study in `--storage` resumes where the last call stopped.
 """
 
 from __future__ import annotations
@@ -16,15 +17,13 @@ from dataclasses import dataclass
 
 from specs.errors import PlannerError
 from specs.problem import Problem
-from specs.plan import CACHE_TIERS, RECOMPUTE, Plan
+from specs.plan import CACHE_TIERS, PLAN_KNOBS, RECOMPUTE, Plan
 from planner.search import Candidate, CostModel, default_cost_model, divisors
 
-BUCKET_MB_CHOICES = (1, 5, 25, 100, 400)
-MAX_PREFETCH_DEPTH = 4
 
 
 @dataclass(frozen=True)
-class TuneResult:
+class OptunaResult:
     best: Candidate | None  # the fastest fitting plan any trial of the study found (None if none fits)
     num_trials: int  # trials in the study after this call, earlier calls included
     num_new_trials: int
@@ -44,6 +43,13 @@ def sharding_points(dp: int, *, tp: int, devices_per_node: int) -> dict[str, tup
     return {named.get(point, "lins-%d-%d-%d" % point): point for point in lins_points(dp, dp_per_node=in_node)}
 
 
+def _tuned_knobs(plan: Plan) -> list:
+    """The plan knobs with a tuning space that have an effect on `plan` (its degrees and sharding)."""
+    return [spec for spec in PLAN_KNOBS if spec.knob.tune is not None
+            and (spec.knob.applies is None or spec.knob.applies(plan))
+            and not (spec.name == "sequence_parallel" and plan.tp == 1)]
+
+
 def plan_from_trial(trial, base: Plan, problem: Problem) -> Plan:
     """The plan a trial's choices describe; the degrees and schedule come from `base`.
 
@@ -59,33 +65,29 @@ def plan_from_trial(trial, base: Plan, problem: Problem) -> Plan:
         raise optuna.TrialPruned(f"{m} micro-batches do not divide by pp {base.pp}")
     points = sharding_points(base.dp, tp=base.tp, devices_per_node=problem.cluster.devices_per_node)
     shards = points[trial.suggest_categorical("sharding", list(points))]
-    sp = trial.suggest_categorical("sequence_parallel", [False, True]) if base.tp > 1 and problem.job.seq_len % base.tp == 0 else False
-    shift = trial.suggest_categorical("commshift", [False, True]) if base.pp > 1 and base.dp > 1 else False
-    bucket_mb = trial.suggest_categorical("bucket_mb", list(BUCKET_MB_CHOICES)) if base.dp > 1 else None
-    num_layers = problem.model.num_layers
-    ranges = base.chunk_layer_ranges(num_layers)
+    ranges = base.chunk_layer_ranges(problem.model.num_layers)
     stage_rc = [trial.suggest_categorical(f"recompute_stage_{r}", list(RECOMPUTE)) for r in range(base.pp)]
-    recompute_layers = [""] * num_layers
+    # Per-layer policies override `recompute`, which then keeps the base's value.
+    changes: dict = dict(micro_batch=micro_batch, num_micro_batches=m, param_shard=shards[0], grad_shard=shards[1],
+                         optim_shard=shards[2], param_cache="none",
+                         recompute=stage_rc[0] if len(set(stage_rc)) == 1 else base.recompute,
+                         recompute_layers=None if len(set(stage_rc)) == 1 else _per_layer(stage_rc, ranges, base.pp))
+    if shards[0] > 1:
+        tiers = [trial.suggest_categorical(f"cache_stage_{r}", list(CACHE_TIERS)) for r in range(base.pp)]
+        changes["param_cache"] = tiers[0] if len(set(tiers)) == 1 else _per_layer(tiers, ranges, base.pp)
+    # Every other knob with a tuning space: at its default unless it has an effect on this plan.
+    plan = base.replace(**changes, **{spec.name: spec.default for spec in PLAN_KNOBS if spec.knob.tune is not None})
+    return plan.replace(**{spec.name: trial.suggest_categorical(spec.name, list(spec.knob.tune))
+                           for spec in _tuned_knobs(plan)})
+
+
+def _per_layer(per_stage: list, ranges: list[range], pp: int) -> tuple:
+    """Each layer's value from its pipeline stage's (chunk c lives on stage c % pp)."""
+    out = [None] * sum(len(r) for r in ranges)
     for c, layers in enumerate(ranges):
         for i in layers:
-            recompute_layers[i] = stage_rc[c % base.pp]
-    changes: dict = dict(micro_batch=micro_batch, num_micro_batches=m, sequence_parallel=sp, commshift=shift,
-                         param_shard=shards[0], grad_shard=shards[1], optim_shard=shards[2], param_cache="none",
-                         # Per-layer policies override `recompute`, which then keeps the base's value.
-                         recompute=stage_rc[0] if len(set(stage_rc)) == 1 else base.recompute,
-                         recompute_layers=None if len(set(stage_rc)) == 1 else tuple(recompute_layers),
-                         prefetch_depth=1)
-    if bucket_mb is not None:
-        changes["bucket_size_bytes"] = bucket_mb * 2**20
-    if shards[0] > 1:
-        changes["prefetch_depth"] = trial.suggest_int("prefetch_depth", 0, MAX_PREFETCH_DEPTH)
-        tiers = [trial.suggest_categorical(f"cache_stage_{r}", list(CACHE_TIERS)) for r in range(base.pp)]
-        per_layer = [""] * num_layers
-        for c, layers in enumerate(ranges):
-            for i in layers:
-                per_layer[i] = tiers[c % base.pp]
-        changes["param_cache"] = tiers[0] if len(set(tiers)) == 1 else tuple(per_layer)
-    return base.replace(**changes)
+            out[i] = per_stage[c % pp]
+    return tuple(out)
 
 
 def base_params(plan: Plan, problem: Problem) -> dict:
@@ -96,25 +98,20 @@ def base_params(plan: Plan, problem: Problem) -> dict:
     if name is None:
         return {}
     params["sharding"] = name
-    if plan.tp > 1 and problem.job.seq_len % plan.tp == 0:
-        params["sequence_parallel"] = plan.sequence_parallel
-    if plan.pp > 1 and plan.dp > 1:
-        params["commshift"] = plan.commshift
-    if plan.dp > 1:
-        mb = plan.bucket_size_bytes / 2**20
-        params["bucket_mb"] = min(BUCKET_MB_CHOICES, key=lambda c: abs(c - mb))
     ranges = plan.chunk_layer_ranges(problem.model.num_layers)
     for r in range(plan.pp):
         params[f"recompute_stage_{r}"] = plan.layer_recompute(ranges[r][0])
         if plan.param_shard > 1:
             params[f"cache_stage_{r}"] = plan.layer_cache(ranges[r][0])
-    if plan.param_shard > 1:
-        params["prefetch_depth"] = min(plan.prefetch_depth, MAX_PREFETCH_DEPTH)
+    for spec in _tuned_knobs(plan):
+        value = getattr(plan, spec.name)
+        # The nearest value of the space (a bucket size off the grid starts from the closest one).
+        params[spec.name] = value if value in spec.knob.tune else min(spec.knob.tune, key=lambda v: abs(v - value))
     return params
 
 
-def tune(problem: Problem, *, base: Plan, num_trials: int, seed: int = 0, storage: str | None = None,
-         study_name: str | None = None, cost: CostModel | None = None) -> TuneResult:
+def refine_with_optuna(problem: Problem, *, base: Plan, num_trials: int, seed: int = 0, storage: str | None = None,
+         study_name: str | None = None, cost: CostModel | None = None) -> OptunaResult:
     """Run `num_trials` more TPE trials around `base`'s degrees; the best fitting plan of the study.
 
     The objective is the predicted step time; a plan that does not fit scores its step time times
@@ -137,7 +134,10 @@ def tune(problem: Problem, *, base: Plan, num_trials: int, seed: int = 0, storag
 
     def objective(trial) -> float:
         plan = plan_from_trial(trial, base, problem)
-        est = cost.estimate(plan, **kwargs)
+        try:
+            est = cost.estimate(plan, **kwargs)
+        except PlannerError as exc:  # e.g. sequence parallelism where tp does not divide the sequence
+            raise optuna.TrialPruned(str(exc)) from None
         trial.set_user_attr("fits", est.fits)
         if est.fits:
             return est.step_time_s
@@ -145,7 +145,7 @@ def tune(problem: Problem, *, base: Plan, num_trials: int, seed: int = 0, storag
 
     study.optimize(objective, n_trials=num_trials)
     best = _best_fitting(study, base, problem, cost)
-    return TuneResult(best=best, num_trials=len(study.trials), num_new_trials=len(study.trials) - before)
+    return OptunaResult(best=best, num_trials=len(study.trials), num_new_trials=len(study.trials) - before)
 
 
 def _best_fitting(study, base: Plan, problem: Problem, cost: CostModel) -> Candidate | None:
@@ -157,3 +157,15 @@ def _best_fitting(study, base: Plan, problem: Problem, cost: CostModel) -> Candi
     trial = min(done, key=lambda t: t.value)
     plan = plan_from_trial(optuna.trial.FixedTrial(trial.params), base, problem)
     return Candidate(plan, cost.estimate(plan, model=problem.model, cluster=problem.cluster, job=problem.job))
+
+
+def refined_ranking(result, problem: Problem, *, num_trials: int, seed: int = 0, storage: str | None = None,
+                    study_name: str | None = None) -> tuple[list[Candidate], int]:
+    """The search's ranking (a planner.search.SearchResult) with the best plan of `num_trials` TPE trials
+    around its winner in front when it is faster, and the number of plans priced in all."""
+    ranked = list(result.candidates)
+    tuned = refine_with_optuna(problem, base=result.winner.plan, num_trials=num_trials, seed=seed, storage=storage,
+                               study_name=study_name)
+    if tuned.best is not None and tuned.best.estimate.step_time_s < ranked[0].estimate.step_time_s:
+        ranked.insert(0, tuned.best)
+    return ranked, result.num_evaluated + tuned.num_new_trials

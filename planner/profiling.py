@@ -1,0 +1,112 @@
+"""Profiling for the cost model: measure this node (profilers/) and fit what the engine's layer probe
+says about it into the profile's calibration.
+
+    hardware = measure_profile(ProfileOptions(nproc=2, quick=True))
+
+Model of a layer probe point (runners/probe.py; the cost model's, cost_models/estimate.py): with F and
+B the layer's forward and backward compute time predicted from the profile's own GEMM and bandwidth fits
+(no calibration),
+
+    forward          = c * F       + n * o
+    forward+backward = c * (F + B) + (1 + k) * n * o
+
+where n is the ops of one layer forward (`num_ops`), k the backward ops per forward op, o the seconds
+each op pays (`op_overhead_s`) and c the factor by which real compute is slower than the sweep predicts
+(`compute_time_scale`). Smallest relative squared error over all points (rows divided by the measured
+time, as planner/calibrate.py weighs plans), c > 0 and o >= 0 (`fit_overheads`). The point under full
+recomputation gives torch.utils.checkpoint's own cost (`recompute_overhead_s`); the overlap probe gives
+comm_overlap_efficiency.
+
+On CUDA the kernel queue hides per-op dispatch behind the kernels of earlier ops, so the probe is
+recorded (raw points in the profile) but not fitted into the calibration: the cost model keeps o = 0,
+c = 1 and full overlap there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+
+from cost_models.compute import layer_compute_times
+from cost_models.estimate import BACKWARD_OPS_PER_FORWARD_OP, num_ops
+from profilers.profile import ProfileOptions, Progress, _no_progress, run_profile
+from specs.hardware import Hardware, LayerProbePoint, with_calibration
+from specs.model import ModelSpec, resolve_model
+
+
+def measure_profile(options: ProfileOptions, *, progress: Progress = _no_progress) -> Hardware:
+    """Profile this node (or the emulated cluster) and fit the layer probe into the calibration."""
+    hardware = run_profile(options, progress=progress)
+    return with_layer_probe(hardware, model=resolve_model(options.model))
+
+
+def with_layer_probe(hardware: Hardware, *, model: ModelSpec) -> Hardware:
+    """Keep the layer and overlap probes' measurements and, on CPU, fit op_overhead_s and
+    compute_time_scale from the layer points and take comm_overlap_efficiency from the overlap probe
+    (runners/probe.py). On CUDA the kernel queue hides per-op dispatch and the collective stream
+    runs beside compute, so the cost model keeps its GPU defaults and the probes are only recorded."""
+    points, overlap = list(hardware.layer_probe), dict(hardware.overlap_probe)
+    if hardware.device_type != "cpu":
+        return hardware
+    calibration = fit_overheads(model, hardware, points) if points else {}
+    if overlap:
+        calibration["comm_overlap_efficiency"] = overlap["efficiency"]
+    return with_calibration(hardware, calibration)
+
+
+def fit_overheads(model: ModelSpec, hardware: Hardware, points: list[LayerProbePoint]) -> dict[str, float]:
+    """{'op_overhead_s', 'compute_time_scale'} fitted to the probe points without recomputation (module
+    docstring), and 'recompute_overhead_s' from a point under full recomputation if there is one.
+
+    The predicted compute is not linear in c (each kernel's time is floored at the kernel overhead,
+    cost_models/compute.py), so c is searched on a log grid, refined by golden-section search, and for each
+    c the best non-negative o is closed form (one-variable least squares)."""
+    n = num_ops(model)["layer"]
+    k = BACKWARD_OPS_PER_FORWARD_OP
+    plain = [p for p in points if p.recompute == "none"]
+    # torch.utils.checkpoint's own cost per layer and micro-batch: what a fully recomputed layer's
+    # forward+backward takes beyond the plain layer's forward+backward plus its re-run forward.
+    by_shape = {(p.micro_batch, p.seq_len): p for p in plain}
+    extra = [p.forward_backward_s - by_shape[(p.micro_batch, p.seq_len)].forward_backward_s
+             - by_shape[(p.micro_batch, p.seq_len)].forward_s
+             for p in points if p.recompute == "full" and (p.micro_batch, p.seq_len) in by_shape]
+    points = plain
+
+    def predicted(c: float) -> list[tuple[float, float, float]]:
+        """(compute seconds, ops, measured seconds) per equation at compute_time_scale c."""
+        hw = dataclasses.replace(hardware, calibration={"compute_time_scale": c})
+        rows = []
+        for p in points:
+            t = layer_compute_times(model, hw, micro_batch=p.micro_batch, seq_len=p.seq_len, tp=1,
+                                    sequence_parallel=False, precision="fp32")
+            rows.append((t.forward_s, n, p.forward_s))
+            rows.append((t.forward_s + t.backward_s, (1 + k) * n, p.forward_backward_s))
+        return rows
+
+    def solve(c: float) -> tuple[float, float]:
+        """(relative squared error, o) at c."""
+        rows = predicted(c)
+        # minimise sum ((f + ops * o) / m - 1)^2 over o >= 0
+        num = sum((ops / m) * (1 - f / m) for f, ops, m in rows)
+        den = sum((ops / m) ** 2 for _, ops, m in rows)
+        o = max(0.0, num / den)
+        return sum(((f + ops * o) / m - 1) ** 2 for f, ops, m in rows), o
+
+    grid = [10 ** (i / 20) for i in range(-40, 61)]  # 0.01 .. 1000
+    best = min(grid, key=lambda c: solve(c)[0])
+    # Golden-section search on log c between the grid neighbours of the best point.
+    lo, hi = math.log(best) - math.log(10) / 20, math.log(best) + math.log(10) / 20
+    ratio = (math.sqrt(5) - 1) / 2
+    for _ in range(60):
+        a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+        if solve(math.exp(a))[0] <= solve(math.exp(b))[0]:
+            hi = b
+        else:
+            lo = a
+    candidates = [best, math.exp((lo + hi) / 2)]
+    best = min(candidates, key=lambda c: solve(c)[0])
+    fitted = {"compute_time_scale": best, "op_overhead_s": solve(best)[1]}
+    if extra:
+        fitted["recompute_overhead_s"] = max(0.0, statistics.median(extra))
+    return fitted

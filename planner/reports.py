@@ -1,0 +1,231 @@
+"""The application's typed results: validation rows and reports, their agreement statistics, the
+calibration result and the tune report. Each has a JSON form (`to_dict` / `from_dict`); derived
+quantities (errors, ratios) are properties, written into the JSON for readers but never read back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from dataclasses import dataclass, field
+
+from runners.config import RunSummary
+from specs.errors import PlannerError
+from specs.jsonio import dataclass_from_dict
+from specs.plan import Plan
+
+
+def _relative_error(predicted: float, measured: float | None) -> float | None:
+    return None if measured is None else (predicted - measured) / measured
+
+
+@dataclass(frozen=True)
+class ValidationRow:
+    """One plan of a validation: what the cost model predicted and, if it ran, what was measured."""
+
+    label: str
+    source: str  # "search" or "spread"
+    plan: Plan
+    status: str  # "ok" or "failed"
+    error: str | None
+    predicted_step_time_s: float
+    predicted_peak_memory_bytes: int
+    measured_step_time_s: float | None = None
+    measured_peak_memory_bytes: int | None = None
+    rounds_step_time_s: tuple[float, ...] = ()  # per run: its median step
+    batched_step_times_s: tuple[float, ...] = ()  # every step of the batched timing run
+
+    DERIVED = ("describe", "step_time_error", "memory_error")
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok" and self.measured_step_time_s is not None
+
+    @property
+    def describe(self) -> str:
+        return self.plan.describe()
+
+    @property
+    def step_time_error(self) -> float | None:
+        return _relative_error(self.predicted_step_time_s, self.measured_step_time_s)
+
+    @property
+    def memory_error(self) -> float | None:
+        return _relative_error(self.predicted_peak_memory_bytes, self.measured_peak_memory_bytes)
+
+    def replace(self, **changes: object) -> "ValidationRow":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out.update(plan=self.plan.to_dict(), rounds_step_time_s=list(self.rounds_step_time_s),
+                   batched_step_times_s=list(self.batched_step_times_s))
+        out.update({k: getattr(self, k) for k in self.DERIVED})
+        return out
+
+    @classmethod
+    def from_dict(cls, data: object, *, what: str = "validation row") -> "ValidationRow":
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if k not in cls.DERIVED}
+        return dataclass_from_dict(cls, data, what=what)
+
+
+def kendall_tau(x: list[float], y: list[float]) -> float | None:
+    """Kendall's tau-b of two paired samples (ties in either counted as Knight's correction does);
+    None with fewer than two pairs or when one side is constant."""
+    n = len(x)
+    if n != len(y):
+        raise ValueError(f"kendall_tau needs paired samples, got {n} and {len(y)}")
+    concordant = discordant = ties_x = ties_y = 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            dx, dy = x[i] - x[j], y[i] - y[j]
+            if dx == 0 and dy == 0:
+                continue
+            if dx == 0:
+                ties_x += 1
+            elif dy == 0:
+                ties_y += 1
+            elif (dx > 0) == (dy > 0):
+                concordant += 1
+            else:
+                discordant += 1
+    denom = math.sqrt((concordant + discordant + ties_x) * (concordant + discordant + ties_y))
+    return (concordant - discordant) / denom if denom > 0 else None
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How well predictions match measurements over the rows that ran (None where there are too few).
+
+    mape: mean |predicted - measured| / measured; max_error: the largest of those; kendall_tau: between
+    predicted and measured step times; regret: measured time of the predicted-fastest plan over the best
+    measured time, minus 1; memory_mape / memory_max_error: the same for peak memory."""
+
+    num_ok: int = 0
+    mape: float | None = None
+    max_error: float | None = None
+    kendall_tau: float | None = None
+    regret: float | None = None
+    top_pick: str | None = None
+    best_measured: str | None = None
+    memory_mape: float | None = None
+    memory_max_error: float | None = None
+
+    @classmethod
+    def of(cls, rows: list[ValidationRow]) -> "Agreement":
+        ok = [r for r in rows if r.ok]
+        if not ok:
+            return cls()
+        errors = [abs(r.step_time_error) for r in ok]
+        memory = [abs(r.memory_error) for r in ok if r.memory_error is not None]
+        top = min(ok, key=lambda r: r.predicted_step_time_s)
+        best = min(ok, key=lambda r: r.measured_step_time_s)
+        return cls(num_ok=len(ok), mape=statistics.fmean(errors), max_error=max(errors),
+                   kendall_tau=kendall_tau([r.predicted_step_time_s for r in ok], [r.measured_step_time_s for r in ok]),
+                   regret=top.measured_step_time_s / best.measured_step_time_s - 1.0, top_pick=top.label,
+                   best_measured=best.label, memory_mape=statistics.fmean(memory) if memory else None,
+                   memory_max_error=max(memory) if memory else None)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class ValidationReport:
+    """`planner validate --out`: what was validated, how, each plan's row and the agreement (whose
+    fields the JSON form puts at the top level)."""
+
+    model: str
+    hardware: str
+    hardware_name: str
+    calibration: dict[str, float]
+    nproc: int
+    cluster: str | None
+    global_batch: int
+    seq_len: int
+    precision: str
+    steps: int
+    rounds: int
+    timing_rounds: int
+    plans: tuple[ValidationRow, ...]
+
+    @property
+    def agreement(self) -> Agreement:
+        return Agreement.of(list(self.plans))
+
+    @property
+    def num_failed(self) -> int:
+        return sum(r.status == "failed" for r in self.plans)
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plans"}
+        out.update(num_plans=len(self.plans), num_failed=self.num_failed, **self.agreement.to_dict(),
+                   plans=[r.to_dict() for r in self.plans])
+        return out
+
+    @classmethod
+    def from_dict(cls, data: object, *, what: str = "measurements") -> "ValidationReport":
+        if not isinstance(data, dict) or "plans" not in data:
+            raise PlannerError(f"{what}: expected a `planner validate --out` report")
+        derived = {"num_plans", "num_failed", *(f.name for f in dataclasses.fields(Agreement))}
+        return dataclass_from_dict(cls, {k: v for k, v in data.items() if k not in derived}, what=what)
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    """What `planner calibrate` fitted, and the agreement on the fitted and the held-out plans before
+    and after."""
+
+    calibration: dict[str, float]
+    fit_labels: tuple[str, ...]
+    held_out_labels: tuple[str, ...]
+    fit_before: Agreement
+    fit_after: Agreement
+    held_out_before: Agreement
+    held_out_after: Agreement
+    rms_relative_error: float  # of the fitted plans after the fit
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class TuneCalibration:
+    """tune's self-calibration: how many plans it timed, what it fitted, their error before and after."""
+
+    num_plans: int
+    parameters: dict[str, float]
+    mape_before: float
+    mape_after: float
+
+
+@dataclass(frozen=True)
+class TuneReport:
+    """`planner tune`: the profile used, the plan chosen, measured beside predicted, and the time taken."""
+
+    profile: str
+    profile_reused: bool
+    calibrated_from_runs: int
+    calibration: TuneCalibration | None
+    plan: Plan
+    runner_up: tuple[str, ...]
+    predicted: dict  # cost_models.estimate.Estimate.to_dict()
+    measured: RunSummary
+    losses: tuple[float, ...]
+    times_s: dict[str, float] = field(default_factory=dict)  # profile, calibrate, search, run, total
+
+    @property
+    def step_time_ratio(self) -> float:
+        return self.measured.median_step_time_s / self.predicted["step_time_s"]
+
+    @property
+    def memory_ratio(self) -> float:
+        return self.measured.peak_memory_bytes / self.predicted["peak_memory_bytes"]
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out.update(plan=self.plan.to_dict(), describe=self.plan.describe(), step_time_ratio=self.step_time_ratio,
+                   memory_ratio=self.memory_ratio)
+        return out

@@ -1,0 +1,163 @@
+"""What one run needs (RunConfig) and what it reports (RunMetrics): the runner's input and output types.
+
+The application (planner/) builds a RunConfig from a plan and the problem, with the cost model's
+prediction already in it (`predicted`: the runner never prices a plan itself), and reads back a
+RunMetrics; both round-trip through JSON (the launcher passes them to and from the torchrun workers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from specs.job import Job
+from specs.jsonio import dataclass_from_dict
+from specs.model import ModelSpec
+from specs.plan import Plan
+
+ENGINES = ("ours", "torch")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything one run needs besides the processes: the plan and inputs, and how long to train."""
+
+    plan: Plan
+    model: ModelSpec
+    job: Job
+    steps: int = 10
+    seed: int = 0
+    lr: float = 1e-3
+    data: str | None = None
+    ranks_per_node: int = 0  # 0: all local ranks form one node
+    engine: str = "ours"
+    timeout_s: float = 300.0
+    # Checkpoints (runners/checkpoint.py): every N steps (0: only at the end) into checkpoint_dir, keeping
+    # the newest checkpoint_keep; resume continues from the newest (as does any torchrun restart).
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    checkpoint_keep: int = 2
+    resume: bool = False
+    # The cost model's estimate of this plan (cost_models.estimate.Estimate.to_dict()), handed in by the
+    # application so that the metrics carry measured beside predicted; None: no prediction.
+    predicted: dict | None = None
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps must be at least 1, got {self.steps}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be ours or torch, got {self.engine!r}")
+        if not 0 < self.lr < float("inf"):
+            raise ValueError(f"lr must be a positive finite number, got {self.lr}")
+        if self.ranks_per_node < 0 or self.seed < 0:
+            raise ValueError(f"ranks_per_node and seed must be non-negative, got {self.ranks_per_node} and {self.seed}")
+        if not self.timeout_s > 0 or self.timeout_s == float("inf"):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {self.timeout_s}")
+        if self.checkpoint_every < 0 or self.checkpoint_keep < 1:
+            raise ValueError(f"checkpoint_every must be >= 0 and checkpoint_keep >= 1, got {self.checkpoint_every} "
+                             f"and {self.checkpoint_keep}")
+        if (self.checkpoint_dir or self.resume) and self.engine != "ours":
+            raise ValueError("checkpoints are implemented for --engine ours only")
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("resume needs a checkpoint_dir")
+
+    def replace(self, **changes: object) -> "RunConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out.update(plan=self.plan.to_dict(), model=self.model.to_dict(), job=self.job.to_dict())
+        return out
+
+    @classmethod
+    def from_dict(cls, data: object, *, what: str = "run config") -> "RunConfig":
+        """Any JSON value gives a RunConfig or a PlannerError naming the bad key (types checked)."""
+        return dataclass_from_dict(cls, data, what=what)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One optimizer step: the global mean loss and the slowest rank's wall time."""
+
+    step: int
+    loss: float
+    step_time_s: float
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """The steady state of a run (the first, allocating step dropped where there are more)."""
+
+    median_step_time_s: float
+    tokens_per_s: float
+    peak_memory_bytes: int  # the largest rank's: torch.cuda.max_memory_allocated, or the resident set on CPU
+    # Bytes per step summed over all ranks by kind and link class (runners/comm.py), and seconds per step
+    # a rank spent blocked on communication.
+    comm_bytes: dict[str, int]
+    comm_wait_s: float
+    world_size: int
+    device: str
+    engine: str
+    # False under --engine torch: torch's collectives bypass runners.comm, so comm_bytes stay zero.
+    comm_counted: bool = True
+
+
+@dataclass(frozen=True)
+class RunMetrics:
+    """What a run reports: its plan, every step, the summary and the prediction it was handed."""
+
+    plan: Plan
+    steps: tuple[StepRecord, ...]
+    summary: RunSummary
+    predicted: dict | None = None
+
+    @property
+    def losses(self) -> list[float]:
+        return [s.loss for s in self.steps]
+
+    def to_dict(self) -> dict:
+        return {"plan": self.plan.to_dict(), "steps": [dataclasses.asdict(s) for s in self.steps],
+                "summary": dataclasses.asdict(self.summary), "predicted": self.predicted}
+
+    @classmethod
+    def from_dict(cls, data: object, *, what: str = "metrics") -> "RunMetrics":
+        return dataclass_from_dict(cls, data, what=what)
+
+
+@dataclass(frozen=True)
+class TimingSpec:
+    """The batched timing run (runners/timing.py): several plans' trainers in one set of processes,
+    taking turns `steps_per_round` steps each, `rounds` times over."""
+
+    configs: tuple[RunConfig, ...]
+    labels: tuple[str, ...]
+    rounds: int
+    steps_per_round: int = 3
+
+    def __post_init__(self) -> None:
+        if not self.configs or len(self.labels) != len(self.configs):
+            raise ValueError(f"need one label per config, got {len(self.labels)} labels for {len(self.configs)}")
+        if self.rounds < 1 or self.steps_per_round < 1:
+            raise ValueError(f"rounds and steps_per_round must be at least 1, got {self.rounds}, {self.steps_per_round}")
+
+    def to_dict(self) -> dict:
+        return {"configs": [c.to_dict() for c in self.configs], "labels": list(self.labels), "rounds": self.rounds,
+                "steps_per_round": self.steps_per_round}
+
+    @classmethod
+    def from_dict(cls, data: object, *, what: str = "timing spec") -> "TimingSpec":
+        return dataclass_from_dict(cls, data, what=what)
+
+
+@dataclass(frozen=True)
+class TimingResult:
+    """Every timed step of each plan of a TimingSpec (the slowest rank's seconds), in the spec's order."""
+
+    step_times_s: tuple[tuple[float, ...], ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict:
+        return {"step_times_s": [list(t) for t in self.step_times_s]}
+
+    @classmethod
+    def from_dict(cls, data: object, *, what: str = "timing result") -> "TimingResult":
+        return dataclass_from_dict(cls, data, what=what)

@@ -1,0 +1,62 @@
+"""Batched timing: several plans' trainers in one set of processes, taking turns, so that process
+start-up (most of a short run on a loaded host) is paid once and every plan is sampled across the whole
+measurement window: a burst of load from other processes spreads over all plans instead of landing on
+one plan's run.
+
+    python -m torch.distributed.run --nproc-per-node 4 -m runners.timing --work-dir DIR   (DIR/spec.json: a TimingSpec)
+
+Each plan runs `steps_per_round` steps per round with the training loop's own step (runners.train.
+timed_step, ranks started together by a barrier); its first step ever allocates its buffers and is run
+untimed. Memory is not measured here (every trainer lives in the same processes).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from runners.config import TimingResult, TimingSpec
+
+
+def run_task(spec_dict: dict) -> TimingResult | None:
+    """The worker task (runners.launch.worker_main)."""
+    from runners.data import make_data
+    from runners.faults import init_distributed
+    from runners.launch import emit_event
+    from runners.train import make_trainer, pick_device, timed_step
+
+    spec = TimingSpec.from_dict(spec_dict)
+    device, backend = pick_device()
+    init_distributed(backend, timeout_s=max(c.timeout_s for c in spec.configs))
+    rank = dist.get_rank()
+    trainers: dict[int, tuple] = {}
+    times: list[list[float]] = [[] for _ in spec.configs]
+    step_of = [0] * len(spec.configs)
+    total = spec.rounds * len(spec.configs)
+    for r in range(spec.rounds):
+        for i, cfg in enumerate(spec.configs):
+            if rank == 0:
+                emit_event("progress", done=r * len(spec.configs) + i + 1, total=total,
+                           label=f"round {r + 1}: {spec.labels[i]}")
+            if i not in trainers:
+                torch.manual_seed(cfg.seed)
+                trainers[i] = (make_trainer(cfg, device=device),
+                               make_data(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.job.seq_len, seed=cfg.seed))
+            trainer, data = trainers[i]
+            for timed in ([False] if step_of[i] == 0 else []) + [True] * spec.steps_per_round:
+                record = timed_step(trainer, data.global_batch(step_of[i], cfg.job.global_batch), device=device,
+                                    barrier=True)
+                step_of[i] += 1
+                if timed:
+                    times[i].append(record.step_time_s)
+    dist.barrier()
+    dist.destroy_process_group()
+    return TimingResult(step_times_s=tuple(tuple(t) for t in times)) if rank == 0 else None
+
+
+if __name__ == "__main__":
+    import sys
+
+    from runners.launch import worker_main
+
+    sys.exit(worker_main(run_task))
