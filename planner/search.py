@@ -404,7 +404,8 @@ class _BranchAndBound:
 
     def __init__(self, problem: Problem, pricer: _Pricer, options: SearchOptions) -> None:
         self.problem, self.pricer, self.options = problem, pricer, options
-        self.limit_bytes = float(problem.cluster.hardware.memory_bytes)
+        hw = problem.cluster.hardware
+        self.limit_bytes = float(hw.memory_bytes) * (1.0 - problem.job.headroom(hw.device_type))
         self.priced: list[Candidate] = []
         self.fitting: list[Candidate] = []
         self.top_times: list[float] = []  # negated step times of the k fastest fitting plans (a max-heap)
@@ -483,7 +484,10 @@ class _BranchAndBound:
                 if leanest is None or cand.estimate.peak_memory_bytes < leanest.estimate.peak_memory_bytes:
                     leanest = cand
         est = leanest.estimate
-        return (f"no plan fits in {format_bytes(est.memory_limit_bytes)} per device; the leanest "
+        hw = self.problem.cluster.hardware
+        headroom = self.problem.job.headroom(hw.device_type)
+        room = f" ({format_bytes(hw.memory_bytes)} less the {headroom:.0%} memory headroom)" if headroom else ""
+        return (f"no plan fits in {format_bytes(est.memory_limit_bytes)} per device{room}; the leanest "
                 f"({leanest.plan.describe()}) needs {format_bytes(est.peak_memory_bytes)} per device")
 
 

@@ -25,14 +25,16 @@ class Problem:
 
 
 def make_problem(*, model: str, hardware: str, gpus: int, gpus_per_node: int | None,
-                 global_batch: int, seq_len: int | None, precision: str | None = None) -> Problem:
+                 global_batch: int, seq_len: int | None, precision: str | None = None,
+                 memory_headroom: float | None = None) -> Problem:
     spec = resolve_model(model)
     hw = resolve_hardware(hardware)
     cluster = make_cluster(hardware=hw, num_devices=gpus, devices_per_node=gpus_per_node)
     if precision is None:
         precision = "fp32" if hw.device_type == "cpu" else "bf16"
     try:
-        job = Job(global_batch=global_batch, seq_len=seq_len or min(spec.max_seq_len, 2048), precision=precision)
+        job = Job(global_batch=global_batch, seq_len=seq_len or min(spec.max_seq_len, 2048), precision=precision,
+                  memory_headroom=memory_headroom)
     except ValueError as exc:
         raise PlannerError(str(exc)) from None
     return Problem(model=spec, cluster=cluster, job=job)

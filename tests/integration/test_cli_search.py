@@ -82,7 +82,7 @@ def test_search_with_optuna_resumes_its_study(tmp_path):
     (["estimate", "--model", "tiny", "--hardware", "cpu", "--gpus", "8", "--global-batch", "12"],
      "global batch 12 is not divisible"),
     (["search", "--model", "gpt3-175b", "--hardware", "a100", "--gpus", "8", "--global-batch", "8"],
-     "no plan fits in 80.0 GiB per device; the leanest"),
+     "no plan fits in 72.0 GiB per device (80.0 GiB less the 10% memory headroom); the leanest"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message):
     result = invoke(*args)

@@ -164,11 +164,12 @@ def test_pricing_two_thousand_plans_is_fast():
                           schedule="interleaved-1f1b" if inter else "1f1b", virtual_stages=2 if inter else 1, **kw))
     plans = (plans * (2000 // len(plans) + 1))[:2000]
     assert max(p.num_micro_batches for p in plans) == 1024
-    start = time.perf_counter()
+    start = time.process_time()
     for plan in plans:
         estimate(plan, model=model, cluster=cluster, job=job)
-    # A smoke bound (the shared CI machine is slow and busy); the benchmark measures the real figure.
-    assert time.perf_counter() - start < 10.0
+    # A smoke bound on this process's CPU time (the shared CI machine is slow and busy: wall time would
+    # count the other jobs); the benchmark measures the real figure.
+    assert time.process_time() - start < 10.0
 
 
 def test_megatron_reference_runs_within_tolerance():
