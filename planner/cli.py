@@ -56,6 +56,8 @@ GpusOpt = Annotated[int, typer.Option("--gpus", help="Number of devices in the c
 GpusPerNodeOpt = Annotated[Optional[int], typer.Option("--gpus-per-node", help="Devices per node (default 8 for GPUs).")]
 GlobalBatchOpt = Annotated[int, typer.Option("--global-batch", help="Sequences per optimizer step.")]
 SeqLenOpt = Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per sequence (default: min(model max, 2048)).")]
+HeadroomOpt = Annotated[Optional[float], typer.Option(
+    "--memory-headroom", help="Share of each device's memory every plan leaves free, 0-0.9 (default 0.1 on GPUs, 0 on CPU).")]
 PrecisionOpt = Annotated[Optional[str], typer.Option("--precision", help="bf16, fp16 or fp32 (default: fp32 on CPU, else bf16).")]
 FormatOpt = Annotated[OutputFormat, typer.Option("--format", help="table or json.")]
 
@@ -267,7 +269,7 @@ class _BadInput:
 def search_command(
     model: ModelOpt, hardware: HardwareOpt, gpus: GpusOpt, global_batch: GlobalBatchOpt,
     gpus_per_node: GpusPerNodeOpt = None, seq_len: SeqLenOpt = None, precision: PrecisionOpt = None,
-    top: TopOpt = 5,
+    memory_headroom: HeadroomOpt = None, top: TopOpt = 5,
     out: Annotated[Optional[str], typer.Option("--out", help="Write the winner here ({plan, estimate, model, job}; for --plan).")] = None,
     optuna_trials: Annotated[int, typer.Option("--optuna-trials", help="TPE trials tuning per-stage knobs around the winner.")] = 0,
     storage: Annotated[Optional[str], typer.Option("--storage", help="Optuna storage, e.g. sqlite:///tune.db, so a search resumes.")] = None,
@@ -293,7 +295,8 @@ def search_command(
         if top < 1 or optuna_trials < 0:
             raise PlannerError(f"--top must be at least 1 and --optuna-trials at least 0, got {top} and {optuna_trials}")
         problem = make_problem(model=model, hardware=hardware, gpus=gpus, gpus_per_node=gpus_per_node,
-                               global_batch=global_batch, seq_len=seq_len, precision=precision)
+                               global_batch=global_batch, seq_len=seq_len, precision=precision,
+                               memory_headroom=memory_headroom)
         start = time.perf_counter()
         with err_console.status("searching") as status:
             result = search(problem, options=SearchOptions(
@@ -377,7 +380,7 @@ def _why_winner(winner, runner_up) -> str:
 def estimate_command(
     model: ModelOpt, hardware: HardwareOpt, gpus: GpusOpt, global_batch: GlobalBatchOpt,
     gpus_per_node: GpusPerNodeOpt = None, seq_len: SeqLenOpt = None, precision: PrecisionOpt = None,
-    plan_file: PlanFileOpt = None,
+    memory_headroom: HeadroomOpt = None, plan_file: PlanFileOpt = None,
     fmt: FormatOpt = OutputFormat.table,
     plan_options: dict | None = None,
 ) -> None:
@@ -394,7 +397,8 @@ def estimate_command(
 
     with _BadInput():
         problem = make_problem(model=model, hardware=hardware, gpus=gpus, gpus_per_node=gpus_per_node,
-                               global_batch=global_batch, seq_len=seq_len, precision=precision)
+                               global_batch=global_batch, seq_len=seq_len, precision=precision,
+                               memory_headroom=memory_headroom)
         plan = load_plan(plan_file, problem) if plan_file else plan_from_options(plan_options or {}, problem)
         est = estimate(plan, model=problem.model, cluster=problem.cluster, job=problem.job)
     if fmt is OutputFormat.json:
@@ -403,7 +407,7 @@ def estimate_command(
     console.print(f"plan: {plan.describe()}", highlight=False)
     console.print(f"step {est.step_time_s:.4f} s   {est.tokens_per_s:,.0f} tokens/s   MFU {est.mfu:.1%}   "
                   f"{est.tflops_per_gpu:.0f} TFLOP/s per GPU   memory {est.peak_memory_bytes / 2**30:.2f} of "
-                  f"{est.memory_limit_bytes / 2**30:.2f} GiB per device", highlight=False)
+                  f"{est.memory_limit_bytes / 2**30:.2f} GiB per device (after the memory headroom)", highlight=False)
     table = Table(title="Breakdown (critical rank's time, worst rank's memory)")
     for col in ("term", "value"):
         table.add_column(col, justify="left" if col == "term" else "right")
@@ -544,11 +548,14 @@ def validate_command(
     png: Annotated[Optional[str], typer.Option("--png", help="Predicted-vs-measured scatter (default: next to --out).")] = None,
     cluster: Annotated[bool, typer.Option("--cluster", help="Run every plan across the emulated cluster's nodes (`planner cluster up`) instead of --nproc local processes.")] = False,
     cluster_prefix: Annotated[str, typer.Option("--cluster-prefix", help="Name prefix of the emulated cluster.")] = "planner",
+    published: Annotated[Optional[str], typer.Option("--published", help="Instead of running plans, price published measured GPU runs: the repo's set (benchmarks/published/dense_runs.csv) or this CSV.")] = None,
+    loso: Annotated[bool, typer.Option("--loso/--no-loso", help="With --published: also the leave-one-source-out MAPE (prices every row at several compute scales).")] = True,
     fmt: FormatOpt = OutputFormat.table,
 ) -> None:
     """Run a spread of plans for real and compare measured with predicted step time and memory.
 
     Reports MAPE, max error, Kendall tau and the regret of the model's top pick; failed runs are listed.
+    With --published, prices published measured runs (each as its engine runs it) instead.
 
     Examples:
       planner validate --nproc 4 --hardware profile.json --out validate.json
@@ -556,9 +563,15 @@ def validate_command(
       planner validate --nproc 4 --rounds 3 --png scatter.png
       planner validate --nproc 4 --timing-rounds 6      # on a loaded host: one interleaved batched timing run
       planner validate --cluster --hardware cluster-profile.json --max-plans 6   # on `planner cluster up`
+      planner validate --published --format json        # the cost model against published GPU runs
+      planner validate --published runs.csv --no-loso
     """
     from specs.jsonio import write_json_atomic
     from planner.validate import ValidateSettings, validate, write_scatter_png
+
+    if published is not None:
+        _validate_published(published, loso=loso, fmt=fmt)
+        return
 
     with _BadInput():
         settings = ValidateSettings(model=model, hardware=hardware, nproc=nproc, global_batch=global_batch,
@@ -591,10 +604,35 @@ def validate_command(
                   highlight=False)
 
 
+def _validate_published(path: str, *, loso: bool, fmt: OutputFormat) -> None:
+    from planner.published import DEFAULT_CSV, validate_published
+
+    with _BadInput(), err_console.status("pricing published runs"):
+        report = validate_published(DEFAULT_CSV if path == PUBLISHED_DEFAULT else path, loso=loso)
+    if fmt is OutputFormat.json:
+        print_json(report.to_dict())
+        return
+    table = Table(title="Published measured runs against the cost model (each priced as its engine runs it)")
+    for col in ("source", "rows", "MAPE", "mean error", "LOSO MAPE"):
+        table.add_column(col, justify="left" if col == "source" else "right")
+    for source, stats in report.per_source.items():
+        loso_cell = _pct(stats["loso_mape"]) if "loso_mape" in stats else "-"
+        table.add_row(source, str(stats["num_rows"]), _pct(stats["mape"]), f"{stats['mean_error']:+.1%}", loso_cell)
+    console.print(table)
+    tau = "-" if report.kendall_tau is None else f"{report.kendall_tau:.3f}"
+    regret = "-" if report.regret is None else _pct(report.regret)
+    loso_all = "-" if report.loso_mape is None else _pct(report.loso_mape)
+    console.print(f"{report.num_rows} rows: MAPE {_pct(report.mape)}, within-model Kendall tau {tau}, worst top-pick "
+                  f"regret {regret}, leave-one-source-out MAPE {loso_all}", highlight=False)
+    for line in report.skipped:
+        err_console.print(f"skipped {line}", markup=False, highlight=False, soft_wrap=True)
+
+
 @app.command("calibrate")
 def calibrate_command(
-    measurements: Annotated[str, typer.Option("--measurements", help="A `planner validate --out` report.")],
-    hardware: Annotated[Optional[str], typer.Option("--hardware", help="Profile to start from (default: the report's).")] = None,
+    measurements: Annotated[Optional[str], typer.Option("--measurements", help="A `planner validate --out` report.")] = None,
+    from_runs: Annotated[Optional[str], typer.Option("--from-runs", help="A CSV of a GPU cluster's past training runs (any engine; columns in planner/published.py) to fit --hardware's free parameters to.")] = None,
+    hardware: Annotated[Optional[str], typer.Option("--hardware", help="Profile to start from (default: the report's; required with --from-runs).")] = None,
     out: Annotated[Optional[str], typer.Option("--out", help="Calibrated profile (default: overwrite --hardware's file).")] = None,
     held_out_every: Annotated[int, typer.Option("--held-out-every", help="Hold out every k-th plan by measured time.")] = 2,
     parameters: Annotated[Optional[str], typer.Option("--parameters", help="Comma list of step-time parameters to fit (default: all).")] = None,
@@ -609,13 +647,23 @@ def calibrate_command(
       planner calibrate --measurements validate.json --hardware profile.json
       planner calibrate --measurements validate.json --hardware cpu --out calibrated.json --format json
       planner calibrate --measurements validate.json --parameters op_overhead_s,collective_overhead_s --held-out-every 3
+      planner calibrate --from-runs runs.csv --hardware h100 --out h100-cluster.json
     """
-    from planner.calibrate import calibrate_measurements
+    from planner.calibrate import calibrate_from_runs, calibrate_measurements
 
     with _BadInput(), err_console.status("fitting"):
-        target, result = calibrate_measurements(
-            measurements, hardware=hardware, out=out, held_out_every=held_out_every, fit_memory=memory,
-            parameters=tuple(p.strip() for p in parameters.split(",")) if parameters else None)
+        names = tuple(p.strip() for p in parameters.split(",")) if parameters else None
+        if (measurements is None) == (from_runs is None):
+            raise PlannerError("give one of --measurements (a planner validate report) or --from-runs (a runs CSV)")
+        if from_runs is not None:
+            if hardware is None:
+                raise PlannerError("--from-runs needs --hardware: the GPU preset or profile the runs ran on")
+            target, result = calibrate_from_runs(from_runs, hardware=hardware, out=out, held_out_every=held_out_every,
+                                                 parameters=names, fit_memory=memory)
+        else:
+            target, result = calibrate_measurements(
+                measurements, hardware=hardware, out=out, held_out_every=held_out_every, fit_memory=memory,
+                parameters=names)
     if fmt is OutputFormat.json:
         print_json({"out": target, **result.to_dict()})
         return
@@ -856,6 +904,18 @@ def cluster_exec(
     raise typer.Exit(subprocess.call(exec_argv(load_state(prefix), node, ctx.args)))
 
 
+PUBLISHED_DEFAULT = "@repo"
+
+
+def _default_published_value(argv: list[str]) -> None:
+    """`planner validate --published` with no CSV after it means the repo's set (click options cannot
+    take an optional value): give it the sentinel value."""
+    for i, arg in enumerate(argv):
+        if arg == "--published" and (i + 1 == len(argv) or argv[i + 1].startswith("-")):
+            argv.insert(i + 1, PUBLISHED_DEFAULT)
+            return
+
+
 def main() -> None:
     """Console-script entry: bad input is one line on stderr and exit code 2, never a traceback.
 
@@ -868,6 +928,7 @@ def main() -> None:
     except ImportError:  # older typer on click
         from click import exceptions as click_errors
 
+    _default_published_value(sys.argv)
     try:
         # Not standalone: click's own usage errors come back here and are printed as one line too
         # (standalone mode would draw a multi-line rich box).
