@@ -232,11 +232,10 @@ def layer_costs(plan, *, model, cluster, job) -> LayerCosts:
     tp_comm = {"none": 2 * tp_fwd_s, "selective": 2 * tp_fwd_s, "full": 3 * tp_fwd_s}
     time_s = {p: times.forward_s + times.backward_s + recompute_s[p] + tp_comm[p] for p in POLICIES}
     activation = {p: layer_activation_bytes(model, policy=p, **dims) for p in POLICIES}
-    state = model_state_bytes(layer_params_per_device(model, tp=tp), param_shard=plan.param_shard,
-                              grad_shard=plan.grad_shard, optim_shard=plan.optim_shard, precision=job.precision)
-    first_params, last_params = end_params_per_device(model, tp=tp, pp=plan.pp)
     shards = dict(param_shard=plan.param_shard, grad_shard=plan.grad_shard, optim_shard=plan.optim_shard,
-                  precision=job.precision)
+                  precision=job.precision, reduce_fp32=plan.reduce_fp32)
+    state = model_state_bytes(layer_params_per_device(model, tp=tp), **shards)
+    first_params, last_params = end_params_per_device(model, tp=tp, pp=plan.pp)
     first_act, last_act = end_activation_bytes(model, **dims)
     return LayerCosts(
         time_s=time_s, activation_bytes=activation, state_bytes=state.total_bytes,
@@ -397,7 +396,8 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
         tp_comm += costs.last_extra_tp_comm_s
         activation += costs.last_extra_activation_bytes
         num_params += end_params[1]
-    param_bytes, grad_bytes, _ = state_bytes_per_param(job.precision)
+    # Gradients reduce in their own dtype (fp32 under the reduce_fp32 knob): 4-byte reductions.
+    param_bytes, grad_bytes, _ = state_bytes_per_param(job.precision, reduce_fp32=plan.reduce_fp32)
     layer_bytes = layer_params * param_bytes
     end_bytes = ((end_params[0] if first else 0.0) + (end_params[1] if last else 0.0)) * param_bytes
     fraction = 1.0
@@ -474,7 +474,7 @@ def _rank_memory(plan, cluster, *, model, job, chunks: list[_ChunkPrice], rank: 
     mine = [c for c in range(plan.num_chunks) if c % plan.pp == rank]
     num_params = sum(chunks[c].num_params for c in mine)
     states = model_state_bytes(num_params, param_shard=plan.param_shard, grad_shard=plan.grad_shard,
-                               optim_shard=plan.optim_shard, precision=job.precision)
+                               optim_shard=plan.optim_shard, precision=job.precision, reduce_fp32=plan.reduce_fp32)
     if plan.schedule == "gpipe":  # all forwards first: every micro-batch in flight at once
         activations = sum(plan.num_micro_batches * chunks[c].activation_bytes + chunks[c].cache_bytes for c in mine)
     else:
@@ -485,7 +485,7 @@ def _rank_memory(plan, cluster, *, model, job, chunks: list[_ChunkPrice], rank: 
     layer_bytes = layer_params_per_device(model, tp=plan.tp) * param_bytes
     gathered = (plan.prefetch_depth + 1) * layer_bytes if plan.param_shard > 1 else 0.0
     # One bucket in flight, never more than the rank's gradients.
-    grad_bytes = num_params * state_bytes_per_param(job.precision)[1]
+    grad_bytes = num_params * state_bytes_per_param(job.precision, reduce_fp32=plan.reduce_fp32)[1]
     bucket = float(min(plan.bucket_size_bytes, grad_bytes)) if plan.dp > 1 else 0.0
     logits = (logits_bytes(model, micro_batch=plan.micro_batch, seq_len=job.seq_len, tp=plan.tp)
               if plan.num_chunks - 1 in mine else 0.0)
