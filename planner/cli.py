@@ -228,7 +228,10 @@ def _launch_with_progress(cfg, request, *, quiet: bool):
 def _print_run_report(metrics) -> None:
     summary, predicted = metrics.summary, metrics.predicted or {}
     losses = metrics.losses
-    console.print(f"plan: {metrics.plan.describe()}   losses: {losses[0]:.4f} -> {losses[-1]:.4f}")
+    precision = f"   {summary.precision} on {summary.device}" if summary.precision else ""
+    if summary.skipped_steps:
+        precision += f" ({summary.skipped_steps} steps skipped on overflow, loss scale {summary.loss_scale:g})"
+    console.print(f"plan: {metrics.plan.describe()}   losses: {losses[0]:.4f} -> {losses[-1]:.4f}{precision}")
     table = Table(title="Measured beside predicted")
     for col in ("", "measured", "predicted", "measured / predicted"):
         table.add_column(col, justify="right")
