@@ -166,10 +166,11 @@ def num_ops(model) -> dict[str, int]:
 ADAM_BYTES_PER_PARAM = 28
 
 
-def reduce_bytes_per_param(precision: str, eng) -> int:
+def reduce_bytes_per_param(precision: str, eng, *, reduce_fp32: bool = False) -> int:
     """Bytes per parameter the DP gradient reduction moves: the gradient's dtype, fp32 where the engine
-    reduces fp32 main gradients (Megatron) or reduces in fp32 (torchtitan's FSDP2)."""
-    grad_bytes = state_bytes_per_param(precision)[1]
+    reduces fp32 main gradients (Megatron) or reduces in fp32 (torchtitan's FSDP2), or the plan asks it
+    of this engine (the reduce_fp32 knob)."""
+    grad_bytes = state_bytes_per_param(precision, reduce_fp32=reduce_fp32)[1]
     return 4 if eng.reduce_fp32 else grad_bytes
 
 
@@ -260,11 +261,10 @@ def layer_costs(plan, *, model, cluster, job, engine: str = "ours") -> LayerCost
     time_s = {p: times.forward_s + times.backward_s + recompute_s[p] + tp_comm[p] for p in POLICIES}
     activation = {p: layer_activation_bytes(model, policy=p, **dims, fused=fused_attention(model, eng, hw))
                   for p in POLICIES}
-    state = model_state_bytes(layer_params_per_device(model, tp=tp), param_shard=plan.param_shard,
-                              grad_shard=plan.grad_shard, optim_shard=plan.optim_shard, precision=job.precision)
-    first_params, last_params = end_params_per_device(model, tp=tp, pp=plan.pp)
     shards = dict(param_shard=plan.param_shard, grad_shard=plan.grad_shard, optim_shard=plan.optim_shard,
-                  precision=job.precision)
+                  precision=job.precision, reduce_fp32=plan.reduce_fp32)
+    state = model_state_bytes(layer_params_per_device(model, tp=tp), **shards)
+    first_params, last_params = end_params_per_device(model, tp=tp, pp=plan.pp)
     first_act, last_act = end_activation_bytes(model, **dims)
     return LayerCosts(
         time_s=time_s, activation_bytes=activation, state_bytes=state.total_bytes,
@@ -436,9 +436,11 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
         tp_comm += costs.last_extra_tp_comm_s
         activation += costs.last_extra_activation_bytes
         num_params += end_params[1]
-    param_bytes, grad_bytes, _ = state_bytes_per_param(job.precision)
+    param_bytes, _, _ = state_bytes_per_param(job.precision)
     param_bytes = min(param_bytes, 2) if job.precision == "fp8" else param_bytes  # gathers move the bf16 copy
-    grad_bytes = reduce_bytes_per_param(job.precision, eng)
+    # Gradients reduce in their own dtype: fp32 under the reduce_fp32 knob or where the engine reduces
+    # fp32 main gradients (Megatron, torchtitan): 4-byte reductions.
+    grad_bytes = reduce_bytes_per_param(job.precision, eng, reduce_fp32=plan.reduce_fp32)
     layer_bytes = layer_params * param_bytes
     end_bytes = ((end_params[0] if first else 0.0) + (end_params[1] if last else 0.0)) * param_bytes
     fraction = 1.0
@@ -519,7 +521,7 @@ def _rank_memory(plan, cluster, *, model, job, chunks: list[_ChunkPrice], rank: 
     mine = [c for c in range(plan.num_chunks) if c % plan.pp == rank]
     num_params = sum(chunks[c].num_params for c in mine)
     states = model_state_bytes(num_params, param_shard=plan.param_shard, grad_shard=plan.grad_shard,
-                               optim_shard=plan.optim_shard, precision=job.precision)
+                               optim_shard=plan.optim_shard, precision=job.precision, reduce_fp32=plan.reduce_fp32)
     if eng is not None and eng.main_grads_fp32 and job.precision != "fp32":
         # Megatron's fp32 main-gradient buffer holds every local parameter's gradient (the distributed
         # optimizer shards the optimizer states, not this buffer).
@@ -534,7 +536,7 @@ def _rank_memory(plan, cluster, *, model, job, chunks: list[_ChunkPrice], rank: 
     layer_bytes = layer_params_per_device(model, tp=plan.tp) * param_bytes
     gathered = (plan.prefetch_depth + 1) * layer_bytes if plan.param_shard > 1 else 0.0
     # One bucket in flight, never more than the rank's gradients.
-    grad_bytes = num_params * state_bytes_per_param(job.precision)[1]
+    grad_bytes = num_params * state_bytes_per_param(job.precision, reduce_fp32=plan.reduce_fp32)[1]
     bucket = float(min(plan.bucket_size_bytes, grad_bytes)) if plan.dp > 1 else 0.0
     logits = (logits_bytes(model, micro_batch=plan.micro_batch, seq_len=job.seq_len, tp=plan.tp)
               if plan.num_chunks - 1 in mine else 0.0)

@@ -45,11 +45,13 @@ def gpu_runtime_bytes(*, num_communicators: int, transient_bytes: float) -> floa
     return CUDA_CONTEXT_BYTES + NCCL_BYTES_PER_COMMUNICATOR * num_communicators + ALLOCATOR_FRAGMENTATION * transient_bytes
 
 
-def state_bytes_per_param(precision: str) -> tuple[int, int, int]:
-    """(parameter, gradient, optimizer) bytes per parameter for Adam."""
+def state_bytes_per_param(precision: str, *, reduce_fp32: bool = False) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer) bytes per parameter for Adam; `reduce_fp32` (the plan's knob) keeps
+    mixed-precision gradients in fp32 (4 bytes, as torch FSDP's reduce_dtype=float32); fp8 keeps bf16
+    weights plus their fp8 copy."""
     if precision == "fp32":
         return (4, 4, 8)
-    return (3, 2, 12) if precision == "fp8" else (2, 2, 12)  # fp8: bf16 weights plus their fp8 copy
+    return (3 if precision == "fp8" else 2, 4 if reduce_fp32 else 2, 12)
 
 
 @dataclass(frozen=True)
@@ -64,9 +66,9 @@ class StateBytes:
 
 
 def model_state_bytes(num_params: float, *, param_shard: int, grad_shard: int, optim_shard: int,
-                      precision: str) -> StateBytes:
+                      precision: str, reduce_fp32: bool = False) -> StateBytes:
     """Bytes of weights, gradients and optimizer states of `num_params` parameters under the sharding."""
-    p, g, o = state_bytes_per_param(precision)
+    p, g, o = state_bytes_per_param(precision, reduce_fp32=reduce_fp32)
     return StateBytes(num_params * p / param_shard, num_params * g / grad_shard, num_params * o / optim_shard)
 
 

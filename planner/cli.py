@@ -52,6 +52,8 @@ class OutputFormat(str, Enum):
 # --- shared options (Annotated aliases) -------------------------------------------------------------
 ModelOpt = Annotated[str, typer.Option("--model", help="Preset name, HF config.json, or model JSON.")]
 HardwareOpt = Annotated[str, typer.Option("--hardware", help="Preset (a100, h100, h200, cpu) or profile JSON.")]
+LocalHardwareOpt = Annotated[Optional[str], typer.Option(
+    "--hardware", help="Preset (a100, h100, h200, cpu) or profile JSON (default: this machine: its GPU's preset, or cpu).")]
 GpusOpt = Annotated[int, typer.Option("--gpus", help="Number of devices in the cluster.")]
 GpusPerNodeOpt = Annotated[Optional[int], typer.Option("--gpus-per-node", help="Devices per node (default 8 for GPUs).")]
 GlobalBatchOpt = Annotated[int, typer.Option("--global-batch", help="Sequences per optimizer step.")]
@@ -145,7 +147,7 @@ StepsOpt = Annotated[int, typer.Option("--steps", help="Optimizer steps to train
 @takes_plan_options
 def run(
     model: ModelOpt = "tiny",
-    hardware: HardwareOpt = "cpu",
+    hardware: LocalHardwareOpt = None,
     global_batch: GlobalBatchOpt = 8,
     seq_len: SeqLenOpt = 64,
     steps: StepsOpt = 10,
@@ -228,7 +230,10 @@ def _launch_with_progress(cfg, request, *, quiet: bool):
 def _print_run_report(metrics) -> None:
     summary, predicted = metrics.summary, metrics.predicted or {}
     losses = metrics.losses
-    console.print(f"plan: {metrics.plan.describe()}   losses: {losses[0]:.4f} -> {losses[-1]:.4f}")
+    precision = f"   {summary.precision} on {summary.device}" if summary.precision else ""
+    if summary.skipped_steps:
+        precision += f" ({summary.skipped_steps} steps skipped on overflow, loss scale {summary.loss_scale:g})"
+    console.print(f"plan: {metrics.plan.describe()}   losses: {losses[0]:.4f} -> {losses[-1]:.4f}{precision}")
     table = Table(title="Measured beside predicted")
     for col in ("", "measured", "predicted", "measured / predicted"):
         table.add_column(col, justify="right")
@@ -432,7 +437,7 @@ def _count(n: float) -> str:
 @app.command()
 def profile(
     out: Annotated[str, typer.Option("--out", help="Where to write the Hardware profile JSON.")] = "profile.json",
-    nproc: Annotated[int, typer.Option("--nproc", help="Processes for the collective benchmark (torchrun).")] = 2,
+    nproc: Annotated[int, typer.Option("--nproc", help="Processes for the collective benchmark (torchrun; 1: no collectives, links from the device's preset).")] = 2,
     gpus_per_node: GpusPerNodeOpt = None,
     quick: Annotated[bool, typer.Option("--quick", help="Fewer shapes, messages up to 16 MiB, short repeats.")] = False,
     model: ModelOpt = "tiny",
@@ -449,6 +454,7 @@ def profile(
     Examples:
       planner profile --quick --out profile.json
       planner profile --nproc 4 --gpus-per-node 2 --out profile.json    # 2 emulated nodes of 2
+      planner profile --nproc 1 --model llama3.2-1b --out gpu.json      # one GPU
       planner profile --cluster --quick --out profile.json              # on `planner cluster up`
     """
     from specs.hardware import COLLECTIVES
@@ -491,6 +497,8 @@ def _print_profile(info: dict, *, out: str) -> None:
     for link in ("intra_node", "inter_node"):
         spec = info[link]
         console.print(f"{link}: {spec['bandwidth_bytes_per_s'] / 1e9:.3f} GB/s, {spec['latency_s'] * 1e6:.1f} us")
+    if info["links_from"] != "measured":
+        console.print(f"links not measured: taken from the {info['links_from']}")
 
 
 # --- planner validate, calibrate, explain, export, tune (the library sides are planner/<command>.py) ------
@@ -534,10 +542,10 @@ def _agreement_table(title: str, columns: dict) -> Table:
 
 @app.command("validate")
 def validate_command(
-    model: ModelOpt = "tiny", hardware: HardwareOpt = "cpu",
+    model: ModelOpt = "tiny", hardware: LocalHardwareOpt = None,
     nproc: Annotated[int, typer.Option("--nproc", help="Local processes every plan runs on.")] = 4,
     global_batch: GlobalBatchOpt = 16, seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")] = 64,
-    precision: Annotated[str, typer.Option("--precision", help="Compute precision of the runs.")] = "fp32",
+    precision: PrecisionOpt = None,
     steps: Annotated[int, typer.Option("--steps", help="Steps per run (the first is a warm-up).")] = 8,
     rounds: Annotated[int, typer.Option("--rounds", help="Runs per plan, interleaved across plans; medians.")] = 1,
     timing_rounds: Annotated[int, typer.Option("--timing-rounds", help="Rounds of one batched, interleaved timing run (0: time from the runs).")] = 0,

@@ -11,10 +11,36 @@ from specs.problem import Problem, make_problem
 from planner.inputs import load_plan, plan_from_options
 
 
+def local_hardware() -> str:
+    """The hardware this machine's runs are priced on by default: its GPU's preset (matched by name),
+    else cpu. A GPU without a preset is priced as an h100, with a warning (profile it instead)."""
+    import torch
+
+    from specs.hardware import preset_for_device
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name(0)
+    preset = preset_for_device(name)
+    if preset is not None:
+        return preset.name
+    warnings.warn(f"no hardware preset for {name}: pricing with h100's datasheet; `planner profile` measures it",
+                  stacklevel=2)
+    return "h100"
+
+
+def local_precision() -> str:
+    """The compute precision of a run on this machine by default: bf16 on a GPU that has it (with fp32
+    master weights), fp32 on CPU (where bf16 is emulated on most cores)."""
+    import torch
+
+    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+
+
 @dataclass(frozen=True)
 class RunRequest:
     model: str = "tiny"
-    hardware: str = "cpu"
+    hardware: str | None = None  # None: local_hardware()
     global_batch: int = 8
     seq_len: int | None = 64
     precision: str | None = None
@@ -67,15 +93,18 @@ def build_run(request: RunRequest, plan_options: dict):
         raise PlannerError(f"--checkpoint-dir {request.checkpoint_dir} exists and is not a directory")
     world, per_node = (int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))) \
         if under_torchrun() else where.topology()
-    problem: Problem = make_problem(model=request.model, hardware=request.hardware, gpus=world,
+    problem: Problem = make_problem(model=request.model, hardware=request.hardware or local_hardware(), gpus=world,
                                     gpus_per_node=request.gpus_per_node or per_node, global_batch=request.global_batch,
-                                    seq_len=request.seq_len, precision=request.precision or "fp32")
+                                    seq_len=request.seq_len, precision=request.precision or local_precision())
     _warn_if_profile_mismatch(problem)
     plan = load_plan(request.plan_file, problem) if request.plan_file else plan_from_options(plan_options, problem)
     if request.engine == "torch":
         from runners.torch_engine import torch_strategy
 
         torch_strategy(plan)  # refuse a plan torch cannot express before any process starts
+        if problem.job.precision == "fp16":
+            raise PlannerError("--engine torch has no loss scaling, so fp16 gradients would underflow; "
+                               "use --precision bf16, or --engine ours (dynamic loss scaling)")
     predicted = predict(plan, problem)
     try:
         return RunConfig(plan=plan, model=problem.model, job=problem.job, steps=request.steps, seed=request.seed,
@@ -122,7 +151,8 @@ def run_in_this_process(cfg) -> dict:
     import torch.distributed as dist
 
     from runners.faults import init_distributed
-    from runners.train import pick_device, train
+    from runners.launch import pick_device
+    from runners.train import train
 
     device, backend = pick_device()
     init_distributed(backend, timeout_s=cfg.timeout_s)

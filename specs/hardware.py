@@ -136,6 +136,9 @@ class Hardware:
     # SMs held by a collective running beside the compute being priced: 0 for the device itself,
     # nccl_ctas in its contended view (cost_models/compute.py contended).
     sms_held: int = 0
+    # Where a profile's links come from when no collective measured them ("" : measured, or a datasheet
+    # preset's own), e.g. "h200 preset" for `planner profile --nproc 1`.
+    links_from: str = ""
 
     def __post_init__(self) -> None:
         if self.device_type not in ("cuda", "cpu"):
@@ -277,6 +280,14 @@ PRESETS: dict[str, Hardware] = {
         inter_node=LinkSpec(bandwidth_bytes_per_s=1.25e8, latency_s=1e-3),
         gemm_max_efficiency=0.7, gemm_half_dim=16.0, kernel_overhead_s=1e-5),
 }
+
+
+def preset_for_device(device_name: str) -> Hardware | None:
+    """The GPU preset whose name appears in a CUDA device's name ('NVIDIA H200' -> h200), or None."""
+    for preset in PRESETS.values():
+        if preset.device_type == "cuda" and preset.name.lower() in device_name.lower():
+            return preset
+    return None
 
 
 def resolve_hardware(name_or_path: str) -> Hardware:

@@ -68,9 +68,10 @@ def test_gpt2_architecture_tp_sp_matches_one_process():
 
 
 def test_tied_embeddings_match_one_shared_parameter():
-    # The reference shares one Parameter; the engine keeps two copies whose reduced gradients it sums,
-    # on one rank (pp=1, sharded) and across the first and last pipeline stage (pp=2).
-    plans = [_z(2, 2, 2, 2, micro_batch=2, num_micro_batches=2),
+    # The reference shares one Parameter; so does the engine where both ends are on one rank and the
+    # weight is never sharded away (ZeRO-2); elsewhere it keeps two copies whose reduced gradients it sums,
+    # on one rank (pp=1, sharded parameters) and across the first and last pipeline stage (pp=2).
+    plans = [_z(2, 1, 2, 2, micro_batch=2, num_micro_batches=2), _z(2, 2, 2, 2, micro_batch=2, num_micro_batches=2),
              Plan(pp=2, micro_batch=1, num_micro_batches=4, schedule="1f1b")]
     # Seed 7: with the default seed, one Adam element whose gradient is ~0 flips sign under a different
     # summation order (micro-batching alone, one process, shows it too), so that seed tests rounding, not tying.
