@@ -31,8 +31,8 @@ from profilers.fit import GemmFit, bus_factor, fit_gemm, fit_latency_bandwidth
 from profilers.memory import MemoryResult, measure_memory
 from runners.launch import Where, run_workers
 from specs.errors import PlannerError
-from specs.hardware import (COLLECTIVES, PRESETS, CollectiveFit, GemmPoint, Hardware, LayerProbePoint, LinkSpec,
-                            preset_for_device)
+from specs.hardware import (COLLECTIVES, NCCL_CTAS, PRESETS, CollectiveFit, GemmPoint, Hardware, LayerProbePoint,
+                            LinkSpec, preset_for_device)
 from specs.model import resolve_model
 
 log = logging.getLogger(__name__)
@@ -230,7 +230,18 @@ def build_hardware(*, device: torch.device, compute: ComputeResult, memory: Memo
         gemm_points=tuple(GemmPoint(m=g.m, n=g.n, k=g.k, dtype=g.dtype, flops_per_s=g.flops / g.time_s)
                           for g in compute.gemms),
         elementwise_bytes_per_s=compute.elementwise_bytes_per_s,
-        links_from=f"{base.name} preset ({', '.join(kept)})" if kept else "")
+        links_from=f"{base.name} preset ({', '.join(kept)})" if kept else "",
+        # The wave model (cost_models/compute.py) needs the SM count; the device reports it, and the
+        # tile and NCCL's CTAs are the library's choices the preset records for this GPU family.
+        num_sms=_num_sms(device) or base.num_sms, gemm_tile=base.gemm_tile,
+        nccl_ctas=(base.nccl_ctas or NCCL_CTAS) if device.type == "cuda" else 0)
+
+
+def _num_sms(device: torch.device) -> int:
+    """The streaming multiprocessors of a CUDA device; 0 elsewhere."""
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def run_profile(options: ProfileOptions, *, progress: Progress = _no_progress) -> Hardware:

@@ -6,6 +6,7 @@ and probe shapes on CUDA, the probe fitted on CUDA, and separate process groups 
 from __future__ import annotations
 
 import os
+import types
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch.distributed as dist
 
 from specs.errors import PlannerError
 from specs.hardware import PRESETS, LayerProbePoint
+from specs.job import GPU_MEMORY_HEADROOM
 
 
 def fake_cuda(monkeypatch, *, count: int, name: str = "NVIDIA H200") -> list:
@@ -101,7 +103,8 @@ def test_a_gpu_run_defaults_to_bf16_and_its_gpus_preset(monkeypatch):
     fake_cuda(monkeypatch, count=1)
     gpu = build_run(RunRequest(nproc=2), {})
     assert gpu.job.precision == "bf16"  # was fp32 whatever the device, while search and estimate said bf16
-    assert gpu.predicted["memory_limit_bytes"] == PRESETS["h200"].memory_bytes
+    # The GPU preset less the default memory headroom every GPU plan keeps (specs/job.py).
+    assert gpu.predicted["memory_limit_bytes"] == int(PRESETS["h200"].memory_bytes * (1 - GPU_MEMORY_HEADROOM))
     assert build_run(RunRequest(nproc=2, precision="fp32"), {}).job.precision == "fp32"
 
 
@@ -141,7 +144,7 @@ def test_nccl_timeouts_raise_in_the_rank_instead_of_aborting_it(monkeypatch):
     assert faults.nccl_failure_env() == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # the user's choice is kept
 
 
-def test_profile_with_one_process_takes_the_links_from_the_gpus_preset_and_says_so():
+def test_profile_with_one_process_takes_the_links_from_the_gpus_preset_and_says_so(monkeypatch):
     from profilers.compute import ComputeResult
     from profilers.fit import GemmSample
     from profilers.memory import MemoryResult
@@ -160,7 +163,10 @@ def test_profile_with_one_process_takes_the_links_from_the_gpus_preset_and_says_
                             gemms=gemms)
     memory = MemoryResult(memory_bytes=140 * 2**30, memory_source="x", memory_bandwidth_bytes_per_s=4e12,
                           host_memory_bytes=2**40, host_device_bandwidth_bytes_per_s=5e10)
+    # The SM count comes from the device (the wave model prices by it), the tile and NCCL's CTAs from the preset.
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _d: types.SimpleNamespace(multi_processor_count=114))
     hw = build_hardware(device=device, compute=compute, memory=memory, fits=[], base=base_preset(device, "NVIDIA H200"))
+    assert (hw.num_sms, hw.gemm_tile, hw.nccl_ctas) == (114, PRESETS["h200"].gemm_tile, PRESETS["h200"].nccl_ctas)
     assert hw.intra_node == PRESETS["h200"].intra_node and hw.inter_node == PRESETS["h200"].inter_node
     assert hw.links_from == "h200 preset (intra_node, inter_node)"
     assert hw.host_device_bandwidth_bytes_per_s == 5e10  # measured, not the preset's
