@@ -616,10 +616,17 @@ def _step_end_durations(plan, cluster, *, chunks: list[_ChunkPrice], p2p_s: floa
     return ChunkDurations(forward_s, backward_s, p2p_s, reduce_s, last_bucket_s, shift_backward_s), True
 
 
-def estimate(plan, *, model, cluster, job) -> Estimate:
-    """Price one training step of `plan`: the pipeline timeline of its chunks (compute.py, comm.py,
-    timeline.py) and the worst rank's memory (memory.py). Raises PlannerError for a plan that does not
-    fit the model, cluster or batch."""
+# The engines a plan can be priced for (`engine=`): this project's, or the one an export targets. Until the
+# per-engine overlap model lands (the GPU cost-model issue), every engine is priced as ours runs a plan.
+ENGINES = ("ours", "megatron", "torchtitan", "deepspeed")
+
+
+def estimate(plan, *, model, cluster, job, engine: str = "ours") -> Estimate:
+    """Price one training step of `plan` as `engine` (one of ENGINES) runs it: the pipeline timeline of
+    its chunks (compute.py, comm.py, timeline.py) and the worst rank's memory (memory.py). Raises
+    PlannerError for a plan that does not fit the model, cluster or batch."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     check_plan(plan, model=model, num_devices=cluster.num_devices, job=job)
     hw, pp = cluster.hardware, plan.pp
     costs = layer_costs(plan, model=model, cluster=cluster, job=job)

@@ -24,6 +24,7 @@ recomputation and optimizer time already cannot beat the k-th best (`_BranchAndB
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 import time
@@ -54,10 +55,14 @@ class CostModel:
     cache_cost_inputs: Callable[..., object] | None = None
 
 
-def default_cost_model() -> CostModel:
+def default_cost_model(engine: str = "ours") -> CostModel:
+    """The real cost model, pricing plans as `engine` (cost_models.estimate.ENGINES) runs them."""
     from cost_models import estimate as est
 
-    return CostModel(estimate=est.estimate, layer_costs=est.layer_costs, cache_cost_inputs=est.cache_cost_inputs)
+    if engine not in est.ENGINES:
+        raise PlannerError(f"--engine must be one of {', '.join(est.ENGINES)}, got {engine!r}")
+    return CostModel(estimate=functools.partial(est.estimate, engine=engine), layer_costs=est.layer_costs,
+                     cache_cost_inputs=est.cache_cost_inputs)
 
 
 @dataclass(frozen=True)
@@ -489,6 +494,48 @@ class _BranchAndBound:
 
 def format_bytes(num_bytes: float) -> str:
     return f"{num_bytes / GIB:.1f} GiB" if num_bytes >= GIB else f"{num_bytes / 2**20:.1f} MiB"
+
+
+# Two plans whose predicted step time and peak memory agree within this fraction are one plan to the cost
+# model: its own resolution, well below its error against measured runs.
+SAME_PLAN_TOLERANCE = 0.005
+
+
+@dataclass(frozen=True)
+class DistinctPlan:
+    """A ranked plan and the plans collapsed into it (their price within SAME_PLAN_TOLERANCE of its)."""
+
+    candidate: Candidate
+    alike: tuple[Candidate, ...] = ()
+
+    def differing_knobs(self) -> list[str]:
+        """The plan fields in which the collapsed plans differ from this one."""
+        mine = self.candidate.plan
+        return [f for f in mine.__dataclass_fields__
+                if any(getattr(c.plan, f) != getattr(mine, f) for c in self.alike)]
+
+
+def distinct_plans(candidates, *, limit: int, tolerance: float = SAME_PLAN_TOLERANCE) -> list[DistinctPlan]:
+    """The first `limit` plans of a ranking (fastest first) that the cost model tells apart: a plan whose step
+    time and peak memory are both within `tolerance` of an earlier kept plan's is collapsed into that plan
+    (the ranking already puts the one with fewer knobs turned on first, `_speed`)."""
+    kept: list[tuple[Candidate, list[Candidate]]] = []
+
+    def close(a: float, b: float) -> bool:
+        return abs(a - b) <= tolerance * max(abs(a), abs(b), 1e-30)
+
+    for c in candidates:
+        e = c.estimate
+        for first, alike in kept:
+            if close(e.step_time_s, first.estimate.step_time_s) and close(e.peak_memory_bytes,
+                                                                          first.estimate.peak_memory_bytes):
+                alike.append(c)
+                break
+        else:
+            if len(kept) == limit:
+                continue
+            kept.append((c, []))
+    return [DistinctPlan(first, tuple(alike)) for first, alike in kept]
 
 
 def pareto_front(candidates: list[Candidate]) -> tuple[Candidate, ...]:
