@@ -92,7 +92,7 @@ class Plan:
     param_cache: str | tuple[str, ...] = knob(
         "none", help="MAZ3 tier of forward-gathered parameters until backward: none (gather again), device "
         "(keep), host (copy to host memory), secondary (keep an intra-node shard, ZeRO++ hpZ).",
-        choices=CACHE_TIERS, exports={"deepspeed": CUSTOM})
+        choices=CACHE_TIERS, exports={"torchtitan": ("device",), "deepspeed": ("secondary",)})
     # Commshift: issue the DP gradient reduction after the stage's last input-gradient send.
     commshift: bool = knob(False, help="Move the DP gradient reduction of a stage's last micro-batch behind its "
                            "last input-gradient send (Commshift).", applies=lambda plan: plan.pp > 1 and plan.dp > 1,
