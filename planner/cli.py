@@ -280,8 +280,8 @@ PLAN_NOTATION = (
     "ranks sharding parameters, gradients and optimizer states (Lins; HSDP when all three are equal and below dp); "
     "cache=device|host|secondary: where a ZeRO-3 layer's gathered parameters wait for backward (MAZ3; per-layer: "
     "one tier per layer); commshift: the DP gradient reduction moved behind the stage's last send; stages=a/b/..: "
-    "layers per pipeline chunk; +N alike: N more plans within 0.5% in step time and memory (the cost model cannot "
-    "tell them apart).")
+    "layers per pipeline chunk; +N alike: N more plans within 1% in step time with the same degrees and micro-batches "
+    "(or the same memory), which the cost model cannot tell apart.")
 
 SEARCH_HELP = """Find the fastest plan that fits: degrees, sharding, micro-batches, schedule, recomputation.
 
@@ -374,10 +374,19 @@ def _print_search_table(problem, shown, *, engine: str) -> None:
         table.add_column(col, justify="left" if col == "plan" else "right", no_wrap=col != "plan")
     for i, d in enumerate(shown, 1):
         c, e = d.candidate, d.candidate.estimate
-        label = _plan_label(c.plan) + (f" (+{len(d.alike)} alike: {', '.join(d.differing_knobs())})" if d.alike else "")
+        label = _plan_label(c.plan) + (f" (+{len(d.alike)} alike in {_knob_groups(d.differing_knobs())})"
+                                       if d.alike else "")
         table.add_row(str(i), label, f"{e.step_time_s:.4g} s", f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}",
                       f"{e.tflops_per_gpu:.3g}", f"{e.peak_memory_bytes / 2**30:.3g}")
     console.print(table)
+
+
+def _knob_groups(fields: list[str]) -> str:
+    """Plan fields in a few words: the three shard degrees are 'sharding', recompute(_layers) 'recompute'."""
+    names = {"param_shard": "sharding", "grad_shard": "sharding", "optim_shard": "sharding",
+             "recompute_layers": "recompute", "bucket_size_bytes": "buckets", "param_cache": "cache",
+             "prefetch_depth": "prefetch"}
+    return ", ".join(dict.fromkeys(names.get(f, f) for f in fields))
 
 
 def _seconds(value_s: float) -> str:

@@ -170,7 +170,12 @@ class ValidationReport:
         if not isinstance(data, dict) or "plans" not in data:
             raise PlannerError(f"{what}: expected a `planner validate --out` report")
         derived = {"num_plans", "num_failed", *(f.name for f in dataclasses.fields(Agreement))}
-        return dataclass_from_dict(cls, {k: v for k, v in data.items() if k not in derived}, what=what)
+        kept = {k: v for k, v in data.items() if k not in derived}
+        if isinstance(kept["plans"], list):
+            # Each row's derived keys (to_dict writes them for readers) are dropped as ValidationRow.from_dict does.
+            kept["plans"] = [{k: v for k, v in row.items() if k not in ValidationRow.DERIVED}
+                             if isinstance(row, dict) else row for row in kept["plans"]]
+        return dataclass_from_dict(cls, kept, what=what)
 
 
 @dataclass(frozen=True)

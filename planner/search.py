@@ -496,14 +496,17 @@ def format_bytes(num_bytes: float) -> str:
     return f"{num_bytes / GIB:.1f} GiB" if num_bytes >= GIB else f"{num_bytes / 2**20:.1f} MiB"
 
 
-# Two plans whose predicted step time and peak memory agree within this fraction are one plan to the cost
-# model: its own resolution, well below its error against measured runs.
-SAME_PLAN_TOLERANCE = 0.005
+# Step times (and memories) that agree within this fraction are one to the cost model: a tenth of its error
+# against measured runs (README: 5-10% after calibration).
+SAME_PLAN_TOLERANCE = 0.01
+# The knobs that make a plan's layout: its degrees and how the batch is split. Plans that share them differ
+# in refinements (recomputation, sharding point, MAZ3 tiers, unequal stages, commshift, buckets, prefetch).
+_LAYOUT = ("dp", "tp", "pp", "virtual_stages", "schedule", "micro_batch", "num_micro_batches", "sequence_parallel")
 
 
 @dataclass(frozen=True)
 class DistinctPlan:
-    """A ranked plan and the plans collapsed into it (their price within SAME_PLAN_TOLERANCE of its)."""
+    """A ranked plan and the plans collapsed into it (see distinct_plans)."""
 
     candidate: Candidate
     alike: tuple[Candidate, ...] = ()
@@ -516,26 +519,28 @@ class DistinctPlan:
 
 
 def distinct_plans(candidates, *, limit: int, tolerance: float = SAME_PLAN_TOLERANCE) -> list[DistinctPlan]:
-    """The first `limit` plans of a ranking (fastest first) that the cost model tells apart: a plan whose step
-    time and peak memory are both within `tolerance` of an earlier kept plan's is collapsed into that plan
-    (the ranking already puts the one with fewer knobs turned on first, `_speed`)."""
+    """The first `limit` plans of a ranking (fastest first) that the cost model tells apart. A plan collapses
+    into an earlier kept one when its step time is within `tolerance` of it and it has the same layout
+    (only refinements differ, which then buy nothing measurable), or when its step time and peak memory
+    both are (the ranking puts the plan with fewer knobs turned on first, `_speed`)."""
     kept: list[tuple[Candidate, list[Candidate]]] = []
 
     def close(a: float, b: float) -> bool:
         return abs(a - b) <= tolerance * max(abs(a), abs(b), 1e-30)
 
+    def alike(c: Candidate, first: Candidate) -> bool:
+        if not close(c.estimate.step_time_s, first.estimate.step_time_s):
+            return False
+        same_layout = all(getattr(c.plan, f) == getattr(first.plan, f) for f in _LAYOUT)
+        return same_layout or close(c.estimate.peak_memory_bytes, first.estimate.peak_memory_bytes)
+
     for c in candidates:
-        e = c.estimate
-        for first, alike in kept:
-            if close(e.step_time_s, first.estimate.step_time_s) and close(e.peak_memory_bytes,
-                                                                          first.estimate.peak_memory_bytes):
-                alike.append(c)
-                break
-        else:
-            if len(kept) == limit:
-                continue
+        group = next((group for first, group in kept if alike(c, first)), None)
+        if group is not None:
+            group.append(c)
+        elif len(kept) < limit:
             kept.append((c, []))
-    return [DistinctPlan(first, tuple(alike)) for first, alike in kept]
+    return [DistinctPlan(first, tuple(group)) for first, group in kept]
 
 
 def pareto_front(candidates: list[Candidate]) -> tuple[Candidate, ...]:

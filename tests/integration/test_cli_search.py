@@ -28,12 +28,14 @@ def test_search_json_is_ranked_and_matches_estimate(tmp_path):
     assert len(data["plans"]) == 3 and data["num_evaluated"] >= 3
     times = [p["estimate"]["step_time_s"] for p in data["plans"]]
     assert times == sorted(times) and all(p["estimate"]["fits"] for p in data["plans"])
-    # Distinct plans: no two shown within the cost model's resolution in both step time and memory.
-    for a, b in zip(data["plans"], data["plans"][1:]):
-        same_time = abs(a["estimate"]["step_time_s"] - b["estimate"]["step_time_s"]) <= 0.005 * b["estimate"]["step_time_s"]
-        same_memory = abs(a["estimate"]["peak_memory_bytes"] - b["estimate"]["peak_memory_bytes"]) <= \
-            0.005 * b["estimate"]["peak_memory_bytes"]
-        assert not (same_time and same_memory)
+    # Distinct plans: none within the cost model's resolution (1%) in step time of another with the same
+    # degrees and micro-batches.
+    layout = ("dp", "tp", "pp", "virtual_stages", "schedule", "micro_batch", "num_micro_batches", "sequence_parallel")
+    for i, a in enumerate(data["plans"]):
+        for b in data["plans"][i + 1:]:
+            same_time = abs(a["estimate"]["step_time_s"] - b["estimate"]["step_time_s"]) <= \
+                0.01 * b["estimate"]["step_time_s"]
+            assert not (same_time and all(a["plan"][k] == b["plan"][k] for k in layout))
     # The file search writes loads as a plan, and estimate prices it to the same numbers.
     problem = make_problem(model="tiny", hardware="cpu", gpus=8, gpus_per_node=None, global_batch=32, seq_len=64)
     plan = load_plan(str(out), problem)

@@ -55,6 +55,13 @@ def test_agreement_by_hand():
     assert Agreement.of([]).mape is None
     # The JSON form round-trips, derived fields included for readers and ignored on the way back.
     assert ValidationRow.from_dict(rows[0].to_dict()) == rows[0] and rows[0].to_dict()["step_time_error"] == -0.2
+    # The report file `validate --out` writes is what `calibrate --measurements` reads (rows' derived keys too).
+    from planner.reports import ValidationReport
+
+    report = ValidationReport(model="tiny", hardware="cpu", hardware_name="cpu", calibration={}, nproc=4, cluster=None,
+                              global_batch=16, seq_len=64, precision="fp32", steps=4, rounds=1, timing_rounds=0,
+                              plans=tuple(rows))
+    assert ValidationReport.from_dict(report.to_dict()) == report
 
 
 def test_candidates_span_the_knobs_without_duplicates():
