@@ -156,7 +156,7 @@ def run(
     steps: StepsOpt = 10,
     nproc: Annotated[Optional[int], typer.Option("--nproc", help="Processes on this node, torchrun --nproc-per-node (default: 2, or the --plan file's devices over --nnodes).")] = None,
     gpus_per_node: GpusPerNodeOpt = None,
-    nnodes: Annotated[int, typer.Option("--nnodes", help="Nodes (torchrun).")] = 1,
+    nnodes: Annotated[Optional[int], typer.Option("--nnodes", help="Nodes, torchrun --nnodes (default: 1).")] = None,
     node_rank: Annotated[int, typer.Option("--node-rank", help="This node's rank (torchrun).")] = 0,
     rdzv_endpoint: Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous.")] = None,
     data: Annotated[Optional[str], typer.Option("--data", help="Text file or folder (byte tokens); default synthetic.")] = None,

@@ -13,7 +13,7 @@ from specs.problem import Problem, make_problem
 from planner.inputs import ProblemFlags, check_flags_agree, load_plan, plan_from_options, refuse_plan_options_with_file
 
 # What `planner run` trains when neither a flag nor a plan file says otherwise.
-RUN_DEFAULTS = {"model": "tiny", "hardware": "cpu", "global_batch": 8, "seq_len": 64, "nproc": 2}
+RUN_DEFAULTS = {"model": "tiny", "hardware": "cpu", "global_batch": 8, "seq_len": 64, "nproc": 2, "nnodes": 1}
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class RunRequest:
     lr: float = 1e-3
     data: str | None = None
     nproc: int | None = 2
-    nnodes: int = 1
+    nnodes: int | None = 1
     node_rank: int = 0
     rdzv_endpoint: str | None = None
     gpus_per_node: int | None = None
@@ -72,14 +72,21 @@ def resolve_request(request: RunRequest, plan_options: dict) -> tuple[RunRequest
                                              gpus_per_node=request.gpus_per_node, global_batch=request.global_batch,
                                              seq_len=request.seq_len, precision=request.precision),
                       path=request.plan_file)
-    devices = planfile.cluster.num_devices
-    if request.nnodes < 1 or devices % request.nnodes:
-        raise PlannerError(f"--nnodes {request.nnodes} does not divide the plan file's {devices} devices")
-    nproc = request.nproc or devices // request.nnodes
-    if nproc * request.nnodes != devices:
-        raise PlannerError(f"--nproc x --nnodes = {nproc} x {request.nnodes} = {nproc * request.nnodes}, but the plan "
+    devices, nodes = planfile.cluster.num_devices, planfile.cluster.num_nodes
+    if request.nproc is None and request.nnodes is None and nodes > 1:
+        # Starting every rank of a multi-node plan here, or waiting for nodes nobody starts, is never meant.
+        raise PlannerError(f"the plan file {request.plan_file} is for {nodes} nodes of {planfile.cluster.devices_per_node}"
+                           f": give --nnodes {nodes} with --node-rank and --rdzv-endpoint on each node, or --nproc "
+                           f"{devices} to run every rank on this host")
+    nnodes = 1 if request.nnodes is None else request.nnodes
+    if nnodes < 1 or devices % nnodes:
+        raise PlannerError(f"--nnodes {nnodes} does not divide the plan file's {devices} devices")
+    nproc = devices // nnodes if request.nproc is None else request.nproc
+    if nproc * nnodes != devices:
+        raise PlannerError(f"--nproc x --nnodes = {nproc} x {nnodes} = {nproc * nnodes}, but the plan "
                            f"file {request.plan_file} is for {devices} devices")
-    return dataclasses.replace(request, nproc=nproc, gpus_per_node=planfile.cluster.devices_per_node), planfile
+    return dataclasses.replace(request, nproc=nproc, nnodes=nnodes,
+                               gpus_per_node=planfile.cluster.devices_per_node), planfile
 
 
 def build_run(request: RunRequest, plan_options: dict, *, planfile: PlanFile | None = None):

@@ -126,11 +126,11 @@ def dp_ranks_per_node(plan: Plan, problem: Problem) -> int:
     return max(1, min(plan.dp, problem.cluster.devices_per_node // plan.tp))
 
 
-def launch_header(target: str, version: str, plan: Plan, problem: Problem) -> list[str]:
+def launch_header(version: str, plan: Plan, problem: Problem) -> list[str]:
     model, cluster, job = problem.model, problem.cluster, problem.job
     return ["#!/usr/bin/env bash",
             f"# planner export for {version}",
-            f"# plan: {plan.describe()}",
+            f"# plan as exported: {plan.describe()}",
             f"# {model.name} on {cluster.num_devices} x {cluster.hardware.name} ({cluster.num_nodes} node(s) of "
             f"{cluster.devices_per_node}), global batch {job.global_batch} x {job.seq_len} tokens, {job.precision}",
             "set -euo pipefail"]

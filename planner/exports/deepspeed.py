@@ -127,19 +127,19 @@ def hf_config(model) -> dict:
                 "intermediate_size": model.ffn_hidden_size, "num_hidden_layers": model.num_layers,
                 "num_attention_heads": model.num_heads, "num_key_value_heads": model.num_kv_heads,
                 "head_dim": model.head_dim, "vocab_size": model.vocab_size,
-                "max_position_embeddings": model.max_seq_len, "rope_theta": 500000.0, "rope_scaling": None,
-                "rms_norm_eps": 1e-5, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+                "max_position_embeddings": model.max_seq_len, "rope_theta": model.rope_theta, "rope_scaling": None,
+                "rms_norm_eps": model.norm_eps, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
                 "attention_dropout": 0.0, "tie_word_embeddings": model.tied_embeddings}
     return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": model.hidden_size,
             "n_layer": model.num_layers, "n_head": model.num_heads, "n_inner": model.ffn_hidden_size,
             "n_positions": model.max_seq_len, "vocab_size": model.vocab_size, "activation_function": "gelu",
-            "layer_norm_epsilon": 1e-5, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+            "layer_norm_epsilon": model.norm_eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
             "tie_word_embeddings": model.tied_embeddings}
 
 
 def _launch_script(plan: Plan, ctx: ExportContext) -> str:
     cluster = ctx.problem.cluster
-    lines = launch_header("deepspeed", VERSION, plan, ctx.problem)
+    lines = launch_header(VERSION, plan, ctx.problem)
     lines += ["# train.py is your training script (see the notes); HOSTFILE lists the nodes as 'host slots=N'.",
               'cd "$(dirname "$0")"']
     hosts = "" if cluster.num_nodes == 1 else '--hostfile "${HOSTFILE:-hostfile}" '

@@ -28,7 +28,6 @@ from planner.exports.common import (Export, ExportContext, cover_sharding, knob_
 from planner.exports.megatron_rules import megatron_violations
 
 VERSION = "Megatron-LM main 0.20.0 (d98e8a64, 2026-08-22; every flag also in core_v0.16.1)"
-ROPE_THETA = 500000  # the engine's RoPE base (runners/transformer.py), Llama 3's
 
 
 def export_megatron(plan: Plan, ctx: ExportContext) -> Export:
@@ -89,9 +88,9 @@ def _model_arguments(ctx: ExportContext) -> dict:
     args["--max-position-embeddings"] = model.max_seq_len if model.learned_positions else max(model.max_seq_len,
                                                                                               job.seq_len)
     if model.arch == "llama":
-        args.update({"--position-embedding-type": "rope", "--rotary-base": ROPE_THETA, "--normalization": "RMSNorm",
+        args.update({"--position-embedding-type": "rope", "--rotary-base": int(model.rope_theta), "--normalization": "RMSNorm",
                      "--swiglu": True, "--disable-bias-linear": True})
-    args.update({"--norm-epsilon": 1e-5, "--attention-dropout": 0.0, "--hidden-dropout": 0.0})
+    args.update({"--norm-epsilon": model.norm_eps, "--attention-dropout": 0.0, "--hidden-dropout": 0.0})
     if not model.tied_embeddings:
         args["--untie-embeddings-and-output-weights"] = True
     return args
@@ -166,7 +165,7 @@ def _environment(plan: Plan, args: dict) -> dict:
 
 def _launch_script(plan: Plan, ctx: ExportContext, args: dict, env: dict) -> str:
     cluster = ctx.problem.cluster
-    lines = launch_header("megatron", VERSION, plan, ctx.problem)
+    lines = launch_header(VERSION, plan, ctx.problem)
     lines += ["# Run from a Megatron-LM checkout on every node, with NODE_RANK, MASTER_ADDR and MASTER_PORT set."]
     for name, value in env.items():
         if value == "":

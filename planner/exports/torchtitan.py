@@ -29,7 +29,6 @@ from planner.exports.common import (Export, ExportContext, Refused, cover_shardi
 
 VERSION = "torchtitan 0.3.0 (PyPI; the release/0.3 branch, 2026-08)"
 MODULE = "planner_plan"
-ROPE_THETA = 500000.0  # the engine's RoPE base (runners/transformer.py), Llama 3's
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B"}
 
 
@@ -135,7 +134,8 @@ def _settings(plan: Plan, ctx: ExportContext) -> dict:
     return {"parallelism": parallelism, "training": training, "activation_checkpoint": recompute,
             "model": {"dim": model.hidden_size, "n_layers": model.num_layers, "n_heads": model.num_heads,
                       "n_kv_heads": model.num_kv_heads, "ffn_dim": model.ffn_hidden_size, "vocab_size": model.vocab_size,
-                      "enable_weight_tying": model.tied_embeddings, "rope_theta": ROPE_THETA, "norm_eps": 1e-5,
+                      "enable_weight_tying": model.tied_embeddings, "rope_theta": model.rope_theta,
+                      "norm_eps": model.norm_eps,
                       "rope_max_seq_len": max(model.max_seq_len, job.seq_len)},
             "world_size": ctx.problem.cluster.num_devices, "dp_ranks_per_node": dp_ranks_per_node(plan, ctx.problem)}
 
@@ -157,7 +157,7 @@ def module_fqns(plan: Plan, num_layers: int) -> list[list[str]]:
 
 _MODULE_TEMPLATE = '''"""planner export for {version}.
 
-plan: {describe}
+plan as exported: {describe}
 {model_name} on {devices} x {hardware} ({nodes} node(s) of {per_node}), global batch {global_batch} x {seq_len} tokens.
 Run with launch.sh (torchtitan's own entry point: -m torchtitan.train --module {module} --config {module}).
 """
@@ -181,10 +181,10 @@ from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.trainer import Trainer
 
-# The model: {model_name} as the planner defines it (RoPE base {rope_theta:g} without scaling, RMSNorm eps 1e-5,
-# SwiGLU, no biases).
+# The model: {model_name} as the planner defines it (RoPE base {rope_theta:g} without scaling, RMSNorm, SwiGLU,
+# no biases).
 DIM, N_LAYERS, N_HEADS, N_KV_HEADS, FFN_DIM, VOCAB = {dim}, {n_layers}, {n_heads}, {n_kv_heads}, {ffn_dim}, {vocab}
-TIED, ROPE_THETA, ROPE_MAX_SEQ_LEN, NORM_EPS = {tied}, {rope_theta!r}, {rope_max_seq_len}, 1e-5
+TIED, ROPE_THETA, ROPE_MAX_SEQ_LEN, NORM_EPS = {tied}, {rope_theta!r}, {rope_max_seq_len}, {norm_eps!r}
 
 
 def _init(std: float) -> dict:
@@ -253,14 +253,14 @@ def config_module(plan: Plan, ctx: ExportContext, settings: dict) -> str:
         per_node=problem.cluster.devices_per_node, global_batch=problem.job.global_batch, seq_len=problem.job.seq_len,
         module=MODULE, dim=m["dim"], n_layers=m["n_layers"], n_heads=m["n_heads"], n_kv_heads=m["n_kv_heads"],
         ffn_dim=m["ffn_dim"], vocab=m["vocab_size"], tied=m["enable_weight_tying"], rope_theta=m["rope_theta"],
-        rope_max_seq_len=m["rope_max_seq_len"], flavor=f"planner-{problem.model.name}",
+        rope_max_seq_len=m["rope_max_seq_len"], norm_eps=m["norm_eps"], flavor=f"planner-{problem.model.name}",
         training=_fields(settings["training"], 12), parallelism=_fields(settings["parallelism"], 12),
         activation_checkpoint="None" if checkpoint is None else f"{checkpoint}.Config()")
 
 
 def _launch_script(plan: Plan, ctx: ExportContext) -> str:
     cluster = ctx.problem.cluster
-    lines = launch_header("torchtitan", VERSION, plan, ctx.problem)
+    lines = launch_header(VERSION, plan, ctx.problem)
     lines += ["# Needs torchtitan 0.3.0 (pip install torchtitan==0.3.0) and this folder's planner_plan.py; run on every",
               "# node with MASTER_ADDR and MASTER_PORT set (torchtitan's run_train.sh starts the same command).",
               'export PYTHONPATH="$(cd "$(dirname "$0")" && pwd)${PYTHONPATH:+:$PYTHONPATH}"',

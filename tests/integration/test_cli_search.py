@@ -7,6 +7,8 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
+from specs.errors import PlannerError
+
 from planner.cli import app
 from specs.problem import make_problem
 from planner.inputs import load_plan
@@ -158,3 +160,18 @@ def test_search_help_and_table_explain_the_notation():
     assert "shard=(P,G,O)" in " ".join(result.stdout.split()) and "cache=device" in result.stdout
     table = invoke("search", *TINY, "--top", "3")
     assert "Notation:" in table.stdout and "mbMxN" in table.stdout
+
+
+def test_run_refuses_a_multi_node_plan_file_without_nodes_or_processes(tmp_path):
+    from planner.run_command import RunRequest, resolve_request
+
+    plan = tmp_path / "plan.json"
+    assert invoke("search", "--model", "tiny", "--hardware", "cpu", "--gpus", "4", "--gpus-per-node", "2",
+                  "--global-batch", "8", "--seq-len", "64", "--out", str(plan)).exit_code == 0
+    unset = dict(model=None, hardware=None, global_batch=None, seq_len=None, nproc=None, nnodes=None)
+    with pytest.raises(PlannerError, match="is for 2 nodes of 2: give --nnodes 2"):
+        resolve_request(RunRequest(plan_file=str(plan), **unset), {})
+    here, _ = resolve_request(RunRequest(plan_file=str(plan), **{**unset, "nproc": 4}), {})
+    assert (here.nproc, here.nnodes, here.gpus_per_node) == (4, 1, 2)
+    with pytest.raises(PlannerError, match="--global-batch 16 contradicts the plan file"):
+        resolve_request(RunRequest(plan_file=str(plan), **{**unset, "nproc": 4, "global_batch": 16}), {})

@@ -57,10 +57,15 @@ def exports(tmp_path_factory) -> dict[str, dict[str, Path]]:
     return out
 
 
+def _copy(folder: Path, name: str) -> Path:
+    copy = folder.parent / name
+    shutil.copytree(folder, copy)
+    return copy
+
+
 def _broken(folder: Path, name: str, file: str, old: str, new: str) -> Path:
     """A copy of an export with one edit a target must reject."""
-    copy = folder.parent / f"broken-{name}"
-    shutil.copytree(folder, copy)
+    copy = _copy(folder, f"broken-{name}")
     text = (copy / file).read_text()
     assert old in text, (old, file)
     (copy / file).write_text(text.replace(old, new, 1))
@@ -68,7 +73,8 @@ def _broken(folder: Path, name: str, file: str, old: str, new: str) -> Path:
 
 
 def _run(script: str, folders: list[Path], *extra: str, env: dict | None = None) -> dict[str, dict]:
-    proc = subprocess.run([sys.executable, str(CHECKS / script), *extra, *map(str, folders)], capture_output=True,
+    """The checker's verdict per folder (the last line it printed for it)."""
+    proc = subprocess.run([sys.executable, str(CHECKS / script), *map(str, folders), *extra], capture_output=True,
                           text=True, timeout=900, env={**os.environ, **(env or {})})
     results = {}
     for line in proc.stdout.splitlines():
@@ -111,7 +117,7 @@ def _free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def test_deepspeed_config_accepts_every_export(exports):
+def test_deepspeed_accepts_every_export_and_its_pipeline_engine_the_zero_stage(exports):
     _require("deepspeed")
     good = list(exports["deepspeed"].values())
     zero2 = exports["deepspeed"]["8b-tp8-sp-zero2"]
@@ -119,19 +125,18 @@ def test_deepspeed_config_accepts_every_export(exports):
            "train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size",
            _broken(zero2, "mics", "ds_config.json", '"stage": 2', '"stage": 3, "mics_shard_size": 8'):
            "MiCS ZeRO-3 sharding has been removed"}
-    results = _run("deepspeed_check.py", good + list(bad))
+    # The pipeline engine's own ZeRO check, on a copy (the results are keyed by folder).
+    pipeline = exports["deepspeed"]["70b-pp4-equal"]
+    assert json.loads((pipeline / "ds_config.json").read_text())["pipeline"]["stages"] == 4
+    engine_copy = _copy(pipeline, "engine")
+    results = _run("deepspeed_check.py", good + list(bad) + [engine_copy], "--pipe", str(engine_copy),
+                   env={"PORT": _free_port()})
     _assert_verdicts(results, good, bad)
     for folder in good:
         # "Adam" stays Adam: DeepSpeed would run AdamW without adam_w_mode false.
         assert results[str(folder)]["optimizer"] == "adam" and results[str(folder)]["adam_w_mode"] is False
-
-
-def test_deepspeed_pipeline_engine_takes_the_pipeline_exports_zero_stage(exports):
-    _require("deepspeed")
-    pipeline = exports["deepspeed"]["70b-pp4-equal"]
-    assert json.loads((pipeline / "ds_config.json").read_text())["pipeline"]["stages"] == 4
-    results = _run("deepspeed_check.py", [pipeline], "--pipe", env={"PORT": _free_port()})
-    assert results[str(pipeline)]["ok"], results
+    engine = results[str(engine_copy)]
+    assert engine["mode"] == "pipe" and engine["ok"] and engine["zero_stage"] == 1, engine
 
 
 def test_megatron_core_accepts_every_export(exports):

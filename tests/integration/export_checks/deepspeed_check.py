@@ -1,8 +1,9 @@
 """Load planner exports through DeepSpeed 0.19.8's own config classes; run by
 tests/integration/test_exports_accepted.py in its own process.
 
-    python deepspeed_check.py DIR...       # each DIR: ds_config.json and launch.sh from `planner export --to deepspeed`
-    python deepspeed_check.py --pipe DIR   # also build a real PipelineEngine with DIR's ZeRO stage (gloo, 1 rank)
+    python deepspeed_check.py DIR... [--pipe DIR]   # each DIR: ds_config.json and launch.sh from `planner export
+                                                    # --to deepspeed`; --pipe: also build a real PipelineEngine
+                                                    # with that DIR's ZeRO stage (gloo, 1 rank, $PORT)
 
 For each DIR, one JSON line: {"dir", "ok", "error", ...}. DeepSpeedConfig checks the batch identity
 (train_batch_size = micro x accumulation x data-parallel size), every pydantic block (zero_optimization,
@@ -77,13 +78,17 @@ def check_pipeline_engine(folder: Path) -> dict:
 
 def main() -> None:
     args = sys.argv[1:]
-    pipe = args[:1] == ["--pipe"]
-    for arg in args[1:] if pipe else args:
+    pipe = args[args.index("--pipe") + 1] if "--pipe" in args else None
+    jobs = [(arg, check) for arg in args if arg not in ("--pipe", pipe)]
+    if pipe is not None:
+        jobs.append((pipe, check_pipeline_engine))  # last: it initialises torch.distributed for the process
+    for arg, job in jobs:
         try:
-            result = check_pipeline_engine(Path(arg)) if pipe else check(Path(arg))
+            result = job(Path(arg))
         except Exception as exc:  # noqa: BLE001 - any rejection is reported, not raised
             result = {"ok": False, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"}
-        print(json.dumps({"dir": arg, **result}), flush=True)
+        print(json.dumps({"dir": arg, "mode": "pipe" if job is check_pipeline_engine else "config", **result}),
+              flush=True)
 
 
 if __name__ == "__main__":
