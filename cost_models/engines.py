@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specs.planfile import ENGINES as ENGINE_NAMES
+
 
 @dataclass(frozen=True)
 class EngineModel:
@@ -72,6 +74,9 @@ ENGINES: dict[str, EngineModel] = {e.name: e for e in (
                 attention="flash2", fused_elementwise=False, tp_comm_hidden=0.0, reduce_fp32=False,
                 main_grads_fp32=False, gpt_dropout=False, reduce_beside_sends=True),
 )}
+
+if tuple(ENGINES) != ENGINE_NAMES:  # the names are declared once, in specs (a plan file records its engine)
+    raise RuntimeError(f"cost_models.engines prices {tuple(ENGINES)} but specs.planfile names {ENGINE_NAMES}")
 
 
 def engine_model(name: str) -> EngineModel:

@@ -741,12 +741,13 @@ class CacheCostInputs:
     forward_window_s: tuple[float, ...]
 
 
-def cache_cost_inputs(plan, *, model, cluster, job) -> CacheCostInputs:
-    """The MAZ3 prices of `plan`'s layers (its own param_cache is ignored: priced as "none")."""
+def cache_cost_inputs(plan, *, model, cluster, job, engine: str = "ours") -> CacheCostInputs:
+    """The MAZ3 prices of `plan`'s layers as `engine` runs them (its own param_cache is ignored: priced
+    as "none")."""
     base = plan.replace(param_cache="none")
     check_plan(base, model=model, num_devices=cluster.num_devices, job=job)
-    costs = layer_costs(base, model=model, cluster=cluster, job=job)
-    chunks = _chunk_prices(base, costs, cluster, model=model, job=job)
+    costs = layer_costs(base, model=model, cluster=cluster, job=job, engine=engine)
+    chunks = _chunk_prices(base, costs, cluster, model=model, job=job, eng=engine_model(engine))
     layer_bytes = layer_params_per_device(model, tp=plan.tp) * state_bytes_per_param(job.precision)[0]
     fetch = _cache_fetch_s(base, cluster, layer_bytes=layer_bytes) if plan.param_shard > 1 else {
         t: 0.0 for t in ("none", "device", "host", "secondary")}

@@ -74,6 +74,7 @@ import torch.distributed as dist
 from torch import nn
 
 from specs.errors import PlannerError
+from specs.knobs import show_value
 from runners.comm import Comm
 
 ADAM_BETAS = (0.9, 0.999)
@@ -113,7 +114,7 @@ def torch_strategy(plan) -> str:
     plan torch can run (tp > 1 with dp > 1 names its FSDP2 component); PlannerError naming the knob
     otherwise."""
     if plan.param_cache != "none":
-        raise PlannerError(f"--engine torch has no MAZ3 parameter cache (param_cache {plan.param_cache!r}); "
+        raise PlannerError(f"--engine torch has no MAZ3 parameter cache (param_cache {show_value(plan.param_cache)}); "
                            "use param_cache none")
     if plan.commshift:
         raise PlannerError("--engine torch has no commshift (torch's schedules reduce gradients outside the "

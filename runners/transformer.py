@@ -150,7 +150,7 @@ class Norm(nn.Module):
 
     def __init__(self, spec: ModelSpec, *, name: str, tp: TPContext) -> None:
         super().__init__()
-        self.tp, self.rms = tp, spec.arch == "llama"
+        self.tp, self.rms, self.eps = tp, spec.arch == "llama", spec.norm_eps
         self.weight = _param((spec.hidden_size,), name=f"{name}.weight", seed=0, std=0, tp=tp, fill=1.0)
         self.bias = None if self.rms else _param((spec.hidden_size,), name=f"{name}.bias", seed=0, std=0, tp=tp, fill=0.0)
 
@@ -158,8 +158,8 @@ class Norm(nn.Module):
         w = sequence_parallel_param(self.weight, self.tp)
         if self.rms:
             xf = x.float()
-            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype) * w
-        return F.layer_norm(x, (x.shape[-1],), w, sequence_parallel_param(self.bias, self.tp), 1e-5)
+            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * w
+        return F.layer_norm(x, (x.shape[-1],), w, sequence_parallel_param(self.bias, self.tp), self.eps)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -252,7 +252,7 @@ class Block(nn.Module):
         self.rope = spec.arch == "llama"
         if self.rope:
             d = spec.head_dim
-            inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+            inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
             angles = torch.outer(torch.arange(spec.max_seq_len, dtype=torch.float32), inv_freq)
             # [s, 1, 1, d/2]: broadcast over batch and heads.
             self.register_buffer("cos", angles.cos()[:, None, None, :], persistent=False)

@@ -92,7 +92,7 @@ class Plan:
     param_cache: str | tuple[str, ...] = knob(
         "none", help="MAZ3 tier of forward-gathered parameters until backward: none (gather again), device "
         "(keep), host (copy to host memory), secondary (keep an intra-node shard, ZeRO++ hpZ).",
-        choices=CACHE_TIERS, exports={"deepspeed": CUSTOM})
+        choices=CACHE_TIERS, exports={"torchtitan": ("device",), "deepspeed": ("secondary",)})
     # Commshift: issue the DP gradient reduction after the stage's last input-gradient send.
     commshift: bool = knob(False, help="Move the DP gradient reduction of a stage's last micro-batch behind its "
                            "last input-gradient send (Commshift).", applies=lambda plan: plan.pp > 1 and plan.dp > 1,
@@ -101,7 +101,8 @@ class Plan:
     # reduce_dtype=float32, Megatron's --accumulate-allreduce-grads-in-fp32) instead of the compute dtype
     # (ZeRO's 2-byte gradients): 4 bytes per gradient element held and sent. No effect under fp32.
     reduce_fp32: bool = knob(False, help="Accumulate and reduce gradients in fp32 under bf16/fp16 (4-byte "
-                             "gradient buffers and reductions; default: the compute dtype).")
+                             "gradient buffers and reductions; default: the compute dtype).",
+                             exports={"megatron": CUSTOM, "torchtitan": CUSTOM, "deepspeed": CUSTOM})
 
     def __post_init__(self) -> None:
         for spec in PLAN_KNOBS:
