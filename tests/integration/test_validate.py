@@ -46,8 +46,10 @@ def test_validate_then_calibrate_then_explain(tmp_path):
     assert hw.calibrated_from_runs == len(fit["fit_labels"])
 
     # A preset cannot be overwritten in place.
-    result = runner.invoke(app, ["calibrate", "--measurements", str(report_path)])
+    result = runner.invoke(app, ["calibrate", "--measurements", str(report_path), "--hardware", "cpu"])
     assert result.exit_code == 2 and "is a preset; give --out" in result.output
+    # The report was priced on this machine's cached profile (the default), which calibrate writes into.
+    assert report["hardware"].endswith("-n2.json") and resolve_hardware(report["hardware"]).measured_processes == 2
 
     # Explain a plan that ran, with its measured metrics beside the prediction.
     metrics = tmp_path / "m.json"
@@ -55,7 +57,7 @@ def test_validate_then_calibrate_then_explain(tmp_path):
                                  "--metrics-out", str(metrics), "--format", "json"])
     assert result.exit_code == 0, result.output
     step_png = tmp_path / "step.png"
-    result = runner.invoke(app, ["explain", "--plan", str(metrics), "--hardware", str(calibrated), "--seq-len", "64",
+    result = runner.invoke(app, ["explain", "--plan", str(metrics), "--model", "tiny", "--hardware", str(calibrated), "--seq-len", "64",
                                  "--measured", str(metrics), "--png", str(step_png)])
     assert result.exit_code == 0, result.output
     assert "measured step" in result.output and "pipeline rank 1" in result.output
@@ -63,5 +65,6 @@ def test_validate_then_calibrate_then_explain(tmp_path):
     # The same metrics against another plan are refused by field.
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"dp": 2, "num_micro_batches": 2}))
-    result = runner.invoke(app, ["explain", "--plan", str(other), "--seq-len", "64", "--measured", str(metrics)])
+    result = runner.invoke(app, ["explain", "--plan", str(other), "--model", "tiny", "--hardware", "cpu", "--seq-len", "64",
+                                 "--measured", str(metrics)])
     assert result.exit_code == 2 and "is for another plan" in result.output
