@@ -63,6 +63,20 @@ LOG_FLOOR = -12.0
 LOG_CEILING = 12.0
 
 
+def parameters_at_bounds(calibration: dict[str, float]) -> tuple[str, ...]:
+    """The fitted parameters that ended at a bound (zero for every purpose, the runaway ceiling, or a
+    natural ceiling): the data did not pin them down, and the fit trades them against the others."""
+    out = []
+    for name, value in calibration.items():
+        unit = TIME_PARAMETERS[name][0] if name in TIME_PARAMETERS else None
+        if unit is None:
+            continue
+        if value <= unit * math.exp(LOG_FLOOR) * 1.01 or value >= unit * math.exp(LOG_CEILING) * 0.99 \
+                or (name in UPPER_BOUNDS and value >= UPPER_BOUNDS[name] * 0.999):
+            out.append(name)
+    return tuple(out)
+
+
 def ok_rows(rows: list[ValidationRow]) -> list[ValidationRow]:
     return [r for r in rows if r.ok]
 

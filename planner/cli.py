@@ -54,13 +54,15 @@ class OutputFormat(str, Enum):
 ModelOpt = Annotated[str, typer.Option("--model", help="Preset name, HF config.json, or model JSON.")]
 HardwareOpt = Annotated[str, typer.Option("--hardware", help="Preset (a100, h100, h200, cpu) or profile JSON.")]
 LocalHardwareOpt = Annotated[Optional[str], typer.Option(
-    "--hardware", help="Preset (a100, h100, h200, cpu) or profile JSON (default: this machine: its GPU's preset, or cpu).")]
+    "--hardware", help="Preset (a100, h100, h200, cpu) or profile JSON (default: this machine's profile for that many processes, measured and cached on first use; on a GPU node without one, its GPU's preset).")]
 GpusOpt = Annotated[int, typer.Option("--gpus", help="Number of devices in the cluster.")]
 GpusPerNodeOpt = Annotated[Optional[int], typer.Option("--gpus-per-node", help="Devices per node (default 8 for GPUs).")]
 GlobalBatchOpt = Annotated[int, typer.Option("--global-batch", help="Sequences per optimizer step.")]
 SeqLenOpt = Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per sequence (default: the model's context, at most 8192).")]
 HeadroomOpt = Annotated[Optional[float], typer.Option(
     "--memory-headroom", help="Share of each device's memory every plan leaves free, 0-0.9 (default 0.1 on GPUs, 0 on CPU).")]
+# planner.machine.default_nproc, in words (help text is built before any device is looked at).
+NPROC_DEFAULT = "every GPU, or 2 CPU processes (4 on 8 cores or more)"
 PrecisionOpt = Annotated[Optional[str], typer.Option("--precision", help="bf16, fp16 or fp32 (default: fp32 on CPU, else bf16).")]
 FormatOpt = Annotated[OutputFormat, typer.Option("--format", help="table or json.")]
 
@@ -151,6 +153,18 @@ def presets(fmt: FormatOpt = OutputFormat.table) -> None:
 StepsOpt = Annotated[int, typer.Option("--steps", help="Optimizer steps to train.")]
 
 
+def _local_hardware(nproc: int, fmt: "OutputFormat") -> str:
+    """This machine's profile for `nproc` processes (planner/machine.py), with a progress bar while it is
+    measured on first use."""
+    from planner.machine import cached_profile_path, local_hardware, stale_reason
+
+    if nproc < 1 or stale_reason(cached_profile_path(nproc), nproc=nproc) is None:
+        return local_hardware(nproc)  # cached (or refused with its reason): nothing to show
+    bar, update = _stage_progress(fmt is OutputFormat.json)
+    with bar:
+        return local_hardware(nproc, progress=update)
+
+
 @app.command()
 @takes_plan_options
 def run(
@@ -159,7 +173,7 @@ def run(
     global_batch: Annotated[Optional[int], typer.Option("--global-batch", help="Sequences per optimizer step (default: 8, or the --plan file's).")] = None,
     seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per sequence (default: 64, or the --plan file's).")] = None,
     steps: StepsOpt = 10,
-    nproc: Annotated[Optional[int], typer.Option("--nproc", help="Processes on this node, torchrun --nproc-per-node (default: 2, or the --plan file's devices over --nnodes).")] = None,
+    nproc: Annotated[Optional[int], typer.Option("--nproc", help="Processes on this node, torchrun --nproc-per-node (default: " + NPROC_DEFAULT + ", or the --plan file's devices over --nnodes).")] = None,
     gpus_per_node: GpusPerNodeOpt = None,
     nnodes: Annotated[Optional[int], typer.Option("--nnodes", help="Nodes, torchrun --nnodes (default: 1).")] = None,
     node_rank: Annotated[int, typer.Option("--node-rank", help="This node's rank (torchrun).")] = 0,
@@ -310,7 +324,7 @@ Notation: """ + PLAN_NOTATION
 
 @app.command("search", help=SEARCH_HELP)
 def search_command(
-    model: ModelOpt, hardware: HardwareOpt, gpus: GpusOpt, global_batch: GlobalBatchOpt,
+    model: ModelOpt, gpus: GpusOpt, global_batch: GlobalBatchOpt, hardware: LocalHardwareOpt = None,
     gpus_per_node: GpusPerNodeOpt = None, seq_len: SeqLenOpt = None, precision: PrecisionOpt = None,
     memory_headroom: HeadroomOpt = None, top: TopOpt = 5,
     out: Annotated[Optional[str], typer.Option("--out", help="Write the winner as a plan file (plan, model, hardware, cluster, job, estimate) that explain, export, estimate and run --plan read with no other flag.")] = None,
@@ -331,6 +345,7 @@ def search_command(
         if top < 1 or optuna_trials < 0:
             raise PlannerError(f"--top must be at least 1 and --optuna-trials at least 0, got {top} and {optuna_trials}")
         cost = default_cost_model(engine)
+        hardware = hardware or _local_hardware(gpus, fmt)
         problem = make_problem(model=model, hardware=hardware, gpus=gpus, gpus_per_node=gpus_per_node,
                                global_batch=global_batch, seq_len=seq_len, precision=precision,
                                memory_headroom=memory_headroom)
@@ -498,8 +513,8 @@ def _count(n: float) -> str:
 # --- planner profile and the emulated cluster -------------------------------------------------------
 @app.command()
 def profile(
-    out: Annotated[str, typer.Option("--out", help="Where to write the Hardware profile JSON.")] = "profile.json",
-    nproc: Annotated[int, typer.Option("--nproc", help="Processes for the collective benchmark (torchrun; 1: no collectives, links from the device's preset).")] = 2,
+    out: Annotated[Optional[str], typer.Option("--out", help="Where to write the Hardware profile JSON (default: this machine's cache entry for --nproc, which every command uses by default; profile.json for an emulated cluster or several nodes).")] = None,
+    nproc: Annotated[Optional[int], typer.Option("--nproc", help="Processes for the collective benchmark (torchrun; 1: no collectives, links from the device's preset; default: " + NPROC_DEFAULT + ").")] = None,
     gpus_per_node: GpusPerNodeOpt = None,
     quick: Annotated[bool, typer.Option("--quick", help="Fewer shapes, messages up to 16 MiB, short repeats.")] = False,
     model: ModelOpt = "tiny",
@@ -524,6 +539,13 @@ def profile(
     from profilers.profile import ProfileOptions, parse_sizes, summary
     from runners.launch import RunFailed
 
+    from planner.machine import cached_profile_path, default_nproc
+
+    nproc = nproc or default_nproc()
+    if out is None:
+        # One host's processes: the cache entry every command prices with by default; else a file.
+        one_host = not cluster and gpus_per_node in (None, nproc)
+        out = str(cached_profile_path(nproc)) if one_host else "profile.json"
     options = ProfileOptions(
         nproc=nproc, ranks_per_node=gpus_per_node, quick=quick, model=model,
         sizes_bytes=parse_sizes(sizes) if sizes else None,
@@ -605,12 +627,12 @@ def _agreement_table(title: str, columns: dict) -> Table:
 @app.command("validate")
 def validate_command(
     model: ModelOpt = "tiny", hardware: LocalHardwareOpt = None,
-    nproc: Annotated[int, typer.Option("--nproc", help="Local processes every plan runs on.")] = 4,
+    nproc: Annotated[Optional[int], typer.Option("--nproc", help="Local processes every plan runs on (default: " + NPROC_DEFAULT + ").")] = None,
     global_batch: GlobalBatchOpt = 16, seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")] = 64,
     precision: PrecisionOpt = None,
     steps: Annotated[int, typer.Option("--steps", help="Steps per run (the first is a warm-up).")] = 8,
     rounds: Annotated[int, typer.Option("--rounds", help="Runs per plan, interleaved across plans; medians.")] = 1,
-    timing_rounds: Annotated[int, typer.Option("--timing-rounds", help="Rounds of one batched, interleaved timing run (0: time from the runs).")] = 0,
+    timing_rounds: Annotated[Optional[int], typer.Option("--timing-rounds", help="Rounds of the batched, interleaved timing run (default: rounds are added until the top pick and the fastest plan are separable, at most 16; 0: time from the runs).")] = None,
     top: Annotated[int, typer.Option("--top", help="The search's top plans to include.")] = 3,
     max_plans: Annotated[Optional[int], typer.Option("--max-plans", help="Run at most this many plans.")] = None,
     spread: Annotated[bool, typer.Option("--spread/--no-spread", help="Add the deliberate spread (DP, ZeRO-1/2/3, TP, PP, micro-batches).")] = True,
@@ -659,19 +681,23 @@ def validate_command(
         return
     where = f"emulated cluster {cluster_prefix}, {report.nproc} processes" if cluster else f"{nproc} processes"
     table = Table(title=f"Measured against predicted ({report.hardware_name}, {where})")
-    for col in ("plan", "", "predicted", "measured", "error", "memory error"):
+    for col in ("plan", "", "predicted", "measured", "IQR", "error", "memory error"):
         table.add_column(col, justify="left" if col in ("plan", "") else "right")
     for r in report.plans:
         if not r.ok:
-            table.add_row(r.label, r.describe, f"{r.predicted_step_time_s * 1e3:.1f} ms", "failed", r.error or "", "")
+            table.add_row(r.label, r.describe, f"{r.predicted_step_time_s * 1e3:.1f} ms", "failed", "", r.error or "", "")
             continue
+        quartiles = r.measured_quartiles_s
+        iqr = f"{quartiles[0] * 1e3:.1f}-{quartiles[1] * 1e3:.1f}" if quartiles else "-"
         table.add_row(r.label, r.describe, f"{r.predicted_step_time_s * 1e3:.1f} ms",
-                      f"{r.measured_step_time_s * 1e3:.1f} ms", f"{r.step_time_error:+.1%}", f"{r.memory_error:+.1%}")
+                      f"{r.measured_step_time_s * 1e3:.1f} ms", iqr, f"{r.step_time_error:+.1%}", f"{r.memory_error:+.1%}")
     console.print(table)
     agree = report.agreement
     console.print(_agreement_table("Agreement", {"all plans": agree}))
-    console.print(f"top pick {agree.top_pick}, best measured {agree.best_measured}; report {out}, scatter {png}",
-                  highlight=False)
+    noise = (f" (within the measured noise of each other: regret {_pct(agree.raw_regret)} as measured, counted 0)"
+             if agree.top_pick_within_noise else "")
+    console.print(f"top pick {agree.top_pick}, best measured {agree.best_measured}{noise}; {report.timing_rounds} "
+                  f"interleaved timing rounds; report {out}, scatter {png}", highlight=False)
 
 
 def _validate_published(path: str, *, loso: bool, fmt: OutputFormat) -> None:
@@ -848,8 +874,8 @@ def export_command(
 @app.command("tune")
 def tune_command(
     model: ModelOpt = "tiny",
-    nproc: Annotated[int, typer.Option("--nproc", help="Local processes to profile and train on.")] = 2,
-    global_batch: GlobalBatchOpt = 8,
+    nproc: Annotated[Optional[int], typer.Option("--nproc", help="Local processes to profile and train on (default: " + NPROC_DEFAULT + ").")] = None,
+    global_batch: GlobalBatchOpt = 16,
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")] = 64,
     precision: PrecisionOpt = None,
     steps: Annotated[int, typer.Option("--steps", help="Steps to train the best plan.")] = 8,

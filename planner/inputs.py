@@ -37,11 +37,15 @@ _FLAG = {"model": "--model", "hardware": "--hardware", "gpus": "--gpus", "gpus_p
 
 
 def problem_from_flags(flags: ProblemFlags) -> Problem:
-    """The problem the flags describe; model, hardware, devices and global batch are required."""
-    for name in ("model", "hardware", "gpus", "global_batch"):
+    """The problem the flags describe; model, devices and global batch are required, the hardware defaults
+    to this machine's profile for that many processes (planner/machine.py)."""
+    from planner.machine import local_hardware
+
+    for name in ("model", "gpus", "global_batch"):
         if getattr(flags, name) is None:
             raise PlannerError(f"{_FLAG[name]} is required (or --plan with a plan file from `planner search --out`)")
-    return make_problem(model=flags.model, hardware=flags.hardware, gpus=flags.gpus, gpus_per_node=flags.gpus_per_node,
+    hardware = flags.hardware or local_hardware(flags.gpus)
+    return make_problem(model=flags.model, hardware=hardware, gpus=flags.gpus, gpus_per_node=flags.gpus_per_node,
                         global_batch=flags.global_batch, seq_len=flags.seq_len, precision=flags.precision,
                         memory_headroom=flags.memory_headroom)
 

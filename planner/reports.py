@@ -16,6 +16,10 @@ from specs.jsonio import dataclass_from_dict
 from specs.plan import Plan
 
 
+# Step-time samples a row needs before its spread (interquartile range) is taken as the noise.
+MIN_SAMPLES_FOR_SPREAD = 4
+
+
 def _relative_error(predicted: float, measured: float | None) -> float | None:
     return None if measured is None else (predicted - measured) / measured
 
@@ -36,7 +40,7 @@ class ValidationRow:
     rounds_step_time_s: tuple[float, ...] = ()  # per run: its median step
     batched_step_times_s: tuple[float, ...] = ()  # every step of the batched timing run
 
-    DERIVED = ("describe", "step_time_error", "memory_error")
+    DERIVED = ("describe", "step_time_error", "memory_error", "measured_quartiles_s")
 
     @property
     def ok(self) -> bool:
@@ -53,6 +57,23 @@ class ValidationRow:
     @property
     def memory_error(self) -> float | None:
         return _relative_error(self.predicted_peak_memory_bytes, self.measured_peak_memory_bytes)
+
+    @property
+    def measured_quartiles_s(self) -> tuple[float, float] | None:
+        """The first and third quartiles of the measured step times (the batched run's steps, else the
+        runs' medians), or None with fewer than MIN_SAMPLES_FOR_SPREAD of them."""
+        samples = self.batched_step_times_s or self.rounds_step_time_s
+        if not self.ok or len(samples) < MIN_SAMPLES_FOR_SPREAD:
+            return None
+        q1, _, q3 = statistics.quantiles(samples, n=4)
+        return (q1, q3)
+
+    def separable_from(self, other: "ValidationRow") -> bool:
+        """Whether the two measured step times differ beyond the noise: their interquartile ranges do not
+        overlap (a row without a spread counts its median as exact)."""
+        a = self.measured_quartiles_s or (self.measured_step_time_s,) * 2
+        b = other.measured_quartiles_s or (other.measured_step_time_s,) * 2
+        return a[1] < b[0] or b[1] < a[0]
 
     def replace(self, **changes: object) -> "ValidationRow":
         return dataclasses.replace(self, **changes)
@@ -101,7 +122,9 @@ class Agreement:
 
     mape: mean |predicted - measured| / measured; max_error: the largest of those; kendall_tau: between
     predicted and measured step times; regret: measured time of the predicted-fastest plan over the best
-    measured time, minus 1; memory_mape / memory_max_error: the same for peak memory."""
+    measured time, minus 1, counted only when the two are separable (their measured interquartile
+    ranges do not overlap; ValidationRow.separable_from), else 0 with `top_pick_within_noise` set, and
+    `raw_regret` the ratio as measured; memory_mape / memory_max_error: the same for peak memory."""
 
     num_ok: int = 0
     mape: float | None = None
@@ -112,6 +135,8 @@ class Agreement:
     best_measured: str | None = None
     memory_mape: float | None = None
     memory_max_error: float | None = None
+    raw_regret: float | None = None
+    top_pick_within_noise: bool | None = None
 
     @classmethod
     def of(cls, rows: list[ValidationRow]) -> "Agreement":
@@ -122,11 +147,14 @@ class Agreement:
         memory = [abs(r.memory_error) for r in ok if r.memory_error is not None]
         top = min(ok, key=lambda r: r.predicted_step_time_s)
         best = min(ok, key=lambda r: r.measured_step_time_s)
+        raw = top.measured_step_time_s / best.measured_step_time_s - 1.0
+        within_noise = top is not best and not top.separable_from(best)
         return cls(num_ok=len(ok), mape=statistics.fmean(errors), max_error=max(errors),
                    kendall_tau=kendall_tau([r.predicted_step_time_s for r in ok], [r.measured_step_time_s for r in ok]),
-                   regret=top.measured_step_time_s / best.measured_step_time_s - 1.0, top_pick=top.label,
+                   regret=0.0 if within_noise else raw, top_pick=top.label,
                    best_measured=best.label, memory_mape=statistics.fmean(memory) if memory else None,
-                   memory_max_error=max(memory) if memory else None)
+                   memory_max_error=max(memory) if memory else None, raw_regret=raw,
+                   top_pick_within_noise=within_noise)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -203,6 +231,7 @@ class TuneCalibration:
     parameters: dict[str, float]
     mape_before: float
     mape_after: float
+    at_bounds: tuple[str, ...] = ()  # parameters the fit left at a bound (planner.calibrate.parameters_at_bounds)
 
 
 @dataclass(frozen=True)
@@ -219,10 +248,20 @@ class TuneReport:
     measured: RunSummary
     losses: tuple[float, ...]
     times_s: dict[str, float] = field(default_factory=dict)  # profile, calibrate, search, run, total
+    step_times_s: tuple[float, ...] = ()  # every timed step of the run (the first, allocating one dropped)
 
     @property
     def step_time_ratio(self) -> float:
         return self.measured.median_step_time_s / self.predicted["step_time_s"]
+
+    @property
+    def step_time_ratio_quartiles(self) -> tuple[float, float] | None:
+        """The first and third quartiles of measured / predicted over the run's steps (its spread), or None
+        with fewer than MIN_SAMPLES_FOR_SPREAD steps."""
+        if len(self.step_times_s) < MIN_SAMPLES_FOR_SPREAD:
+            return None
+        q1, _, q3 = statistics.quantiles(self.step_times_s, n=4)
+        return (q1 / self.predicted["step_time_s"], q3 / self.predicted["step_time_s"])
 
     @property
     def memory_ratio(self) -> float:
@@ -231,5 +270,5 @@ class TuneReport:
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out.update(plan=self.plan.to_dict(), describe=self.plan.describe(), step_time_ratio=self.step_time_ratio,
-                   memory_ratio=self.memory_ratio)
+                   step_time_ratio_quartiles=self.step_time_ratio_quartiles, memory_ratio=self.memory_ratio)
         return out

@@ -10,37 +10,12 @@ from dataclasses import dataclass
 from specs.errors import PlannerError
 from specs.planfile import PlanFile, read_plan_json
 from specs.problem import Problem, make_problem
+from planner.machine import default_nproc, local_hardware, local_precision
 from planner.inputs import ProblemFlags, check_flags_agree, load_plan, plan_from_options, refuse_plan_options_with_file
 
 # What `planner run` trains when neither a flag nor a plan file says otherwise.
-# The hardware and precision are this machine's (local_hardware, local_precision).
-RUN_DEFAULTS = {"model": "tiny", "global_batch": 8, "seq_len": 64, "nproc": 2, "nnodes": 1}
-
-
-def local_hardware() -> str:
-    """The hardware this machine's runs are priced on by default: its GPU's preset (matched by name),
-    else cpu. A GPU without a preset is priced as an h100, with a warning (profile it instead)."""
-    import torch
-
-    from specs.hardware import preset_for_device
-
-    if not torch.cuda.is_available():
-        return "cpu"
-    name = torch.cuda.get_device_name(0)
-    preset = preset_for_device(name)
-    if preset is not None:
-        return preset.name
-    warnings.warn(f"no hardware preset for {name}: pricing with h100's datasheet; `planner profile` measures it",
-                  stacklevel=2)
-    return "h100"
-
-
-def local_precision() -> str:
-    """The compute precision of a run on this machine by default: bf16 on a GPU that has it (with fp32
-    master weights), fp32 on CPU (where bf16 is emulated on most cores)."""
-    import torch
-
-    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+# The hardware, precision and process count are this machine's (planner/machine.py).
+RUN_DEFAULTS = {"model": "tiny", "global_batch": 8, "seq_len": 64, "nnodes": 1}
 
 
 @dataclass(frozen=True)
@@ -49,7 +24,7 @@ class RunRequest:
     RUN_DEFAULTS, and the hardware and precision from this machine)."""
 
     model: str | None = "tiny"
-    hardware: str | None = None  # None: local_hardware()
+    hardware: str | None = None  # None: this machine's profile (planner.machine.local_hardware)
     global_batch: int | None = 8
     seq_len: int | None = 64
     precision: str | None = None
@@ -57,7 +32,7 @@ class RunRequest:
     seed: int = 0
     lr: float = 1e-3
     data: str | None = None
-    nproc: int | None = 2
+    nproc: int | None = None  # None: planner.machine.default_nproc()
     nnodes: int | None = 1
     node_rank: int = 0
     rdzv_endpoint: str | None = None
@@ -92,7 +67,7 @@ def resolve_request(request: RunRequest, plan_options: dict) -> tuple[RunRequest
     into nodes as the file says."""
     planfile = read_plan_json(request.plan_file) if request.plan_file else None
     if not isinstance(planfile, PlanFile):
-        filled = {k: v for k, v in RUN_DEFAULTS.items() if getattr(request, k) is None}
+        filled = {k: v for k, v in {**RUN_DEFAULTS, "nproc": default_nproc()}.items() if getattr(request, k) is None}
         return dataclasses.replace(request, **filled), None
     refuse_plan_options_with_file(plan_options)
     check_flags_agree(planfile, ProblemFlags(model=request.model, hardware=request.hardware,
@@ -140,9 +115,10 @@ def build_run(request: RunRequest, plan_options: dict, *, planfile: PlanFile | N
             raise PlannerError(f"this launch has {world} processes, but the plan file {request.plan_file} is for "
                                f"{problem.cluster.num_devices} devices")
     else:
-        problem = make_problem(model=request.model, hardware=request.hardware or local_hardware(), gpus=world,
-                               gpus_per_node=request.gpus_per_node or per_node, global_batch=request.global_batch,
-                               seq_len=request.seq_len, precision=request.precision or local_precision())
+        problem = make_problem(model=request.model, hardware=request.hardware or local_hardware(world, measure=not under_torchrun()),
+                               gpus=world, gpus_per_node=request.gpus_per_node or per_node,
+                               global_batch=request.global_batch, seq_len=request.seq_len,
+                               precision=request.precision or local_precision())
     _warn_if_profile_mismatch(problem)
     if planfile is not None:
         plan = planfile.plan

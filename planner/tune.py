@@ -6,9 +6,9 @@ against predicted.
     planner tune --nproc 4 --global-batch 16 --steps 10 --format json
     planner tune --refresh-profile                 # measure again instead of reusing the cache
 
-The profile is cached in ~/.cache/planner/ (or $PLANNER_CACHE_DIR) under the host name and process
-count, since both change what one process can do; `planner calibrate` results written into that file
-are used by the next tune's search.
+The profile is this machine's (planner/machine.py): cached in ~/.cache/planner/ (or $PLANNER_CACHE_DIR)
+under the host name and process count, since both change what one process can do, and shared with run,
+validate, estimate and search; `planner calibrate` results written into that file are used by all of them.
 
 Closing the loop: the profile's probes fit the CPU's per-op cost, compute slowdown and overlap from one
 layer (runners/probe.py), but not what a whole engine step adds (hooks, the optimizer step,
@@ -22,8 +22,6 @@ calibrated profile. The next tune reuses it (`--no-calibrate` skips the step; `-
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
 import statistics
 import time
 from dataclasses import dataclass
@@ -48,7 +46,7 @@ def _no_progress(stage: str, done: int, total: int | None, label: str) -> None:
 @dataclass(frozen=True)
 class TuneSettings:
     model: str = "tiny"
-    nproc: int = 2
+    nproc: int | None = None  # None: planner.machine.default_nproc()
     global_batch: int = 8
     seq_len: int = 64
     precision: str | None = None
@@ -62,6 +60,9 @@ class TuneSettings:
     recalibrate: bool = False  # fit it again even if it was
 
     def __post_init__(self) -> None:
+        from planner.machine import default_nproc
+
+        object.__setattr__(self, "nproc", self.nproc or default_nproc())
         if self.nproc < 2:
             raise PlannerError(f"--nproc must be at least 2 (the profile measures collectives), got {self.nproc}")
         if self.steps < 2:
@@ -70,43 +71,31 @@ class TuneSettings:
             raise PlannerError("give either --profile or --refresh-profile, not both")
 
 
-def cache_dir(settings: TuneSettings) -> Path:
-    return Path(settings.cache_dir or os.environ.get("PLANNER_CACHE_DIR") or Path.home() / ".cache" / "planner")
-
-
 def cached_profile_path(settings: TuneSettings) -> Path:
-    """The cache entry for this host and process count."""
-    host = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in socket.gethostname()) or "host"
-    return cache_dir(settings) / f"profile-{host}-n{settings.nproc}.json"
+    """The cache entry for this host and process count (planner/machine.py)."""
+    from planner.machine import cached_profile_path as path_for
+
+    return path_for(settings.nproc, directory=settings.cache_dir)
 
 
 def ensure_profile(settings: TuneSettings, *, progress: Progress = _no_progress) -> tuple[str, bool]:
-    """(profile path, whether it was reused): the given one, the cached one, or a fresh quick profile."""
+    """(profile path, whether it was reused): the given one, or this host's for the process count, measured
+    when none usable is cached (planner.machine.local_profile)."""
+    from planner.machine import local_profile
     from specs.hardware import resolve_hardware
 
     if settings.profile is not None:
         resolve_hardware(settings.profile)  # refuse a bad file before anything runs
         return settings.profile, True
-    path = cached_profile_path(settings)
-    if path.exists() and not settings.refresh_profile:
-        try:
-            resolve_hardware(str(path))
-            return str(path), True
-        except PlannerError:
-            pass  # a stale or broken cache entry is measured again
-    from planner.profiling import measure_profile
-    from profilers.profile import ProfileOptions
-
-    hardware = measure_profile(ProfileOptions(nproc=settings.nproc, quick=True, model=settings.model), progress=progress)
-    hardware.save(path)
-    return str(path), False
+    return local_profile(settings.nproc, model=settings.model, refresh=settings.refresh_profile,
+                         directory=settings.cache_dir, progress=progress)
 
 
 def calibrate_profile(profile: str, settings: TuneSettings, *, progress: Progress = _no_progress) -> TuneCalibration:
     """Time CALIBRATION_PLANS plans in one batched interleaved run, fit CALIBRATION_PARAMETERS to them,
     and write the calibrated profile back to `profile`; returns what was fitted and how well."""
     from cost_models.estimate import estimate
-    from planner.calibrate import fit_time_parameters
+    from planner.calibrate import fit_time_parameters, parameters_at_bounds
     from planner.validate import ValidateSettings, candidate_plans, measure_step_times_batched
     from specs.hardware import resolve_hardware, with_calibration
 
@@ -134,7 +123,8 @@ def calibrate_profile(profile: str, settings: TuneSettings, *, progress: Progres
 
     before, after = mape(hardware), mape(calibrated)
     calibrated.save(profile)
-    return TuneCalibration(num_plans=len(rows), parameters=calibration, mape_before=before, mape_after=after)
+    return TuneCalibration(num_plans=len(rows), parameters=calibration, mape_before=before, mape_after=after,
+                           at_bounds=parameters_at_bounds(calibration))
 
 
 def _default_precision(profile: str) -> str:
@@ -177,6 +167,7 @@ def tune(settings: TuneSettings = TuneSettings(), *, progress: Progress = _no_pr
         profile=profile, profile_reused=reused, calibrated_from_runs=problem.cluster.hardware.calibrated_from_runs,
         calibration=calibration, plan=winner.plan, runner_up=tuple(c.plan.describe() for c in result.candidates[1:3]),
         predicted=winner.estimate.to_dict(), measured=metrics.summary, losses=tuple(metrics.losses),
+        step_times_s=tuple(s.step_time_s for s in metrics.steps[1:]),
         times_s={"profile": profiled - start, "calibrate": calibrated_at - profiled, "search": searched - calibrated_at,
                  "run": done - searched, "total": done - start})
 
@@ -185,6 +176,7 @@ def report_lines(report: TuneReport) -> list[str]:
     """The terminal summary of a tune report."""
     p, m, times = report.predicted, report.measured, report.times_s
     fitted = report.calibrated_from_runs
+    spread = report.step_time_ratio_quartiles
     lines = [
         f"profile: {report.profile} ({'reused' if report.profile_reused else 'measured now'}"
         f"{f', calibrated on {fitted} timed plans' if fitted else ', probes only'}) in {times['profile']:.1f} s",
@@ -192,7 +184,8 @@ def report_lines(report: TuneReport) -> list[str]:
         f"trained {len(report.losses)} steps in {times['run']:.1f} s: loss {report.losses[0]:.4f} -> "
         f"{report.losses[-1]:.4f}",
         f"step time: measured {m.median_step_time_s * 1e3:.1f} ms, predicted {p['step_time_s'] * 1e3:.1f} ms "
-        f"(measured / predicted {report.step_time_ratio:.2f})",
+        f"(measured / predicted {report.step_time_ratio:.2f}"
+        + (f", its steps' interquartile range {spread[0]:.2f}-{spread[1]:.2f})" if spread else ")"),
         f"peak memory per rank: measured {m.peak_memory_bytes / 2**20:.1f} MiB, predicted "
         f"{p['peak_memory_bytes'] / 2**20:.1f} MiB (measured / predicted {report.memory_ratio:.2f})",
         f"total {times['total']:.1f} s",
@@ -202,6 +195,10 @@ def report_lines(report: TuneReport) -> list[str]:
         lines.insert(1, f"calibrated on {c.num_plans} timed plans in {times['calibrate']:.1f} s: "
                         f"their mean |error| {c.mape_before:.0%} -> {c.mape_after:.0%} ("
                         + ", ".join(f"{k} {v:.3g}" for k, v in c.parameters.items()) + ")")
+    if report.calibration is not None and report.calibration.at_bounds:
+        lines.append(f"warning: the calibration left {', '.join(report.calibration.at_bounds)} at a bound: the timed "
+                     f"plans did not pin it down, so the fit may not carry to other plans (`planner tune "
+                     f"--recalibrate` on a quieter host, or `planner validate` then `planner calibrate`)")
     if not fitted and abs(report.step_time_ratio - 1) > 0.2:
         lines.append("the profile was never fitted to training runs; run `planner tune --recalibrate`, or "
                      f"`planner validate --hardware {report.profile} --out v.json` then `planner calibrate`")

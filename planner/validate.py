@@ -76,18 +76,21 @@ class ValidateSettings:
     """What to validate on: the model, the job, the hardware the predictions use, and how to measure."""
 
     model: str = "tiny"
-    hardware: str | None = None  # None: this machine's (planner.run_command.local_hardware)
-    nproc: int = 4
+    hardware: str | None = None  # None: this machine's profile for nproc processes (planner.machine)
+    nproc: int | None = None  # None: planner.machine.default_nproc()
+    # Twice run's and tune's 8: enough sequences for the spread's micro-batch sizes on 4 processes.
     global_batch: int = 16
     seq_len: int = 64
-    precision: str | None = None  # None: bf16 on a GPU, fp32 on CPU (planner.run_command.local_precision)
+    precision: str | None = None  # None: bf16 on a GPU, fp32 on CPU (planner.machine.local_precision)
     steps: int = 8
     rounds: int = 1
     top_k: int = 3
     spread: bool = True
     max_plans: int | None = None
-    # Interleaved rounds of the batched timing run (0: time each plan from its own runs).
-    timing_rounds: int = 0
+    # Interleaved rounds of the batched timing run: None (the default) adds rounds until the top pick and
+    # the fastest measured plan are separable or MAX_TIMING_ROUNDS is reached (time_until_separable);
+    # 0: time each plan from its own runs.
+    timing_rounds: int | None = None
     timing_steps: int = 3
     seed: int = 0
     timeout_s: float = 300.0
@@ -96,17 +99,23 @@ class ValidateSettings:
     cluster: str | None = None
 
     def __post_init__(self) -> None:
-        from planner.run_command import local_hardware, local_precision
+        from planner.machine import default_nproc, local_hardware, local_precision
 
+        object.__setattr__(self, "nproc", self.nproc or default_nproc())
+        if self.hardware is None and self.cluster is not None:
+            # The emulated nodes share this host: its profile for that many processes, whose links are
+            # loopback ones; `planner profile --cluster` measures the shaped inter-node link too.
+            warnings.warn("--cluster without --hardware prices with this host's profile, whose inter-node link "
+                          "is not the emulated one; `planner profile --cluster` measures it", stacklevel=2)
         # On a GPU the runs use CUDA and NCCL (runners.launch.pick_device): price them as such.
-        object.__setattr__(self, "hardware", self.hardware or local_hardware())
+        object.__setattr__(self, "hardware", self.hardware or local_hardware(self.topology()[0]))
         object.__setattr__(self, "precision", self.precision or local_precision())
         for name in ("nproc", "global_batch", "seq_len", "steps", "rounds"):
             if getattr(self, name) < 1:
                 raise PlannerError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.steps < 2:
             raise PlannerError(f"--steps must be at least 2 (the first step is a warm-up), got {self.steps}")
-        if self.timing_rounds < 0 or self.timing_steps < 1:
+        if (self.timing_rounds is not None and self.timing_rounds < 0) or self.timing_steps < 1:
             raise PlannerError(f"--timing-rounds must be at least 0, got {self.timing_rounds}")
         if self.top_k < 0 or (self.max_plans is not None and self.max_plans < 1):
             raise PlannerError(f"--top must be at least 0 and --max-plans at least 1, got {self.top_k} and {self.max_plans}")
@@ -182,10 +191,12 @@ Progress = Callable[[int, int, str], None]
 
 
 def measure(entries: list[PlanEntry], settings: ValidateSettings, *, progress: Progress | None = None,
-            runner: Callable | None = None) -> list[Measurement]:
-    """Run every plan `settings.rounds` times, interleaved; a failed plan is not retried.
+            runner: Callable | None = None, timer: Callable | None = None) -> list[Measurement]:
+    """Run every plan `settings.rounds` times, interleaved; a failed plan is not retried; then time the
+    plans that ran in the batched timing run (`settings.timing_rounds`).
 
-    `runner(cfg, where=...) -> RunMetrics` defaults to runners.launch.launch (tests may pass another)."""
+    `runner(cfg, where=...) -> RunMetrics` defaults to runners.launch.launch, and `timer(entries, settings,
+    rounds=, steps_per_round=, progress=)` to measure_step_times_batched (tests may pass others)."""
     from runners.config import RunConfig
     from runners.launch import RunFailed, launch
 
@@ -214,12 +225,55 @@ def measure(entries: list[PlanEntry], settings: ValidateSettings, *, progress: P
             m.step_times_s.append(float(metrics.summary.median_step_time_s))
             m.peak_memory_bytes.append(int(metrics.summary.peak_memory_bytes))
     ok = [m for m in results if m.error is None]
-    if settings.timing_rounds and ok:
-        times = measure_step_times_batched([m.entry for m in ok], settings, rounds=settings.timing_rounds,
-                                           steps_per_round=settings.timing_steps, progress=progress)
+    timer = timer or measure_step_times_batched
+    if settings.timing_rounds is None and len(ok) > 1:
+        time_until_separable(ok, settings, progress=progress, timer=timer)
+    elif settings.timing_rounds and ok:
+        times = timer([m.entry for m in ok], settings, rounds=settings.timing_rounds,
+                      steps_per_round=settings.timing_steps, progress=progress)
         for m, samples in zip(ok, times):
             m.batched_step_times_s = list(samples)
     return results
+
+
+# The adaptive batched timing: rounds per launch, and the most rounds in all.
+TIMING_ROUNDS_PER_LAUNCH = 4
+MAX_TIMING_ROUNDS = 16
+
+
+def time_until_separable(ok: list[Measurement], settings: ValidateSettings, *, progress: Progress | None = None,
+                         timer: Callable | None = None) -> int:
+    """Time the plans in batched, interleaved launches of TIMING_ROUNDS_PER_LAUNCH rounds, adding launches
+    until the cost model's top pick and the fastest measured plan are the same plan or separable (their
+    interquartile ranges apart; planner.reports.ValidationRow.separable_from), or MAX_TIMING_ROUNDS are
+    done; every step lands in the measurements' batched_step_times_s. Returns the rounds run."""
+    from cost_models.estimate import estimate
+
+    problem = settings.problem()
+    predicted = [estimate(m.entry.plan, model=problem.model, cluster=problem.cluster, job=problem.job).step_time_s
+                 for m in ok]
+    top = min(range(len(ok)), key=predicted.__getitem__)
+    rounds = 0
+    while rounds < MAX_TIMING_ROUNDS:
+        batch = min(TIMING_ROUNDS_PER_LAUNCH, MAX_TIMING_ROUNDS - rounds)
+        times = (timer or measure_step_times_batched)([m.entry for m in ok], settings, rounds=batch,
+                                                      steps_per_round=settings.timing_steps, progress=progress)
+        for m, samples in zip(ok, times):
+            m.batched_step_times_s.extend(samples)
+        rounds += batch
+        rows = [_timing_row(m) for m in ok]
+        best = min(range(len(ok)), key=lambda i: rows[i].measured_step_time_s)
+        if best == top or rows[top].separable_from(rows[best]):
+            break
+    return rounds
+
+
+def _timing_row(m: Measurement) -> ValidationRow:
+    """A row carrying only what separability needs: the batched samples and their median."""
+    return ValidationRow(label=m.entry.label, source=m.entry.source, plan=m.entry.plan, status="ok", error=None,
+                         predicted_step_time_s=0.0, predicted_peak_memory_bytes=0,
+                         measured_step_time_s=statistics.median(m.batched_step_times_s),
+                         batched_step_times_s=tuple(m.batched_step_times_s))
 
 
 # --- batched timing -------------------------------------------------------------------------------
@@ -279,16 +333,18 @@ def build_report(measurements: list[Measurement], settings: ValidateSettings) ->
         model=settings.model, hardware=settings.hardware, hardware_name=problem.cluster.hardware.name,
         calibration=dict(problem.cluster.hardware.calibration), nproc=settings.topology()[0], cluster=settings.cluster,
         global_batch=settings.global_batch, seq_len=settings.seq_len, precision=settings.precision,
-        steps=settings.steps, rounds=settings.rounds, timing_rounds=settings.timing_rounds,
+        steps=settings.steps, rounds=settings.rounds,
+        # The rounds the batched timing ran (adaptive by default): each round times timing_steps steps.
+        timing_rounds=max((len(m.batched_step_times_s) for m in measurements), default=0) // settings.timing_steps,
         plans=tuple(plan_row(m, problem) for m in measurements))
 
 
 def validate(settings: ValidateSettings, *, progress: Progress | None = None,
-             runner: Callable | None = None) -> ValidationReport:
+             runner: Callable | None = None, timer: Callable | None = None) -> ValidationReport:
     """Pick the plans, run them, and return the report (see the module docstring)."""
     entries = candidate_plans(settings.problem(), top_k=settings.top_k, spread=settings.spread,
                               max_plans=settings.max_plans)
-    return build_report(measure(entries, settings, progress=progress, runner=runner), settings)
+    return build_report(measure(entries, settings, progress=progress, runner=runner, timer=timer), settings)
 
 
 # --- the picture ----------------------------------------------------------------------------------

@@ -206,8 +206,16 @@ def efficiency_fields(fit: GemmFit, *, datasheet_peak: dict[str, float] | None) 
     return dict(asym), 1.0
 
 
+def num_cores() -> int:
+    """The cores this process may run on (its affinity mask, as torch's thread pool sees them)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def build_hardware(*, device: torch.device, compute: ComputeResult, memory: MemoryResult,
-                   fits: list[CollectiveFit], base: Hardware) -> Hardware:
+                   fits: list[CollectiveFit], base: Hardware, processes: int = 0) -> Hardware:
     """The Hardware profile; a link class no group crossed keeps `base`'s value (with a warning)."""
     gemm_fit = fit_gemm(compute.gemms)
     peaks, efficiency = efficiency_fields(gemm_fit, datasheet_peak=_datasheet_peak(device, compute.device_name))
@@ -234,7 +242,8 @@ def build_hardware(*, device: torch.device, compute: ComputeResult, memory: Memo
         # The wave model (cost_models/compute.py) needs the SM count; the device reports it, and the
         # tile and NCCL's CTAs are the library's choices the preset records for this GPU family.
         num_sms=_num_sms(device) or base.num_sms, gemm_tile=base.gemm_tile,
-        nccl_ctas=(base.nccl_ctas or NCCL_CTAS) if device.type == "cuda" else 0)
+        nccl_ctas=(base.nccl_ctas or NCCL_CTAS) if device.type == "cuda" else 0,
+        measured_processes=processes, measured_cores=num_cores())
 
 
 def _num_sms(device: torch.device) -> int:
@@ -260,7 +269,7 @@ def run_profile(options: ProfileOptions, *, progress: Progress = _no_progress) -
     host_procs = world_size
     threads_before = torch.get_num_threads()
     if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // host_procs))
+        torch.set_num_threads(max(1, num_cores() // host_procs))
     try:
         steps = iter(range(1, 1 << 30))
         compute = measure_compute(model=model, device=device, quick=options.quick,
@@ -270,7 +279,9 @@ def run_profile(options: ProfileOptions, *, progress: Progress = _no_progress) -
     finally:
         torch.set_num_threads(threads_before)
     base = base_preset(device, compute.device_name)
-    hardware = build_hardware(device=device, compute=compute, memory=memory, fits=fit_collectives(curves), base=base)
+    # Per host: processes on this host (all of them locally; on the emulated cluster they share it too).
+    hardware = build_hardware(device=device, compute=compute, memory=memory, fits=fit_collectives(curves), base=base,
+                              processes=host_procs)
     return dataclasses.replace(hardware, layer_probe=points, overlap_probe=overlap)
 
 

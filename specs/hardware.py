@@ -120,6 +120,10 @@ class Hardware:
     # Measured training runs the calibration was last fitted to (`planner calibrate`, `planner tune`);
     # 0: only the profile's own probes.
     calibrated_from_runs: int = 0
+    # The processes sharing one host a profile was measured with, and that host's cores (planner/machine.py
+    # re-measures for another count); 0: not a local measurement (presets, older profiles).
+    measured_processes: int = 0
+    measured_cores: int = 0
     # Measured efficiencies (fraction of the dtype's peak) of kernels that are not plain GEMMs, by name:
     # flash2_forward/backward (FlashAttention-2), flash3_forward/backward (FlashAttention-3 / cuDNN fused
     # attention, Hopper only), fp8_gemm (the largest-GEMM rate in fp8, whose peak is peak_flops_per_s["fp8"]).

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import seed_profile_cache
+
 README = Path(__file__).resolve().parents[2] / "README.md"
 CLUSTER_PREFIX = "plreadme"  # not the default, so a cluster someone else brought up on this host is left alone
 STEPS = "--steps 2"  # two steps show the run trains; the README's step counts only take longer
@@ -79,6 +81,7 @@ def test_the_readme_has_its_command_list_and_every_substitution_is_used():
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("readme")
+    seed_profile_cache(folder / "cache")  # this machine's profiles, which the lines without --hardware use
     yield folder
     if any(line.startswith("planner cluster up") for line in LINES) and _netns_skip_reason() is None:
         subprocess.run([sys.executable, "-m", "planner.cli", "cluster", "down", "--prefix", CLUSTER_PREFIX],

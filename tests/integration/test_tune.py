@@ -8,6 +8,8 @@ from typer.testing import CliRunner
 
 from planner.cli import app
 from planner.tune import CALIBRATION_PARAMETERS, TuneSettings, cached_profile_path, ensure_profile
+from planner.validate import ValidateSettings
+from profilers.profile import num_cores
 from specs.hardware import resolve_hardware
 
 runner = CliRunner()
@@ -32,9 +34,12 @@ def test_tune_profiles_searches_runs_and_reuses_the_cache(tmp_path, monkeypatch)
     hardware = resolve_hardware(str(cached))
     assert hardware.calibrated_from_runs == calibration["num_plans"]
     assert all(hardware.calibration[k] == v for k, v in calibration["parameters"].items())
-    # The next tune finds the profile in the cache instead of measuring again.
+    # The next tune finds the profile in the cache instead of measuring again, and so does every command
+    # that defaults to this machine's profile for the same process count.
     path, reused = ensure_profile(TuneSettings())
     assert reused and path == str(cached)
+    assert (hardware.measured_processes, hardware.measured_cores) == (TuneSettings().nproc, num_cores())
+    assert ValidateSettings().hardware == str(cached) and ValidateSettings().nproc == TuneSettings().nproc
 
 
 def test_tune_refuses_bad_settings(tmp_path):

@@ -12,7 +12,8 @@ import pytest
 from specs.errors import PlannerError
 from cost_models.estimate import estimate
 from planner.reports import Agreement, ValidationReport, ValidationRow, kendall_tau
-from planner.validate import ValidateSettings, build_report, candidate_plans, measure, write_scatter_png
+from planner.validate import (MAX_TIMING_ROUNDS, TIMING_ROUNDS_PER_LAUNCH, ValidateSettings, build_report,
+                             candidate_plans, measure, write_scatter_png)
 from specs.plan import Plan
 from runners.launch import RunFailed
 
@@ -79,7 +80,7 @@ def test_candidates_span_the_knobs_without_duplicates():
 
 
 def test_failed_run_is_reported_and_the_others_continue(tmp_path):
-    settings = ValidateSettings(nproc=4, steps=3, rounds=2, top_k=0, max_plans=3)
+    settings = ValidateSettings(nproc=4, steps=3, rounds=2, top_k=0, max_plans=3, timing_rounds=0)
     calls = []
 
     def fake_runner(cfg, where):
@@ -113,3 +114,48 @@ def test_settings_refuse_bad_values():
         ValidateSettings(steps=1)
     with pytest.raises(PlannerError, match="--max-plans"):
         ValidateSettings(max_plans=0)
+
+
+def test_timing_adds_interleaved_rounds_until_the_top_pick_and_the_fastest_are_separable():
+    """The default timing (timing_rounds None) adds batched launches while the cost model's top pick and the
+    fastest measured plan overlap in their interquartile ranges; regret counts only a separable gap."""
+    settings = ValidateSettings(nproc=4, steps=3, top_k=0, max_plans=3)
+    entries = candidate_plans(settings.problem(), top_k=0, max_plans=3)
+    problem = settings.problem()
+    predicted = [estimate(e.plan, model=problem.model, cluster=problem.cluster, job=problem.job).step_time_s
+                 for e in entries]
+    top = min(range(3), key=predicted.__getitem__)
+    other = (top + 1) % 3
+    launches = []
+
+    def noisy_timer(batch, settings, *, rounds, steps_per_round, progress):
+        launches.append(rounds)
+        # The other plan is 2% faster than the top pick; each launch adds 1% noise on both, so their
+        # quartile ranges keep overlapping: every launch up to the limit runs.
+        out = []
+        for i, _ in enumerate(batch):
+            base = 0.098 if i == other else (0.100 if i == top else 0.2)
+            out.append([base * (1 + 0.012 * ((k % 3) - 1)) for k in range(rounds * steps_per_round)])
+        return out
+
+    report = build_report(measure(entries, settings, runner=_fake_runner, timer=noisy_timer), settings)
+    assert launches == [TIMING_ROUNDS_PER_LAUNCH] * (MAX_TIMING_ROUNDS // TIMING_ROUNDS_PER_LAUNCH)
+    assert report.timing_rounds == MAX_TIMING_ROUNDS
+    agree = report.agreement
+    assert agree.top_pick_within_noise and agree.regret == 0.0 and agree.raw_regret == pytest.approx(0.1 / 0.098 - 1)
+
+    launches.clear()
+
+    def clean_timer(batch, settings, *, rounds, steps_per_round, progress):
+        launches.append(rounds)
+        return [[0.098 if i == other else (0.100 if i == top else 0.2)] * (rounds * steps_per_round)
+                for i, _ in enumerate(batch)]
+
+    report = build_report(measure(entries, settings, runner=_fake_runner, timer=clean_timer), settings)
+    assert launches == [TIMING_ROUNDS_PER_LAUNCH]  # separable after the first launch: no more rounds
+    assert not report.agreement.top_pick_within_noise
+    assert report.agreement.regret == pytest.approx(0.1 / 0.098 - 1)
+
+
+def _fake_runner(cfg, where):
+    return SimpleNamespace(summary=SimpleNamespace(median_step_time_s=0.1, peak_memory_bytes=300 * 2**20))
