@@ -66,6 +66,11 @@ def check_pipeline_engine(folder: Path) -> dict:
                        "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
         os.environ[key] = value
     stage = json.loads((folder / "ds_config.json").read_text())["zero_optimization"]["stage"]
+    # On CPU, init_distributed JIT-compiles DeepSpeed's shared-memory collective op (minutes of C++ on a fresh
+    # machine) when the install marked it compatible; gloo's collectives are all a one-rank check needs.
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
     net = PipelineModule(layers=[LayerSpec(torch.nn.Linear, 8, 8) for _ in range(2)], num_stages=1,
                          loss_fn=torch.nn.MSELoss())
