@@ -37,6 +37,9 @@ SUBSTITUTIONS = {
     "planner validate --nproc 4 --hardware profile.json --out validate.json":
         "planner validate --nproc 2 --hardware profile.json --out validate.json --top 2 --no-spread --max-plans 2 "
         "--steps 3",
+    # The defaults (this machine's cached profile, its process count) on two plans and two timing rounds.
+    "planner validate --max-plans 4 --out local-validate.json":
+        "planner validate --max-plans 2 --top 1 --no-spread --steps 3 --timing-rounds 2 --out local-validate.json",
     # Two measured plans fit one parameter (one plan fitted, one held out).
     "planner calibrate --measurements validate.json --hardware profile.json --out calibrated.json":
         "planner calibrate --measurements validate.json --hardware profile.json --out calibrated.json "
