@@ -66,7 +66,8 @@ def predict(row: dict) -> Row:
     plan = Plan(dp=dp, tp=tp, pp=pp, micro_batch=MICRO_BATCH, num_micro_batches=batch // (dp * MICRO_BATCH),
                 schedule="1f1b", recompute="full")
     cluster = Cluster(num_nodes=gpus // GPUS_PER_NODE, devices_per_node=GPUS_PER_NODE, hardware=HARDWARE["a100"])
-    est = estimate(plan, model=model, cluster=cluster, job=Job(global_batch=batch, seq_len=SEQ_LEN, precision="bf16"))
+    est = estimate(plan, model=model, cluster=cluster, job=Job(global_batch=batch, seq_len=SEQ_LEN, precision="bf16"),
+                   engine="megatron-sc21")
     return Row(model.name, gpus, tp, pp, est.tflops_per_gpu, float(row["tflops_per_gpu"]))
 
 

@@ -39,10 +39,13 @@ work (norms, residual adds, dropout) is replicated on every TP rank unless seque
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
 from specs.model import ModelSpec
+from cost_models.engines import ENGINES, EngineModel
 from specs.hardware import Hardware
 
 # Elementwise kernels reach about 80% of the HBM datasheet bandwidth (STREAM-like copies on A100/H100).
@@ -130,14 +133,53 @@ def model_flops_per_step(model: ModelSpec, *, global_batch: int, seq_len: int,
 
 
 # --- time ----------------------------------------------------------------------------------------
-def _analytic_efficiency(hw: Hardware, m: float, n: float, k: float) -> float:
+# Tiles a GPU GEMM library falls back to when its large tile would leave SMs idle in the last wave: the
+# large tile's rows and columns divided by these, and the K dimension split across this many tiles
+# (split-K: partial sums written and added), keeping this share of its rate (a smaller tile reuses each
+# loaded operand less; a split pays the extra pass). A modelling assumption in the spirit of cuBLAS's
+# heuristics, not a measurement.
+TILE_CANDIDATES = ((1, 1, 1, 1.0), (2, 1, 1, 0.9), (2, 2, 1, 0.75), (1, 1, 2, 0.92), (1, 1, 4, 0.85))
+# Split-K only where each part keeps a long K loop.
+MIN_SPLIT_K = 1024
+
+
+def _wave_efficiency(hw: Hardware, m: float, n: float, k: float, batch: float) -> float:
+    """Share of the SMs' time a GEMM's output tiles keep busy: one tile per SM per wave, the last wave
+    part-empty and the edge tiles padded (NVIDIA, "Matrix Multiplication Background User's Guide": tile
+    and wave quantization), with the best of TILE_CANDIDATES for the whole device. Beside a collective
+    (hw.sms_held) the library still launches that choice, which then runs in waves over the SMs left."""
+    return _waves(hw.num_sms, hw.sms_held, hw.gemm_tile[0], hw.gemm_tile[1], m, n, k, batch)
+
+
+@functools.lru_cache(maxsize=65536)
+def _waves(num_sms: int, held: int, tile_rows: int, tile_cols: int, m: float, n: float, k: float,
+           batch: float) -> float:
+    best, best_run = 0.0, 0.0
+    for rows, cols, split, rate in TILE_CANDIDATES:
+        if split > 1 and k / split < MIN_SPLIT_K:
+            continue
+        tile_m, tile_n = tile_rows / rows, tile_cols / cols
+        tiles = math.ceil(m / tile_m) * math.ceil(n / tile_n) * batch * split
+        work = rate * m * n * batch * split / (num_sms * tile_m * tile_n)
+        utilization = work / math.ceil(tiles / num_sms)
+        if utilization > best:
+            best, best_run = utilization, work / math.ceil(tiles / (num_sms - held))
+    return best_run
+
+
+def _analytic_efficiency(hw: Hardware, m: float, n: float, k: float, batch: float = 1) -> float:
     half = hw.gemm_half_dim
+    if hw.num_sms > 0:
+        return hw.gemm_max_efficiency * _wave_efficiency(hw, m, n, k, batch) * (k / (k + half))
     return hw.gemm_max_efficiency * (m / (m + half)) * (n / (n + half)) * (k / (k + half))
 
 
-def gemm_efficiency(hw: Hardware, *, m: int, n: int, k: int, dtype: str) -> float:
-    """Fraction of peak a GEMM of this shape reaches (see the module docstring)."""
-    analytic = _analytic_efficiency(hw, m, n, k)
+def gemm_efficiency(hw: Hardware, *, m: int, n: int, k: int, dtype: str, batch: int = 1) -> float:
+    """Fraction of peak a GEMM of this shape reaches (see the module docstring); fp8 GEMMs scale the
+    curve to the hardware's measured fp8 rate (kernel_efficiency["fp8_gemm"])."""
+    analytic = _analytic_efficiency(hw, m, n, k, batch)
+    if dtype == "fp8" and hw.has_kernel("fp8_gemm"):
+        return analytic * hw.kernel_efficiency["fp8_gemm"] / hw.gemm_max_efficiency
     points = [p for p in hw.gemm_points if p.dtype == dtype]
     if not points:
         return analytic
@@ -150,7 +192,7 @@ def gemm_efficiency(hw: Hardware, *, m: int, n: int, k: int, dtype: str) -> floa
 
 def gemm_time_s(hw: Hardware, gemm: Gemm, *, dtype: str) -> float:
     """Seconds for one (batched) GEMM: FLOPs at the shape's efficiency, floored at the kernel overhead."""
-    eff = gemm_efficiency(hw, m=gemm.m, n=gemm.n, k=gemm.k, dtype=dtype)
+    eff = gemm_efficiency(hw, m=gemm.m, n=gemm.n, k=gemm.k, dtype=dtype, batch=gemm.batch)
     scale = hw.calibration.get("compute_time_scale", 1.0)
     return max(scale * gemm.flops / (hw.peak_flops(dtype) * eff), hw.kernel_overhead_s)
 
@@ -166,14 +208,61 @@ def activation_bytes_per_element(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
-def fused_attention(model: ModelSpec) -> bool:
-    """Whether the attention core is fused (flash-style, llama) rather than materialised (Megatron GPT)."""
-    return model.arch == "llama"
+def attention_kernel(model: ModelSpec, engine: EngineModel, hw: Hardware | None = None) -> str:
+    """The attention core's kernel: "flash2", "flash3" or "materialized" (cost_models/engines.py).
+    FlashAttention-3 is a Hopper kernel: elsewhere an engine that would use it runs FlashAttention-2."""
+    if engine.attention == "by-arch":
+        # This project's engine calls SDPA: a flash kernel on GPUs; on a CPU profile (no flash kernel
+        # efficiency) the llama layer's fused path and the GPT layer's materialised one, as calibrated.
+        if hw is not None and hw.has_kernel("flash2_forward"):
+            return "flash3" if hw.has_kernel("flash3_forward") else "flash2"
+        return "flash2" if model.arch == "llama" else "materialized"
+    if engine.attention == "flash3" and hw is not None and not hw.has_kernel("flash3_forward"):
+        return "flash2"
+    return engine.attention
 
 
-# Fused causal attention skips the masked half of the score blocks; its backward recomputes the scores.
+def fused_attention(model: ModelSpec, engine: EngineModel | None = None, hw: Hardware | None = None) -> bool:
+    """Whether the attention core is fused (flash-style): no s x s tensor in memory."""
+    return attention_kernel(model, engine or ENGINES["ours"], hw) != "materialized"
+
+
+# Fused causal attention skips the masked half of the score blocks; its backward recomputes the scores
+# (5 GEMM-sized passes against the forward's 2: 2.5x its FLOPs, FlashAttention-2's own count).
 FUSED_CAUSAL_FRACTION = 0.5
 FUSED_BACKWARD_RATIO = 2.5
+# A flash kernel's efficiency falls on short key sequences (fewer tiles per head to pipeline):
+# FlashAttention-2's A100 curves (Dao 2023, Fig. 4-5) reach about half their long-sequence rate at 512
+# keys, i.e. efficiency x s / (s + FLASH_HALF_SEQ).
+FLASH_HALF_SEQ = 384
+
+
+def flash_attention_times_s(hw: Hardware, *, kernel: str, micro_batch: int, seq_len: int, num_heads: int,
+                            head_dim: int) -> tuple[float, float]:
+    """(forward, backward) seconds of causal flash attention over `num_heads` heads on one device, at the
+    hardware's measured kernel efficiency (Hardware.kernel_efficiency; FlashAttention papers' FLOP
+    count: 4 b s^2 d per head forward, causal half of it, backward 2.5x)."""
+    flops = 4 * micro_batch * seq_len * seq_len * head_dim * num_heads * FUSED_CAUSAL_FRACTION
+    shape = seq_len / (seq_len + FLASH_HALF_SEQ)
+    peak = hw.peak_flops("bf16")
+    scale = hw.calibration.get("compute_time_scale", 1.0)
+    forward = scale * flops / (peak * hw.kernel_efficiency[f"{kernel}_forward"] * shape)
+    backward = scale * FUSED_BACKWARD_RATIO * flops / (peak * hw.kernel_efficiency[f"{kernel}_backward"] * shape)
+    return max(forward, hw.kernel_overhead_s), max(backward, hw.kernel_overhead_s)
+
+
+def contended(hw: Hardware) -> Hardware:
+    """The device as the compute beside a running collective sees it: the collective's CTAs hold
+    `nccl_ctas` SMs, so each GEMM's waves run over the rest (a GEMM of about one wave nearly doubles, a long
+    one slows by the share held), fused kernels slow in proportion, and the collective's copies take the
+    same share of HBM bandwidth. The device itself where no collective holds SMs (CPUs)."""
+    if hw.num_sms <= 0 or hw.nccl_ctas <= 0:
+        return hw
+    left = (hw.num_sms - hw.nccl_ctas) / hw.num_sms
+    fused = {k: v * left for k, v in hw.kernel_efficiency.items() if k.startswith("flash")}
+    return dataclasses.replace(hw, sms_held=hw.nccl_ctas,
+                               memory_bandwidth_bytes_per_s=hw.memory_bandwidth_bytes_per_s * left,
+                               kernel_efficiency={**hw.kernel_efficiency, **fused})
 
 
 @dataclass(frozen=True)
@@ -186,57 +275,91 @@ class LayerComputeTimes:
 
 
 def _elementwise_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
-                       precision: str) -> tuple[float, float]:
+                       precision: str, engine: EngineModel, materialized: bool) -> tuple[float, float]:
     """Forward bytes moved by one layer's elementwise ops on one TP rank: (hidden/FFN ops, attention core).
 
-    Per token: two norms (read + write h), two residual adds (read 2, write 1; GPT's fused
-    bias-dropout-add also writes a 1-byte mask), the MLP activation (GELU: read + write f; SwiGLU in eager
-    PyTorch: silu read + write, then the product reads 2 and writes 1, 5 f), RoPE on q and k (llama).
-    Per attention score: fused scale-mask-softmax reads and writes it; GPT's dropout reads, writes and
-    stores a mask. Hidden-sized ops are split by sequence parallelism, head-sized ones by TP.
+    Per token, with p bytes an activation element:
+    - two norms. Fused (Megatron's, GPT's F.layer_norm): read + write, 2p h each. Eager RMSNorm in fp32 (this
+      engine's and torchtitan's, as the Llama reference code): x.float() (p + 4), the square (8), the mean (4),
+      the scaling (8), the cast back (4 + p) and the weight (2p): (28 + 4p) h each (28 h in fp32: no casts);
+    - two residual adds (read 2, write 1: 3p h; GPT's fused bias-dropout-add also writes a 1-byte mask);
+    - the MLP activation: GELU read + write f; SwiGLU eager silu then the product, 5p f; fused 3p f;
+    - RoPE on q and k (llama): fused one pass, 2p (h + kv); eager half-split (four products, two sums,
+      the concatenation), 9p (h + kv);
+    - in eager GQA, the repeat of k and v to every query head.
+    Per attention score (materialised attention only): the fused scale-mask-softmax reads and writes it;
+    GPT's dropout reads, writes and stores a mask. Hidden-sized ops are split by sequence parallelism,
+    head-sized ones by TP.
     """
     p, h, f = activation_bytes_per_element(precision), model.hidden_size, model.ffn_hidden_size
     tokens = micro_batch * seq_len
-    dropout = model.arch == "gpt2"
-    hidden = h * (4 * p + 2 * (3 * p + (1 if dropout else 0)))
+    dropout = model.arch == "gpt2" and engine.gpt_dropout
+    eager_rms = model.arch == "llama" and not engine.fused_elementwise
+    casts = (p + 4) + (4 + p) if p != 4 else 0  # to fp32 and back; no copies when training in fp32
+    norm = (20 + 2 * p + casts) if eager_rms else 2 * p
+    hidden = h * (2 * norm + 2 * (3 * p + (1 if dropout else 0)))
     hidden_per_rank = hidden / tp if sequence_parallel else hidden
-    sharded = 5 * p * f if model.gated_mlp else 2 * p * f
+    if model.gated_mlp:
+        sharded = (3 if engine.fused_elementwise else 5) * p * f
+    else:
+        sharded = 2 * p * f
     if model.arch == "llama":
-        # RoPE reads and writes q and k; GQA's repeat of k and v to every query head reads kv, writes h.
-        sharded += 4 * p * (h + model.kv_dim) + (2 * p * (model.kv_dim + h) if model.kv_dim < h else 0)
-    if fused_attention(model):
+        rope_bytes = 2 * p if engine.fused_elementwise else 9 * p
+        repeat = 2 * p * (model.kv_dim + h) if model.kv_dim < h and not engine.fused_elementwise else 0
+        sharded += rope_bytes * (h + model.kv_dim) + repeat
+    if not materialized:
         return tokens * (hidden_per_rank + sharded / tp), 0.0
     score_bytes = (4 * p + 1) if dropout else 2 * p
     scores = micro_batch * model.num_heads * seq_len * seq_len / tp
     return tokens * (hidden_per_rank + sharded / tp), scores * score_bytes
 
 
-def _elementwise_kernels(model: ModelSpec) -> int:
+def _elementwise_kernels(model: ModelSpec, engine: EngineModel | None = None) -> int:
     """Elementwise kernels one layer's forward launches (what small models pay in launch overhead).
 
-    Megatron GPT fuses them: two LayerNorms, bias-GELU, two bias-dropout-adds, ~8. Our engine's llama
-    layer runs eager PyTorch: each fp32 RMSNorm ~7 (cast, square, mean, add, rsqrt, scale, weight),
-    RoPE 7 per q and k, the GQA repeats 2, SiLU and the product 2, the attention output re-layout 1,
-    two residual adds: ~35.
+    Megatron's fused kernels: two norms, the activation, two bias-dropout-adds, RoPE: ~8. Eager PyTorch's
+    llama layer (this engine's, torchtitan's): each fp32 RMSNorm ~7 (cast, square, mean, add, rsqrt,
+    scale, weight), RoPE 7 per q and k, the GQA repeats 2, SiLU and the product 2, the attention output
+    re-layout 1, two residual adds: ~35; an eager GPT layer (one LayerNorm kernel each, GELU, adds): ~8.
     """
-    return 35 if model.arch == "llama" else 8
+    if (engine is not None and engine.fused_elementwise) or model.arch != "llama":
+        return 8
+    return 35
 
 
 def layer_compute_times(model: ModelSpec, hw: Hardware, *, micro_batch: int, seq_len: int, tp: int,
-                        sequence_parallel: bool, precision: str) -> LayerComputeTimes:
+                        sequence_parallel: bool, precision: str, engine: EngineModel | None = None) -> LayerComputeTimes:
     """Forward, backward and attention-core seconds of one layer (backward = input + weight gradients,
-    elementwise backward moving twice the forward bytes; fused attention as in the module docstring)."""
+    elementwise backward moving twice the forward bytes) as `engine` runs it (default: this project's).
+
+    The attention core: materialised, its GEMMs priced like the others plus the softmax's bytes over the
+    full square (as Megatron computed it); flash, at the hardware's measured flash kernel efficiency over
+    the causal half (`flash_attention_times_s`), or, where the profile has none (CPUs), as its GEMMs over
+    the causal half with a backward of 2.5 forwards."""
+    engine = engine or ENGINES["ours"]
+    kernel = attention_kernel(model, engine, hw)
+    gemm_dtype = "fp8" if precision == "fp8" else precision
     gemms = layer_gemms(model, micro_batch=micro_batch, seq_len=seq_len, tp=tp)
-    dense_fwd = sum(gemm_time_s(hw, g, dtype=precision) for g in gemms["dense"])
-    attn_fwd = sum(gemm_time_s(hw, g, dtype=precision) for g in gemms["attention"])
-    dense_bwd = sum(gemm_time_s(hw, g2, dtype=precision) for g in gemms["dense"] for g2 in g.backward())
-    attn_bwd = sum(gemm_time_s(hw, g2, dtype=precision) for g in gemms["attention"] for g2 in g.backward())
-    if fused_attention(model):
-        attn_fwd *= FUSED_CAUSAL_FRACTION
-        attn_bwd = FUSED_BACKWARD_RATIO * attn_fwd
+    dense_fwd = sum(gemm_time_s(hw, g, dtype=gemm_dtype) for g in gemms["dense"])
+    dense_bwd = sum(gemm_time_s(hw, g2, dtype=gemm_dtype) for g in gemms["dense"] for g2 in g.backward())
+    attn_dtype = "bf16" if precision == "fp8" else precision
+    if kernel != "materialized" and hw.has_kernel(f"{kernel}_forward"):
+        attn_fwd, attn_bwd = flash_attention_times_s(hw, kernel=kernel, micro_batch=micro_batch, seq_len=seq_len,
+                                                     num_heads=model.num_heads // tp, head_dim=model.head_dim)
+    else:
+        attn_fwd = sum(gemm_time_s(hw, g, dtype=attn_dtype) for g in gemms["attention"])
+        attn_bwd = sum(gemm_time_s(hw, g2, dtype=attn_dtype) for g in gemms["attention"] for g2 in g.backward())
+        if kernel != "materialized":
+            attn_fwd *= FUSED_CAUSAL_FRACTION
+            attn_bwd = FUSED_BACKWARD_RATIO * attn_fwd
     hidden_bytes, score_bytes = _elementwise_bytes(model, micro_batch=micro_batch, seq_len=seq_len, tp=tp,
-                                                   sequence_parallel=sequence_parallel, precision=precision)
-    elem_fwd = memory_time_s(hw, hidden_bytes, num_kernels=_elementwise_kernels(model))
+                                                   sequence_parallel=sequence_parallel, precision=precision,
+                                                   engine=engine, materialized=kernel == "materialized")
+    if precision == "fp8":
+        # Each fp8 GEMM input is quantised first (read bf16, write fp8: 3 bytes an element) and its amax
+        # taken; the GEMMs' activations and, per micro-batch, the layer's weights.
+        hidden_bytes += 3 * sum(g.m * g.k for g in gemms["dense"]) + 3 * sum(g.n * g.k for g in gemms["dense"])
+    elem_fwd = memory_time_s(hw, hidden_bytes, num_kernels=_elementwise_kernels(model, engine))
     softmax_fwd = memory_time_s(hw, score_bytes, num_kernels=2)
     return LayerComputeTimes(
         forward_s=dense_fwd + attn_fwd + elem_fwd + softmax_fwd,
@@ -262,12 +385,13 @@ def end_compute_times(model: ModelSpec, hw: Hardware, *, micro_batch: int, seq_l
     tokens = micro_batch * seq_len
     embed_bytes = tokens * h * p * (3 if model.learned_positions else 2)
     head = Gemm(tokens, -(-model.vocab_size // tp), h)
+    head_dtype = "bf16" if precision == "fp8" else precision  # the output layer stays in bf16 under fp8
     logits = tokens * model.vocab_size / tp
     norm_bytes = tokens * h * 2 * p / (tp if sequence_parallel else 1)
     return EndComputeTimes(
         embed_forward_s=memory_time_s(hw, embed_bytes),
         embed_backward_s=memory_time_s(hw, 2 * embed_bytes),
-        head_forward_s=gemm_time_s(hw, head, dtype=precision)
+        head_forward_s=gemm_time_s(hw, head, dtype=head_dtype)
         + memory_time_s(hw, logits * LOSS_BYTES_PER_LOGIT_FWD + norm_bytes, num_kernels=4),
-        head_backward_s=sum(gemm_time_s(hw, g, dtype=precision) for g in head.backward())
+        head_backward_s=sum(gemm_time_s(hw, g, dtype=head_dtype) for g in head.backward())
         + memory_time_s(hw, logits * LOSS_BYTES_PER_LOGIT_BWD + 2 * norm_bytes, num_kernels=3))

@@ -40,15 +40,17 @@ import math
 from dataclasses import dataclass, field
 
 from cost_models.comm import collective_time_s as _collective_time_s
-from cost_models.compute import (_elementwise_kernels, activation_bytes_per_element, end_compute_times,
+from cost_models.compute import (_elementwise_kernels, activation_bytes_per_element, contended, end_compute_times,
                                  fused_attention, layer_compute_times, layer_gemms, memory_time_s,
                                  model_flops_per_step)
-from cost_models.memory import (CPU_FRAMEWORK_RESERVE_BYTES, GPU_FRAMEWORK_RESERVE_BYTES, end_activation_bytes,
+from cost_models.memory import (ALLOCATOR_FRAGMENTATION, CPU_FRAMEWORK_RESERVE_BYTES, end_activation_bytes, gpu_runtime_bytes,
                                 end_params_per_device, in_flight_profiles, layer_activation_bytes,
                                 layer_params_per_device, logits_bytes, model_state_bytes, peak_from_profiles,
                                 state_bytes_per_param)
+from cost_models.engines import engine_model
 from specs.schedule import rank_actions
 from cost_models.timeline import ChunkDurations, simulate
+from specs.errors import PlannerError
 from specs.plan import check_plan
 
 
@@ -113,18 +115,25 @@ def collective_time_s(cluster, **kwargs) -> float:
     return time_s + cluster.hardware.calibration.get("collective_overhead_s", 0.0) * math.log2(n)
 
 
-def _overlap(compute_s: float, comm_s: float, cluster, *, wire_s: float = 0.0) -> float:
-    """Seconds of compute with communication issued beside it: max(compute, comm) when the separate
-    stream hides it fully (GPUs), compute + comm when nothing hides it; between them with the calibration
-    key comm_overlap_efficiency (default 1): on a CPU host the communication thread competes with
-    compute for the same cores, so only part of it hides; below 0 (down to -1) the two slow each other
-    down, which the profile's overlap probe measures on hosts with fewer cores than ranks.
+def _overlap(compute_s: float, comm_s: float, cluster, *, wire_s: float = 0.0, efficiency: float = 1.0) -> float:
+    """Seconds of compute with communication issued beside it: compute + comm - e x min(compute, comm),
+    where e is the share of the shorter one that hides.
 
-    `wire_s` of the communication is time spent waiting on an inter-node wire (the bandwidth term of
-    inter-node collectives, `_wire_fraction`): waiting takes no core, so it hides behind compute fully,
-    and the efficiency applies to the rest against the compute left. With efficiency 1 this is
-    max(compute, comm) whatever wire_s is."""
-    efficiency = min(1.0, max(-1.0, cluster.hardware.calibration.get("comm_overlap_efficiency", 1.0)))
+    GPUs: NCCL's CTAs hold nccl_ctas SMs for as long as a collective runs, so the compute beside it runs
+    on the rest (its GEMM waves re-quantized) at `efficiency` of its own speed: the compute's time on the
+    whole device over its time on the contended one (LayerCosts.overlap_efficiency_*), whatever the link.
+    CPUs: the calibration key comm_overlap_efficiency (default 1): the gloo threads compete with compute
+    for the same cores, so only part of the communication hides; below 0 (down to -1) the two slow each
+    other down, which the profile's overlap probe measures on hosts with fewer cores than ranks. There
+    `wire_s` of the communication, time spent waiting on an inter-node wire (the bandwidth term of
+    inter-node collectives, `_wire_fraction`), takes no core: it hides behind compute fully, and the
+    efficiency applies to the rest against the compute left. A calibrated comm_overlap_efficiency
+    (`planner calibrate`) replaces the GPU's contention figure too."""
+    hw = cluster.hardware
+    if hw.device_type == "cuda":
+        efficiency = min(1.0, max(-1.0, hw.calibration.get("comm_overlap_efficiency", efficiency)))
+        return compute_s + comm_s - efficiency * min(compute_s, comm_s)
+    efficiency = min(1.0, max(-1.0, hw.calibration.get("comm_overlap_efficiency", 1.0)))
     wire_s = min(max(wire_s, 0.0), comm_s)
     hidden_wire = min(compute_s, wire_s)
     return compute_s + comm_s - hidden_wire - efficiency * min(compute_s - hidden_wire, comm_s - wire_s)
@@ -157,6 +166,14 @@ def num_ops(model) -> dict[str, int]:
 ADAM_BYTES_PER_PARAM = 28
 
 
+def reduce_bytes_per_param(precision: str, eng, *, reduce_fp32: bool = False) -> int:
+    """Bytes per parameter the DP gradient reduction moves: the gradient's dtype, fp32 where the engine
+    reduces fp32 main gradients (Megatron) or reduces in fp32 (torchtitan's FSDP2), or the plan asks it
+    of this engine (the reduce_fp32 knob)."""
+    grad_bytes = state_bytes_per_param(precision, reduce_fp32=reduce_fp32)[1]
+    return 4 if eng.reduce_fp32 else grad_bytes
+
+
 @dataclass(frozen=True)
 class LayerCosts:
     """Per-layer prices for the search's ILP, on one device under the plan's TP, SP and sharding.
@@ -187,6 +204,10 @@ class LayerCosts:
     last_extra_tp_comm_s: float = 0.0
     tp_comm_s: dict[str, float] = field(default_factory=dict)
     recompute_time_s: dict[str, float] = field(default_factory=dict)
+    # Speed of the layer's forward / backward compute while a collective holds some of the GPU's SMs, over
+    # its speed on the whole device (compute.contended); 1 on CPUs.
+    overlap_efficiency_forward: float = 1.0
+    overlap_efficiency_backward: float = 1.0
 
 
 def _with_op_overhead(model, times, ends, *, op_overhead_s: float):
@@ -207,12 +228,16 @@ def _with_op_overhead(model, times, ends, *, op_overhead_s: float):
     return times, ends
 
 
-def layer_costs(plan, *, model, cluster, job) -> LayerCosts:
-    """Per-layer time and memory of `plan` (see LayerCosts); estimate() prices chunks as sums of these."""
+def layer_costs(plan, *, model, cluster, job, engine: str = "ours") -> LayerCosts:
+    """Per-layer time and memory of `plan` as `engine` runs it (see LayerCosts); estimate() prices chunks
+    as sums of these."""
+    eng = engine_model(engine)
     hw, b, s, tp, sp = cluster.hardware, plan.micro_batch, job.seq_len, plan.tp, plan.sequence_parallel
     dims = dict(micro_batch=b, seq_len=s, tp=tp, sequence_parallel=sp, precision=job.precision)
-    times = layer_compute_times(model, hw, **dims)
+    times = layer_compute_times(model, hw, **dims, engine=eng)
     ends = end_compute_times(model, hw, **dims)
+    slow = layer_compute_times(model, contended(hw), **dims, engine=eng)
+    share_f, share_b = times.forward_s / slow.forward_s, times.backward_s / slow.backward_s
     times, ends = _with_op_overhead(model, times, ends, op_overhead_s=hw.calibration.get("op_overhead_s", 0.0))
     act_bytes = b * s * model.hidden_size * activation_bytes_per_element(job.precision)
     # Megatron: two all-reduces of the b x s x h activations per layer forward, two backward; with
@@ -220,8 +245,11 @@ def layer_costs(plan, *, model, cluster, job) -> LayerCosts:
     gather_s = collective_time_s(cluster, collective="all_gather", size_bytes=act_bytes, group_size=tp, stride=1)
     scatter_s = collective_time_s(cluster, collective="reduce_scatter", size_bytes=act_bytes, group_size=tp, stride=1)
     reduce_s = collective_time_s(cluster, collective="all_reduce", size_bytes=act_bytes, group_size=tp, stride=1)
-    one_s = gather_s + scatter_s if sp else reduce_s
-    embed_comm_s = scatter_s if sp else reduce_s
+    # The share the engine hides behind its GEMMs (Transformer Engine's TP overlap) leaves the path, but
+    # slows those GEMMs for the SMs it holds (see _overlap).
+    exposed = 1.0 - eng.tp_comm_hidden * 0.5 * (share_f + share_b)
+    one_s = exposed * (gather_s + scatter_s if sp else reduce_s)
+    embed_comm_s = exposed * (scatter_s if sp else reduce_s)
     tp_fwd_s = 2 * one_s
     # Each checkpointed region (the layer under full, the attention core under selective) also pays the
     # calibrated recompute_overhead_s once per micro-batch: torch.utils.checkpoint's saved-tensor hooks,
@@ -231,12 +259,12 @@ def layer_costs(plan, *, model, cluster, job) -> LayerCosts:
                    "full": times.forward_s + checkpoint_s}
     tp_comm = {"none": 2 * tp_fwd_s, "selective": 2 * tp_fwd_s, "full": 3 * tp_fwd_s}
     time_s = {p: times.forward_s + times.backward_s + recompute_s[p] + tp_comm[p] for p in POLICIES}
-    activation = {p: layer_activation_bytes(model, policy=p, **dims) for p in POLICIES}
-    state = model_state_bytes(layer_params_per_device(model, tp=tp), param_shard=plan.param_shard,
-                              grad_shard=plan.grad_shard, optim_shard=plan.optim_shard, precision=job.precision)
-    first_params, last_params = end_params_per_device(model, tp=tp, pp=plan.pp)
+    activation = {p: layer_activation_bytes(model, policy=p, **dims, fused=fused_attention(model, eng, hw))
+                  for p in POLICIES}
     shards = dict(param_shard=plan.param_shard, grad_shard=plan.grad_shard, optim_shard=plan.optim_shard,
-                  precision=job.precision)
+                  precision=job.precision, reduce_fp32=plan.reduce_fp32)
+    state = model_state_bytes(layer_params_per_device(model, tp=tp), **shards)
+    first_params, last_params = end_params_per_device(model, tp=tp, pp=plan.pp)
     first_act, last_act = end_activation_bytes(model, **dims)
     return LayerCosts(
         time_s=time_s, activation_bytes=activation, state_bytes=state.total_bytes,
@@ -250,9 +278,10 @@ def layer_costs(plan, *, model, cluster, job) -> LayerCosts:
         first_extra_activation_bytes=first_act, last_extra_activation_bytes=last_act,
         forward_time_s={p: times.forward_s + tp_fwd_s for p in POLICIES},
         first_extra_forward_s=ends.embed_forward_s + embed_comm_s,
-        last_extra_forward_s=ends.head_forward_s + (gather_s if sp else 0.0),
+        last_extra_forward_s=ends.head_forward_s + (exposed * gather_s if sp else 0.0),
         first_extra_tp_comm_s=embed_comm_s, last_extra_tp_comm_s=one_s,
-        tp_comm_s=tp_comm, recompute_time_s=recompute_s)
+        tp_comm_s=tp_comm, recompute_time_s=recompute_s,
+        overlap_efficiency_forward=share_f, overlap_efficiency_backward=share_b)
 
 
 @dataclass
@@ -325,7 +354,8 @@ def _cache_fetch_s(plan, cluster, *, layer_bytes: float) -> dict[str, float]:
 
 
 def _sharding_comm(plan, cluster, *, tiers: list[str], layer_bytes: float, grad_bytes: float,
-                   end_bytes: float, num_end_units: int = 1, device_gather_fraction: float = 1.0) -> _ShardingComm:
+                   end_bytes: float, num_end_units: int = 1, device_gather_fraction: float = 1.0,
+                   reduce_scatter_once: bool = False) -> _ShardingComm:
     """Per micro-batch DP/ZeRO communication of one chunk whose layers use MAZ3 `tiers` (in layer
     order), following the plan's sharding degrees (see _ShardingComm). The chunk's `num_end_units`
     non-layer units (embedding, learned positions, final norm, head) each gather their own share of
@@ -350,7 +380,7 @@ def _sharding_comm(plan, cluster, *, tiers: list[str], layer_bytes: float, grad_
         if plan.prefetch_depth == 0:
             # Nothing is gathered ahead of use: every gather waits in line before its layer computes.
             fwd_first, fwd_rest, bwd_first, bwd_rest = fwd_first + fwd_rest, 0.0, bwd_first + bwd_rest, 0.0
-    if s_g > 1:
+    if s_g > 1 and not reduce_scatter_once:
         rs_s = collective_time_s(cluster, collective="reduce_scatter", size_bytes=grad_bytes, group_size=s_g, stride=tp)
         rs_last = collective_time_s(cluster, collective="reduce_scatter",
                                     size_bytes=min(grad_bytes, plan.bucket_size_bytes), group_size=s_g, stride=tp)
@@ -359,11 +389,20 @@ def _sharding_comm(plan, cluster, *, tiers: list[str], layer_bytes: float, grad_
     return _ShardingComm(fwd_first, fwd_rest, bwd_first, bwd_rest, rs_hideable, rs_last)
 
 
-def _boundary_reduce(plan, cluster, *, grad_bytes: float) -> tuple[float, float]:
+def _boundary_reduce(plan, cluster, *, grad_bytes: float, reduce_scatter_once: bool = False) -> tuple[float, float]:
     """(seconds, last bucket seconds) of the step-end gradient reduction of `grad_bytes` over DP:
     an all-reduce over dp when gradients are not sharded, else an all-reduce of the shard across the
-    dp / grad_shard replicas (the reduce-scatters inside each shard group ran every micro-batch)."""
+    dp / grad_shard replicas (the reduce-scatters inside each shard group ran every micro-batch); an
+    engine that keeps whole gradients until the boundary (reduce_scatter_once: Megatron's distributed
+    optimizer) reduce-scatters them there over the grad_shard group instead, then all-reduces the shard
+    across the replicas."""
     dp, s_g, tp = plan.dp, plan.grad_shard, plan.tp
+    if reduce_scatter_once and s_g > 1:
+        rs = collective_time_s(cluster, collective="reduce_scatter", size_bytes=grad_bytes, group_size=s_g, stride=tp)
+        rs_last = collective_time_s(cluster, collective="reduce_scatter", size_bytes=min(grad_bytes, plan.bucket_size_bytes),
+                                    group_size=s_g, stride=tp)
+        across, across_last = _boundary_reduce(plan, cluster, grad_bytes=grad_bytes)
+        return rs + across, min(rs, rs_last) + across_last
     size, group, stride = (grad_bytes, dp, tp) if s_g == 1 else (grad_bytes / s_g, dp // s_g, tp * s_g)
     if group <= 1:
         return 0.0, 0.0
@@ -374,7 +413,7 @@ def _boundary_reduce(plan, cluster, *, grad_bytes: float) -> tuple[float, float]
 
 
 def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, layers: range,
-                 end_params: tuple[float, float]) -> _ChunkPrice:
+                 end_params: tuple[float, float], eng) -> _ChunkPrice:
     policies = [plan.layer_recompute(i) for i in layers]
     tiers = [plan.layer_cache(i) for i in layers]
     first, last = chunk == 0, chunk == plan.num_chunks - 1
@@ -397,7 +436,11 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
         tp_comm += costs.last_extra_tp_comm_s
         activation += costs.last_extra_activation_bytes
         num_params += end_params[1]
-    param_bytes, grad_bytes, _ = state_bytes_per_param(job.precision)
+    param_bytes, _, _ = state_bytes_per_param(job.precision)
+    param_bytes = min(param_bytes, 2) if job.precision == "fp8" else param_bytes  # gathers move the bf16 copy
+    # Gradients reduce in their own dtype: fp32 under the reduce_fp32 knob or where the engine reduces
+    # fp32 main gradients (Megatron, torchtitan): 4-byte reductions.
+    grad_bytes = reduce_bytes_per_param(job.precision, eng, reduce_fp32=plan.reduce_fp32)
     layer_bytes = layer_params * param_bytes
     end_bytes = ((end_params[0] if first else 0.0) + (end_params[1] if last else 0.0)) * param_bytes
     fraction = 1.0
@@ -408,9 +451,11 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
     # final norm and head last.
     num_end_units = (1 + int(model.learned_positions) if first else 0) + (2 if last else 0)
     comm = _sharding_comm(plan, cluster, tiers=tiers, layer_bytes=layer_bytes, grad_bytes=num_params * grad_bytes,
+                          reduce_scatter_once=eng.reduce_scatter_once,
                           end_bytes=end_bytes, num_end_units=num_end_units, device_gather_fraction=fraction)
     backward = total - forward
-    reduce_s, last_bucket_s = _boundary_reduce(plan, cluster, grad_bytes=num_params * grad_bytes)
+    reduce_s, last_bucket_s = _boundary_reduce(plan, cluster, grad_bytes=num_params * grad_bytes,
+                                               reduce_scatter_once=eng.reduce_scatter_once)
     per_node = cluster.ranks_per_node_in_group(size=plan.param_shard, stride=plan.tp)
     # MAZ3 (module doc of runners/sharding/): one kept copy per layer, the full layer on the device
     # tier, the node's 1/per_node slice of it on the secondary tier, the full layer in host memory.
@@ -421,17 +466,19 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
                                  group_size=plan.param_shard, stride=plan.tp)
     rs_wire = _wire_fraction(cluster, collective="reduce_scatter", size_bytes=num_params * grad_bytes,
                              group_size=plan.grad_shard, stride=plan.tp)
+    e_f, e_b = costs.overlap_efficiency_forward, costs.overlap_efficiency_backward
     backward_s = comm.bwd_first_s + comm.rs_last_s + _overlap(
         backward, comm.bwd_rest_s + comm.rs_hideable_s, cluster,
-        wire_s=gather_wire * comm.bwd_rest_s + rs_wire * comm.rs_hideable_s)
+        wire_s=gather_wire * comm.bwd_rest_s + rs_wire * comm.rs_hideable_s, efficiency=e_b)
     return _ChunkPrice(
-        forward_s=comm.fwd_first_s + _overlap(forward, comm.fwd_rest_s, cluster, wire_s=gather_wire * comm.fwd_rest_s),
+        forward_s=comm.fwd_first_s + _overlap(forward, comm.fwd_rest_s, cluster, wire_s=gather_wire * comm.fwd_rest_s,
+                                              efficiency=e_f),
         backward_s=backward_s,
         compute_s=total - recompute - tp_comm, recompute_s=recompute, tp_comm_s=tp_comm, dp_comm_s=comm.total_s,
         reduce_s=reduce_s, last_bucket_s=last_bucket_s, num_params=num_params, activation_bytes=activation,
         # Commshift: the last micro-batch's reduce-scatter leaves the backward and joins the reduction.
         shift_backward_s=comm.bwd_first_s + _overlap(backward, comm.bwd_rest_s, cluster,
-                                                     wire_s=gather_wire * comm.bwd_rest_s),
+                                                     wire_s=gather_wire * comm.bwd_rest_s, efficiency=e_b),
         shift_reduce_s=comm.rs_s + reduce_s, forward_compute_s=forward, forward_comm_s=comm.fwd_first_s + comm.fwd_rest_s,
         backward_compute_s=backward, comm=comm,
         cache_bytes=cache, host_cache_bytes=layer_bytes * tiers.count("host"), recompute_working_bytes=working)
@@ -469,12 +516,16 @@ def _memory_profiles(schedule: str, pp: int, virtual_stages: int, num_micro_batc
     return tuple(in_flight_profiles(actions) for actions in per_rank)
 
 
-def _rank_memory(plan, cluster, *, model, job, chunks: list[_ChunkPrice], rank: int) -> dict[str, float]:
+def _rank_memory(plan, cluster, *, model, job, chunks: list[_ChunkPrice], rank: int, eng=None) -> dict[str, float]:
     """Bytes on one device of pipeline rank `rank`: model states, peak activations, buffers, reserve."""
     mine = [c for c in range(plan.num_chunks) if c % plan.pp == rank]
     num_params = sum(chunks[c].num_params for c in mine)
     states = model_state_bytes(num_params, param_shard=plan.param_shard, grad_shard=plan.grad_shard,
-                               optim_shard=plan.optim_shard, precision=job.precision)
+                               optim_shard=plan.optim_shard, precision=job.precision, reduce_fp32=plan.reduce_fp32)
+    if eng is not None and eng.main_grads_fp32 and job.precision != "fp32":
+        # Megatron's fp32 main-gradient buffer holds every local parameter's gradient (the distributed
+        # optimizer shards the optimizer states, not this buffer).
+        states = dataclasses.replace(states, grads_bytes=4.0 * num_params)
     if plan.schedule == "gpipe":  # all forwards first: every micro-batch in flight at once
         activations = sum(plan.num_micro_batches * chunks[c].activation_bytes + chunks[c].cache_bytes for c in mine)
     else:
@@ -485,15 +536,22 @@ def _rank_memory(plan, cluster, *, model, job, chunks: list[_ChunkPrice], rank: 
     layer_bytes = layer_params_per_device(model, tp=plan.tp) * param_bytes
     gathered = (plan.prefetch_depth + 1) * layer_bytes if plan.param_shard > 1 else 0.0
     # One bucket in flight, never more than the rank's gradients.
-    grad_bytes = num_params * state_bytes_per_param(job.precision)[1]
+    grad_bytes = num_params * state_bytes_per_param(job.precision, reduce_fp32=plan.reduce_fp32)[1]
     bucket = float(min(plan.bucket_size_bytes, grad_bytes)) if plan.dp > 1 else 0.0
     logits = (logits_bytes(model, micro_batch=plan.micro_batch, seq_len=job.seq_len, tp=plan.tp)
               if plan.num_chunks - 1 in mine else 0.0)
     working = max(chunks[c].recompute_working_bytes for c in mine)
     hw = cluster.hardware
-    default_reserve = GPU_FRAMEWORK_RESERVE_BYTES if hw.device_type == "cuda" else CPU_FRAMEWORK_RESERVE_BYTES
-    reserve = hw.calibration.get("framework_reserve_bytes", default_reserve)
     buffers = gathered + bucket + logits + working
+    if "framework_reserve_bytes" in hw.calibration:
+        reserve = hw.calibration["framework_reserve_bytes"]
+    elif hw.device_type == "cuda":
+        # The process groups a rank joins: the world, DP, TP, PP and, with HSDP-style sharding inside DP,
+        # the shard and replica groups.
+        groups = 1 + (plan.dp > 1) + (plan.tp > 1) + (plan.pp > 1) + 2 * (1 < plan.param_shard < plan.dp)
+        reserve = gpu_runtime_bytes(num_communicators=groups, transient_bytes=activations + buffers)
+    else:
+        reserve = CPU_FRAMEWORK_RESERVE_BYTES
     return {"weights_bytes": states.weights_bytes, "grads_bytes": states.grads_bytes,
             "optimizer_bytes": states.optimizer_bytes, "activations_bytes": activations,
             "buffers_bytes": buffers, "framework_reserve_bytes": reserve, "gathered_params_bytes": gathered,
@@ -503,7 +561,8 @@ def _rank_memory(plan, cluster, *, model, job, chunks: list[_ChunkPrice], rank: 
             "total_bytes": states.total_bytes + activations + buffers + reserve}
 
 
-def _chunk_prices(plan, costs: LayerCosts, cluster, *, model, job) -> list[_ChunkPrice]:
+def _chunk_prices(plan, costs: LayerCosts, cluster, *, model, job, eng=None) -> list[_ChunkPrice]:
+    eng = eng or engine_model("ours")
     end_params = end_params_per_device(model, tp=plan.tp, pp=plan.pp)
     chunks, priced = [], {}
     for c, layers in enumerate(plan.chunk_layer_ranges(model.num_layers)):
@@ -514,7 +573,7 @@ def _chunk_prices(plan, costs: LayerCosts, cluster, *, model, job) -> list[_Chun
         key = (c == 0, c == plan.num_chunks - 1, tuple(plan.layer_recompute(i) for i in layers), tiers, fresh)
         if key not in priced:
             priced[key] = _price_chunk(plan, costs, cluster, model=model, job=job, chunk=c, layers=layers,
-                                       end_params=end_params)
+                                       end_params=end_params, eng=eng)
         chunks.append(priced[key])
     return chunks
 
@@ -591,7 +650,8 @@ def _time_breakdown(plan, *, chunks: list[_ChunkPrice], pipe, tails, post_total_
         "critical_rank": float(rank)}
 
 
-def _step_end_durations(plan, cluster, *, chunks: list[_ChunkPrice], p2p_s: float) -> tuple[ChunkDurations, bool]:
+def _step_end_durations(plan, cluster, *, chunks: list[_ChunkPrice], p2p_s: float,
+                        beside_sends: bool = False) -> tuple[ChunkDurations, bool]:
     """The chunks' action durations and whether each chunk's step-end reduction leaves its last backward
     (the timeline's commshift mode).
 
@@ -600,13 +660,14 @@ def _step_end_durations(plan, cluster, *, chunks: list[_ChunkPrice], p2p_s: floa
     send waits for it (what Commshift removes). gloo runs each process group's collectives on its own
     threads, so on CPU the send does not wait: the reduction still overlaps the last backward, and the
     part of it left when that backward ends, max(b, r - last bucket) + last bucket - b, runs beside the
-    rest of the pipeline; Commshift can then only start it later.
+    rest of the pipeline; Commshift can then only start it later. An engine whose reduction runs on its
+    own process group's stream (`beside_sends`) behaves the same way on GPUs.
     """
     forward_s, backward_s = tuple(c.forward_s for c in chunks), tuple(c.backward_s for c in chunks)
     last_bucket_s = tuple(c.last_bucket_s for c in chunks)
     if plan.commshift:
         reduce_s, shift_backward_s = tuple(c.shift_reduce_s for c in chunks), tuple(c.shift_backward_s for c in chunks)
-    elif cluster.hardware.device_type != "cuda":
+    elif cluster.hardware.device_type != "cuda" or beside_sends:
         reduce_s = tuple(0.0 if c.reduce_s <= 0.0 else max(c.backward_s, c.reduce_s - c.last_bucket_s)
                          + c.last_bucket_s - c.backward_s for c in chunks)
         shift_backward_s = backward_s
@@ -616,25 +677,36 @@ def _step_end_durations(plan, cluster, *, chunks: list[_ChunkPrice], p2p_s: floa
     return ChunkDurations(forward_s, backward_s, p2p_s, reduce_s, last_bucket_s, shift_backward_s), True
 
 
-def estimate(plan, *, model, cluster, job) -> Estimate:
-    """Price one training step of `plan`: the pipeline timeline of its chunks (compute.py, comm.py,
-    timeline.py) and the worst rank's memory (memory.py). Raises PlannerError for a plan that does not
-    fit the model, cluster or batch."""
+def estimate(plan, *, model, cluster, job, engine: str = "ours") -> Estimate:
+    """Price one training step of `plan` as `engine` runs it (cost_models/engines.py): the pipeline
+    timeline of its chunks (compute.py, comm.py, timeline.py) and the worst rank's memory (memory.py).
+    Raises PlannerError for a plan that does not fit the model, cluster or batch."""
     check_plan(plan, model=model, num_devices=cluster.num_devices, job=job)
-    hw, pp = cluster.hardware, plan.pp
-    costs = layer_costs(plan, model=model, cluster=cluster, job=job)
-    chunks = _chunk_prices(plan, costs, cluster, model=model, job=job)
+    hw, pp, eng = cluster.hardware, plan.pp, engine_model(engine)
+    if job.precision == "fp8" and "fp8" not in hw.peak_flops_per_s:
+        raise PlannerError(f"{hw.name} has no fp8 tensor cores; train in bf16 there")
+    costs = layer_costs(plan, model=model, cluster=cluster, job=job, engine=engine)
+    chunks = _chunk_prices(plan, costs, cluster, model=model, job=job, eng=eng)
+    if eng.reduce_after_pipeline:
+        # The reduction waits until the pipeline drains (DeepSpeed's PipelineEngine): it leaves the
+        # timeline and is paid whole at the step's end.
+        after = [sum(c.reduce_s for c in chunks[r::pp]) for r in range(pp)]
+        chunks = [dataclasses.replace(c, reduce_s=0.0, last_bucket_s=0.0) for c in chunks]
+    else:
+        after = [0.0] * pp
     p2p_s = _p2p_time_s(plan, cluster, model=model, job=job)
-    durations, off_the_send = _step_end_durations(plan, cluster, chunks=chunks, p2p_s=p2p_s)
+    durations, off_the_send = _step_end_durations(plan, cluster, chunks=chunks, p2p_s=p2p_s,
+                                                  beside_sends=eng.reduce_beside_sends)
     pipe = simulate(schedule=plan.schedule, pp=pp, virtual_stages=plan.virtual_stages,
                     num_micro_batches=plan.num_micro_batches, durations=durations, commshift=off_the_send)
     post_total_s: list[float] = []
     tails = _rank_tails(plan, cluster, chunks=chunks, job=job, model=model, totals=post_total_s)
+    tails = [(optimizer_s + after[r], post_s) for r, (optimizer_s, post_s) in enumerate(tails)]
     ends = [max(pipe.compute_end_s[r], pipe.comm_end_s[r]) + sum(tails[r]) for r in range(pp)]
     step_time_s = max(ends)
     breakdown = _time_breakdown(plan, chunks=chunks, pipe=pipe, tails=tails, post_total_s=post_total_s, p2p_s=p2p_s,
                                 rank=ends.index(step_time_s), step_time_s=step_time_s)
-    memory = [_rank_memory(plan, cluster, model=model, job=job, chunks=chunks, rank=r) for r in range(pp)]
+    memory = [_rank_memory(plan, cluster, model=model, job=job, chunks=chunks, rank=r, eng=eng) for r in range(pp)]
     worst = max(memory, key=lambda d: d["total_bytes"])
     # activations_bytes is the peak of activations in flight plus the MAZ3 caches live at that moment.
     breakdown.update({k: v for k, v in worst.items() if k != "total_bytes"})
@@ -646,9 +718,10 @@ def estimate(plan, *, model, cluster, job) -> Estimate:
     devices = cluster.num_devices
     return Estimate(
         step_time_s=step_time_s, tokens_per_s=job.tokens_per_step / step_time_s,
-        mfu=flops_no_rc / (step_time_s * devices * hw.peak_flops(job.precision)),
+        mfu=flops_no_rc / (step_time_s * devices * hw.peak_flops("bf16" if job.precision == "fp8" else job.precision)),
         tflops_per_gpu=flops_rc / (step_time_s * devices) / 1e12,
-        peak_memory_bytes=int(worst["total_bytes"]), memory_limit_bytes=int(hw.memory_bytes), breakdown=breakdown,
+        peak_memory_bytes=int(worst["total_bytes"]),
+        memory_limit_bytes=int(hw.memory_bytes * (1.0 - job.headroom(hw.device_type))), breakdown=breakdown,
         host_memory_bytes=int(max(m["host_cache_bytes"] for m in memory)), host_memory_limit_bytes=int(hw.host_memory_bytes))
 
 
@@ -668,16 +741,19 @@ class CacheCostInputs:
     forward_window_s: tuple[float, ...]
 
 
-def cache_cost_inputs(plan, *, model, cluster, job) -> CacheCostInputs:
-    """The MAZ3 prices of `plan`'s layers (its own param_cache is ignored: priced as "none")."""
+def cache_cost_inputs(plan, *, model, cluster, job, engine: str = "ours") -> CacheCostInputs:
+    """The MAZ3 prices of `plan`'s layers as `engine` runs them (its own param_cache is ignored: priced
+    as "none")."""
     base = plan.replace(param_cache="none")
     check_plan(base, model=model, num_devices=cluster.num_devices, job=job)
-    costs = layer_costs(base, model=model, cluster=cluster, job=job)
-    chunks = _chunk_prices(base, costs, cluster, model=model, job=job)
+    costs = layer_costs(base, model=model, cluster=cluster, job=job, engine=engine)
+    chunks = _chunk_prices(base, costs, cluster, model=model, job=job, eng=engine_model(engine))
     layer_bytes = layer_params_per_device(model, tp=plan.tp) * state_bytes_per_param(job.precision)[0]
     fetch = _cache_fetch_s(base, cluster, layer_bytes=layer_bytes) if plan.param_shard > 1 else {
         t: 0.0 for t in ("none", "device", "host", "secondary")}
     per_node = cluster.ranks_per_node_in_group(size=plan.param_shard, stride=plan.tp)
+    grow = 1.0 + (ALLOCATOR_FRAGMENTATION if cluster.hardware.device_type == "cuda"
+                  and "framework_reserve_bytes" not in cluster.hardware.calibration else 0.0)
     counts = plan.chunk_layer_counts(model.num_layers)
     backward_window, forward_window = [], []
     for c, n in zip(chunks, counts):
@@ -688,6 +764,8 @@ def cache_cost_inputs(plan, *, model, cluster, job) -> CacheCostInputs:
         forward_window.append(c.forward_compute_s - comm.fwd_rest_s)
     return CacheCostInputs(
         fetch_s=fetch, forward_extra_s={"none": 0.0, "device": 0.0, "host": fetch["host"], "secondary": 0.0},
-        device_bytes={"none": 0.0, "device": layer_bytes, "host": 0.0, "secondary": layer_bytes / per_node},
+        # On GPUs the kept copies also carry the allocator's fragmentation share (_rank_memory).
+        device_bytes={t: grow * b for t, b in (("none", 0.0), ("device", layer_bytes), ("host", 0.0),
+                                               ("secondary", layer_bytes / per_node))},
         host_bytes={"none": 0.0, "device": 0.0, "host": layer_bytes, "secondary": 0.0},
         chunk_layers=tuple(counts), backward_window_s=tuple(backward_window), forward_window_s=tuple(forward_window))

@@ -24,16 +24,34 @@ from cost_models.compute import activation_bytes_per_element, fused_attention
 from specs.model import ModelSpec
 
 GIB = 1024**3
-# CUDA context, cuBLAS/NCCL workspaces and allocator slack that no tensor accounts for.
-GPU_FRAMEWORK_RESERVE_BYTES = 2 * GIB
+# What a GPU process holds beside its tensors (gpu_runtime_bytes), where the profile has no measured
+# framework_reserve_bytes:
+# - the CUDA context with cuBLAS/cuDNN handles and workspaces: ~0.6 GiB on CUDA 12 with lazy loading;
+# - NCCL's buffers, per communicator: NCCL_BUFFSIZE (4 MiB) for the Simple and LL128 protocols (+ a small LL
+#   one) per peer (ring: 2) per channel (16-32 on NVLink systems): 2 x 24 x ~8 MiB, ~0.4 GiB each;
+# - the caching allocator's fragmentation: blocks reserved but not allocated, ~10% of the memory that
+#   comes and goes every step (activations, gathered weights, buckets, logits).
+CUDA_CONTEXT_BYTES = 0.6 * GIB
+NCCL_BYTES_PER_COMMUNICATOR = 0.4 * GIB
+ALLOCATOR_FRAGMENTATION = 0.10
 # On CPU the device memory is the process's resident set, which starts with the Python + torch + gloo
 # runtime: 228 MiB measured for an idle torch 2.13 process with a gloo group (VmHWM).
 CPU_FRAMEWORK_RESERVE_BYTES = 228 * 1024**2
 
 
-def state_bytes_per_param(precision: str) -> tuple[int, int, int]:
-    """(parameter, gradient, optimizer) bytes per parameter for Adam."""
-    return (4, 4, 8) if precision == "fp32" else (2, 2, 12)
+def gpu_runtime_bytes(*, num_communicators: int, transient_bytes: float) -> float:
+    """CUDA context + NCCL buffers of `num_communicators` process groups + allocator fragmentation over
+    `transient_bytes` (see the constants above)."""
+    return CUDA_CONTEXT_BYTES + NCCL_BYTES_PER_COMMUNICATOR * num_communicators + ALLOCATOR_FRAGMENTATION * transient_bytes
+
+
+def state_bytes_per_param(precision: str, *, reduce_fp32: bool = False) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer) bytes per parameter for Adam; `reduce_fp32` (the plan's knob) keeps
+    mixed-precision gradients in fp32 (4 bytes, as torch FSDP's reduce_dtype=float32); fp8 keeps bf16
+    weights plus their fp8 copy."""
+    if precision == "fp32":
+        return (4, 4, 8)
+    return (3 if precision == "fp8" else 2, 4 if reduce_fp32 else 2, 12)
 
 
 @dataclass(frozen=True)
@@ -48,9 +66,9 @@ class StateBytes:
 
 
 def model_state_bytes(num_params: float, *, param_shard: int, grad_shard: int, optim_shard: int,
-                      precision: str) -> StateBytes:
+                      precision: str, reduce_fp32: bool = False) -> StateBytes:
     """Bytes of weights, gradients and optimizer states of `num_params` parameters under the sharding."""
-    p, g, o = state_bytes_per_param(precision)
+    p, g, o = state_bytes_per_param(precision, reduce_fp32=reduce_fp32)
     return StateBytes(num_params * p / param_shard, num_params * g / grad_shard, num_params * o / optim_shard)
 
 
@@ -78,11 +96,12 @@ def end_params_per_device(model: ModelSpec, *, tp: int, pp: int) -> tuple[float,
     return float(first), float(last)
 
 
-def _saved_tensors(model: ModelSpec, *, micro_batch: int, seq_len: int, precision: str) -> dict[str, tuple[float, str]]:
+def _saved_tensors(model: ModelSpec, *, micro_batch: int, seq_len: int, precision: str,
+                   fused: bool | None = None) -> dict[str, tuple[float, str]]:
     """Bytes each saved tensor of one layer takes (all TP ranks together), with how it is split:
     'replicated' (lives outside the TP region: split only by sequence parallelism), 'tp' (split by TP),
     'core' (attention core, split by TP, dropped by selective recomputation)."""
-    if fused_attention(model):
+    if fused if fused is not None else fused_attention(model):
         return _saved_tensors_fused(model, micro_batch=micro_batch, seq_len=seq_len, precision=precision)
     p, h, f, kv = activation_bytes_per_element(precision), model.hidden_size, model.ffn_hidden_size, model.kv_dim
     sbh = seq_len * micro_batch * h
@@ -136,14 +155,16 @@ def _saved_tensors_fused(model: ModelSpec, *, micro_batch: int, seq_len: int, pr
 
 
 def layer_activation_bytes(model: ModelSpec, *, policy: str, micro_batch: int, seq_len: int, tp: int,
-                           sequence_parallel: bool, precision: str) -> float:
-    """Bytes one layer keeps per micro-batch in flight on one device under recomputation `policy`."""
+                           sequence_parallel: bool, precision: str, fused: bool | None = None) -> float:
+    """Bytes one layer keeps per micro-batch in flight on one device under recomputation `policy`;
+    `fused`: whether the attention core is a flash kernel (default: as this engine runs the arch)."""
     p = activation_bytes_per_element(precision)
     if policy == "full":
         # Only the layer input (the residual stream), itself sequence-sharded under SP.
         return p * seq_len * micro_batch * model.hidden_size / (tp if sequence_parallel else 1)
     total = 0.0
-    for size, split in _saved_tensors(model, micro_batch=micro_batch, seq_len=seq_len, precision=precision).values():
+    for size, split in _saved_tensors(model, micro_batch=micro_batch, seq_len=seq_len, precision=precision,
+                                      fused=fused).values():
         if split == "core" and policy == "selective":
             continue
         total += size / tp if (split != "replicated" or sequence_parallel) else size

@@ -4,6 +4,8 @@ out of the fit, and write them into the hardware profile so the next search uses
     planner validate --nproc 4 --hardware profile.json --out validate.json
     planner calibrate --measurements validate.json --hardware profile.json --out profile.json
 
+    planner calibrate --from-runs runs.csv --hardware h100 --out h100-ours.json   # a GPU cluster's past runs
+
 Free parameters (calibration keys, documented in cost_models/estimate.py):
   compute_time_scale     multiplies every GEMM and elementwise kernel time
   comm_time_scale        multiplies every collective and transfer time
@@ -90,15 +92,22 @@ def _predict_step_times(plans: list[Plan], problem: Problem, hardware: Hardware)
 def fit_time_parameters(rows: list[ValidationRow], problem: Problem, *, parameters: tuple[str, ...] = tuple(TIME_PARAMETERS),
                         max_iterations: int = 60) -> tuple[dict[str, float], float]:
     """(calibration, rms relative error) of the step-time parameters fitted to `rows` (module docstring)."""
+    rows = ok_rows(rows)
+    plans = [r.plan for r in rows]
+    return fit_parameters(lambda hw: _predict_step_times(plans, problem, hw),
+                          np.array([r.measured_step_time_s for r in rows]), problem.cluster.hardware,
+                          parameters=parameters, max_iterations=max_iterations)
+
+
+def fit_parameters(predict, measured: np.ndarray, base: Hardware, *, parameters: tuple[str, ...],
+                   max_iterations: int = 60) -> tuple[dict[str, float], float]:
+    """(calibration, rms relative error): the `parameters` that make predict(hardware) closest to
+    `measured` in squared relative error, starting from `base`'s values (module docstring)."""
     unknown = [p for p in parameters if p not in TIME_PARAMETERS]
     if unknown:
         raise PlannerError(f"unknown calibration parameter {unknown[0]!r}; choose from {', '.join(TIME_PARAMETERS)}")
-    rows = ok_rows(rows)
-    if len(rows) < len(parameters):
-        raise PlannerError(f"fitting {len(parameters)} parameters needs at least as many measured plans, got {len(rows)}")
-    base = problem.cluster.hardware
-    plans = [r.plan for r in rows]
-    measured = np.array([r.measured_step_time_s for r in rows])
+    if len(measured) < len(parameters):
+        raise PlannerError(f"fitting {len(parameters)} parameters needs at least as many measured plans, got {len(measured)}")
     units = np.array([TIME_PARAMETERS[p][0] for p in parameters])
 
     def calibration_of(u: np.ndarray) -> dict[str, float]:
@@ -106,7 +115,7 @@ def fit_time_parameters(rows: list[ValidationRow], problem: Problem, *, paramete
         return {p: min(v, UPPER_BOUNDS.get(p, v)) for p, v in values.items()}
 
     def residuals(u: np.ndarray) -> np.ndarray:
-        return (_predict_step_times(plans, problem, with_calibration(base, calibration_of(u))) - measured) / measured
+        return (predict(with_calibration(base, calibration_of(u))) - measured) / measured
 
     starts = _starting_points(base, parameters, units)
     best_u, best_r = None, None
@@ -121,7 +130,7 @@ def fit_time_parameters(rows: list[ValidationRow], problem: Problem, *, paramete
 def _starting_points(base: Hardware, parameters: tuple[str, ...], units: np.ndarray) -> list[np.ndarray]:
     """The hardware's current values (or the defaults), and the same with the overheads 10x larger and
     smaller: the overheads and the scales trade off, and LM only finds the nearest minimum."""
-    current = np.array([math.log(max(base.calibration.get(p, TIME_PARAMETERS[p][1]), 1e-30) / unit)
+    current = np.array([math.log(max(base.calibration.get(p, _default(base, p)), 1e-30) / unit)
                         for p, unit in zip(parameters, units)])
     current = np.maximum(current, LOG_FLOOR)
     overhead = np.array([p.endswith("_overhead_s") for p in parameters])
@@ -154,6 +163,13 @@ def _levenberg_marquardt(residuals, u0: np.ndarray, *, max_iterations: int) -> t
         if not improved or gain < 1e-10 + 1e-6 * float(r @ r):
             break
     return u, r
+
+
+def _default(hw: Hardware, parameter: str) -> float:
+    """A parameter's value where the hardware's calibration has none: what the cost model then uses."""
+    if parameter == "comm_overlap_efficiency" and hw.device_type == "cuda" and hw.num_sms > 0:
+        return 1.0 - hw.nccl_ctas / hw.num_sms  # a start near the contention the GPUs' SMs imply
+    return TIME_PARAMETERS[parameter][1]
 
 
 def fit_memory_reserve(rows: list[ValidationRow], problem: Problem) -> float:
@@ -216,4 +232,86 @@ def calibrate_measurements(path: str, *, hardware: str | None, out: str | None, 
                        held_out_every=held_out_every, fit_memory=fit_memory)
     calibrated = with_calibration(problem.cluster.hardware, result.calibration)
     dataclasses.replace(calibrated, calibrated_from_runs=len(result.fit_labels)).save(target)
+    return target, result
+
+
+# What a GPU user's own runs (`planner calibrate --from-runs`) pin down: the GPUs' sustained compute rate,
+# their links, and how much of the communication their engine overlaps really hides.
+RUNS_PARAMETERS = ("compute_time_scale", "comm_time_scale", "comm_overlap_efficiency")
+
+
+def _runs_rows(runs, hardware: Hardware) -> list[ValidationRow]:
+    """The runs as validation rows, priced on `hardware` (each as its engine runs it)."""
+    from cost_models.estimate import estimate
+
+    rows = []
+    for run in runs:
+        hw = dataclasses.replace(hardware, inter_node=run.cluster.hardware.inter_node)
+        est = estimate(run.plan, model=run.model, cluster=dataclasses.replace(run.cluster, hardware=hw),
+                       job=run.job, engine=run.engine)
+        peak = run.measured_peak_memory_bytes
+        rows.append(ValidationRow(
+            label=run.label, source=run.engine, plan=run.plan, status="ok", error=None,
+            predicted_step_time_s=est.step_time_s, predicted_peak_memory_bytes=est.peak_memory_bytes,
+            measured_step_time_s=run.measured_step_time_s, measured_peak_memory_bytes=None if peak is None else int(peak)))
+    return rows
+
+
+def _fit_runs_reserve(runs, hardware: Hardware) -> float | None:
+    """framework_reserve_bytes making the median memory error of the runs with a measured peak zero."""
+    from cost_models.estimate import estimate
+
+    gaps, reserves = [], []
+    for run in runs:
+        if run.measured_peak_memory_bytes is None:
+            continue
+        hw = dataclasses.replace(hardware, inter_node=run.cluster.hardware.inter_node)
+        est = estimate(run.plan, model=run.model, cluster=dataclasses.replace(run.cluster, hardware=hw),
+                       job=run.job, engine=run.engine)
+        gaps.append(run.measured_peak_memory_bytes - est.peak_memory_bytes)
+        reserves.append(est.breakdown["framework_reserve_bytes"])
+    if not gaps:
+        return None
+    return float(max(0.0, statistics.median(reserves) + statistics.median(gaps)))
+
+
+def calibrate_from_runs(path: str, *, hardware: str, out: str | None, held_out_every: int = 2,
+                        parameters: tuple[str, ...] | None = None, fit_memory: bool = True) -> tuple[str, CalibrationResult]:
+    """`planner calibrate --from-runs`: fit the profile's free parameters to a cluster's past training runs
+    (any engine: Megatron-LM, torchtitan, DeepSpeed, FSDP, this one; columns in planner/published.py) and
+    write the calibrated profile to `out` (or over the --hardware profile file; never over a preset).
+
+    The runs sorted by measured step time, every `held_out_every`-th is held out of the fit (with fewer
+    than four runs all are fitted and nothing is held out); the result reports both sets before and after."""
+    from planner.published import load_published, price
+    from specs.hardware import PRESETS, resolve_hardware
+
+    base = resolve_hardware(hardware)
+    target = out or (None if hardware in PRESETS else hardware)
+    if target is None:
+        raise PlannerError(f"--hardware {hardware} is a preset; give --out for the calibrated profile")
+    if base.device_type != "cuda":
+        raise PlannerError("--from-runs calibrates a GPU profile from GPU runs; for this host's own runs use "
+                           "planner validate and planner calibrate --measurements")
+    runs, _ = load_published(path, hardware=base, strict=True)
+    parameters = parameters or RUNS_PARAMETERS
+    if held_out_every < 2:
+        raise PlannerError(f"--held-out-every must be at least 2, got {held_out_every}")
+    ranked = sorted(runs, key=lambda r: r.measured_step_time_s)
+    held = [r for i, r in enumerate(ranked) if i % held_out_every == 1] if len(ranked) >= 4 else []
+    fit = [r for r in ranked if r not in held]
+    calibration, rms = fit_parameters(lambda hw: np.array([price(r, hardware=hw) for r in fit]),
+                                      np.array([r.measured_step_time_s for r in fit]), base, parameters=parameters)
+    calibrated = with_calibration(base, calibration)
+    if fit_memory:
+        reserve = _fit_runs_reserve(fit, calibrated)
+        if reserve is not None:
+            calibration["framework_reserve_bytes"] = reserve
+            calibrated = with_calibration(base, calibration)
+    result = CalibrationResult(
+        calibration=calibration, fit_labels=tuple(r.label for r in fit), held_out_labels=tuple(r.label for r in held),
+        fit_before=Agreement.of(_runs_rows(fit, base)), fit_after=Agreement.of(_runs_rows(fit, calibrated)),
+        held_out_before=Agreement.of(_runs_rows(held, base)), held_out_after=Agreement.of(_runs_rows(held, calibrated)),
+        rms_relative_error=rms)
+    dataclasses.replace(calibrated, calibrated_from_runs=len(fit)).save(target)
     return target, result

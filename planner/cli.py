@@ -25,6 +25,7 @@ from rich.table import Table
 
 from specs.errors import PlannerError
 from specs.plan import PLAN_KNOBS
+from specs.planfile import ENGINES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Auto-tuning planner for distributed LLM training.")
@@ -52,14 +53,25 @@ class OutputFormat(str, Enum):
 # --- shared options (Annotated aliases) -------------------------------------------------------------
 ModelOpt = Annotated[str, typer.Option("--model", help="Preset name, HF config.json, or model JSON.")]
 HardwareOpt = Annotated[str, typer.Option("--hardware", help="Preset (a100, h100, h200, cpu) or profile JSON.")]
+LocalHardwareOpt = Annotated[Optional[str], typer.Option(
+    "--hardware", help="Preset (a100, h100, h200, cpu) or profile JSON (default: this machine: its GPU's preset, or cpu).")]
 GpusOpt = Annotated[int, typer.Option("--gpus", help="Number of devices in the cluster.")]
 GpusPerNodeOpt = Annotated[Optional[int], typer.Option("--gpus-per-node", help="Devices per node (default 8 for GPUs).")]
 GlobalBatchOpt = Annotated[int, typer.Option("--global-batch", help="Sequences per optimizer step.")]
-SeqLenOpt = Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per sequence (default: min(model max, 2048)).")]
+SeqLenOpt = Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per sequence (default: the model's context, at most 8192).")]
+HeadroomOpt = Annotated[Optional[float], typer.Option(
+    "--memory-headroom", help="Share of each device's memory every plan leaves free, 0-0.9 (default 0.1 on GPUs, 0 on CPU).")]
 PrecisionOpt = Annotated[Optional[str], typer.Option("--precision", help="bf16, fp16 or fp32 (default: fp32 on CPU, else bf16).")]
 FormatOpt = Annotated[OutputFormat, typer.Option("--format", help="table or json.")]
 
-PlanFileOpt = Annotated[Optional[str], typer.Option("--plan", help="Plan JSON (from search --out); replaces the plan flags.")]
+PlanFileOpt = Annotated[Optional[str], typer.Option("--plan", help="Plan file from `search --out` (it carries the model, hardware, cluster and job; a flag that contradicts it is an error), or a bare plan JSON.")]
+# The problem options of commands that also take --plan: a plan file from `search --out` supplies them.
+FROM_FILE = " (default: the --plan file's)"
+MaybeModelOpt = Annotated[Optional[str], typer.Option("--model", help="Preset name, HF config.json, or model JSON" + FROM_FILE + ".")]
+MaybeHardwareOpt = Annotated[Optional[str], typer.Option("--hardware", help="Preset (a100, h100, h200, cpu) or profile JSON" + FROM_FILE + ".")]
+MaybeGpusOpt = Annotated[Optional[int], typer.Option("--gpus", help="Number of devices in the cluster" + FROM_FILE + ".")]
+MaybeGlobalBatchOpt = Annotated[Optional[int], typer.Option("--global-batch", help="Sequences per optimizer step" + FROM_FILE + ".")]
+PriceEngineOpt = Annotated[str, typer.Option("--engine", help="Price the plan as this engine runs it: " + ", ".join(ENGINES) + " (ours: this project's; cost_models/engines.py says what each prices).")]
 
 
 def _plan_parameters() -> list[inspect.Parameter]:
@@ -142,14 +154,14 @@ StepsOpt = Annotated[int, typer.Option("--steps", help="Optimizer steps to train
 @app.command()
 @takes_plan_options
 def run(
-    model: ModelOpt = "tiny",
-    hardware: HardwareOpt = "cpu",
-    global_batch: GlobalBatchOpt = 8,
-    seq_len: SeqLenOpt = 64,
+    model: Annotated[Optional[str], typer.Option("--model", help="Preset name, HF config.json, or model JSON (default: tiny, or the --plan file's).")] = None,
+    hardware: Annotated[Optional[str], typer.Option("--hardware", help="Preset or profile JSON the prediction uses (default: this machine's GPU preset or cpu, or the --plan file's).")] = None,
+    global_batch: Annotated[Optional[int], typer.Option("--global-batch", help="Sequences per optimizer step (default: 8, or the --plan file's).")] = None,
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per sequence (default: 64, or the --plan file's).")] = None,
     steps: StepsOpt = 10,
-    nproc: Annotated[int, typer.Option("--nproc", help="Processes on this node (torchrun --nproc-per-node).")] = 2,
+    nproc: Annotated[Optional[int], typer.Option("--nproc", help="Processes on this node, torchrun --nproc-per-node (default: 2, or the --plan file's devices over --nnodes).")] = None,
     gpus_per_node: GpusPerNodeOpt = None,
-    nnodes: Annotated[int, typer.Option("--nnodes", help="Nodes (torchrun).")] = 1,
+    nnodes: Annotated[Optional[int], typer.Option("--nnodes", help="Nodes, torchrun --nnodes (default: 1).")] = None,
     node_rank: Annotated[int, typer.Option("--node-rank", help="This node's rank (torchrun).")] = 0,
     rdzv_endpoint: Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous.")] = None,
     data: Annotated[Optional[str], typer.Option("--data", help="Text file or folder (byte tokens); default synthetic.")] = None,
@@ -174,12 +186,12 @@ def run(
       planner run                                   # tiny model, 2 CPU processes, DP
       planner run --nproc 4 --zero 3 --micro-batch 2
       planner run --nproc 4 --tp 2 --pp 2 --schedule 1f1b --steps 20 --format json
-      planner run --plan plan.json --nproc 8 --gpus-per-node 4
+      planner run --plan local.json                 # a plan file from search --out: no other flag needed
       planner run --nproc 4 --zero 3 --checkpoint-dir ckpt --checkpoint-every 50 --max-restarts 3
       planner run --nproc 4 --tp 2 --checkpoint-dir ckpt --resume   # continue under another plan
     """
     from specs.jsonio import write_json_atomic
-    from planner.run_command import RunRequest, build_run, run_in_this_process, under_torchrun
+    from planner.run_command import RunRequest, build_run, resolve_request, run_in_this_process, under_torchrun
 
     request = RunRequest(model=model, hardware=hardware, global_batch=global_batch, seq_len=seq_len,
                          precision=precision, steps=steps, seed=seed, lr=lr, data=data, nproc=nproc, nnodes=nnodes,
@@ -187,7 +199,8 @@ def run(
                          engine=engine, plan_file=plan_file, timeout_s=timeout, checkpoint_dir=checkpoint_dir,
                          checkpoint_every=checkpoint_every, checkpoint_keep=checkpoint_keep, resume=resume,
                          max_restarts=max_restarts)
-    cfg = build_run(request, plan_options or {})
+    request, planfile = resolve_request(request, plan_options or {})
+    cfg = build_run(request, plan_options or {}, planfile=planfile)
     if under_torchrun():
         metrics = run_in_this_process(cfg)
         if os.environ.get("RANK", "0") != "0":
@@ -226,7 +239,10 @@ def _launch_with_progress(cfg, request, *, quiet: bool):
 def _print_run_report(metrics) -> None:
     summary, predicted = metrics.summary, metrics.predicted or {}
     losses = metrics.losses
-    console.print(f"plan: {metrics.plan.describe()}   losses: {losses[0]:.4f} -> {losses[-1]:.4f}")
+    precision = f"   {summary.precision} on {summary.device}" if summary.precision else ""
+    if summary.skipped_steps:
+        precision += f" ({summary.skipped_steps} steps skipped on overflow, loss scale {summary.loss_scale:g})"
+    console.print(f"plan: {metrics.plan.describe()}   losses: {losses[0]:.4f} -> {losses[-1]:.4f}{precision}")
     table = Table(title="Measured beside predicted")
     for col in ("", "measured", "predicted", "measured / predicted"):
         table.add_column(col, justify="right")
@@ -263,77 +279,123 @@ class _BadInput:
         return False
 
 
-@app.command("search")
+# The plan notation of search's table, `Plan.describe()` and `_plan_label` (one legend for --help and the table).
+PLAN_NOTATION = (
+    "dpD tpT ppP: data-, tensor- and pipeline-parallel degrees; vV: model chunks per pipeline rank (interleaved "
+    "1F1B); mbMxN: M sequences per micro-batch, N micro-batches per step on each DP replica; gpipe, 1f1b, "
+    "interleaved-1f1b: the pipeline schedule; rc=none|selective|full: recomputation of every layer (per-layer: the "
+    "ILP's mix, counted in brackets); sp: sequence parallelism; zero0-3: the ZeRO stage, or shard=(P,G,O): the DP "
+    "ranks sharding parameters, gradients and optimizer states (Lins; HSDP when all three are equal and below dp); "
+    "cache=device|host|secondary: where a ZeRO-3 layer's gathered parameters wait for backward (MAZ3; per-layer: "
+    "one tier per layer); commshift: the DP gradient reduction moved behind the stage's last send; stages=a/b/..: "
+    "layers per pipeline chunk; +N alike: N more plans within 1% in step time with the same degrees and micro-batches "
+    "(or the same memory), which the cost model cannot tell apart.")
+
+SEARCH_HELP = """Find the fastest plan that fits: degrees, sharding, micro-batches, schedule, recomputation.
+
+Examples:
+
+  planner search --model llama3-70b --hardware h100 --gpus 1024 --gpus-per-node 8 --global-batch 1024 --seq-len 4096
+
+  planner search --model gpt3-175b --hardware a100 --gpus 3072 --global-batch 1536 --top 10 --out plan.json
+
+  planner search --model tiny --hardware cpu --gpus 8 --global-batch 32 --format json
+
+  planner search --model llama3-8b --hardware h100 --gpus 64 --global-batch 256 --engine megatron --out plan.json
+
+  planner search --model gpt3-18b --hardware a100 --gpus 256 --global-batch 1024 --optuna-trials 200 --storage sqlite:///tune.db --study-name gpt3-18b
+
+Notation: """ + PLAN_NOTATION
+
+
+@app.command("search", help=SEARCH_HELP)
 def search_command(
     model: ModelOpt, hardware: HardwareOpt, gpus: GpusOpt, global_batch: GlobalBatchOpt,
     gpus_per_node: GpusPerNodeOpt = None, seq_len: SeqLenOpt = None, precision: PrecisionOpt = None,
-    top: TopOpt = 5,
-    out: Annotated[Optional[str], typer.Option("--out", help="Write the winner here ({plan, estimate, model, job}; for --plan).")] = None,
+    memory_headroom: HeadroomOpt = None, top: TopOpt = 5,
+    out: Annotated[Optional[str], typer.Option("--out", help="Write the winner as a plan file (plan, model, hardware, cluster, job, estimate) that explain, export, estimate and run --plan read with no other flag.")] = None,
+    engine: PriceEngineOpt = "ours",
     optuna_trials: Annotated[int, typer.Option("--optuna-trials", help="TPE trials tuning per-stage knobs around the winner.")] = 0,
     storage: Annotated[Optional[str], typer.Option("--storage", help="Optuna storage, e.g. sqlite:///tune.db, so a search resumes.")] = None,
     study_name: Annotated[Optional[str], typer.Option("--study-name", help="Optuna study to create or resume.")] = None,
     seed: Annotated[int, typer.Option("--seed", help="TPE sampler seed.")] = 0,
     fmt: FormatOpt = OutputFormat.table,
 ) -> None:
-    """Find the fastest plan that fits: degrees, sharding, micro-batches, schedule, recomputation.
-
-    Examples:
-      planner search --model llama3-70b --hardware h100 --gpus 1024 --gpus-per-node 8 --global-batch 1024 --seq-len 4096
-      planner search --model gpt3-175b --hardware a100 --gpus 3072 --global-batch 1536 --top 10 --out plan.json
-      planner search --model tiny --hardware cpu --gpus 8 --global-batch 32 --format json
-      planner search --model gpt3-18b --hardware a100 --gpus 256 --global-batch 1024 --optuna-trials 200 --storage sqlite:///tune.db --study-name gpt3-18b
-    """
     import time
 
+    from specs.planfile import PlanFile, hardware_source
     from specs.problem import make_problem
-    from specs.jsonio import write_json_atomic
-    from planner.search import SearchOptions, search
+    from planner.search import SearchOptions, default_cost_model, distinct_plans, search
 
     with _BadInput():
         if top < 1 or optuna_trials < 0:
             raise PlannerError(f"--top must be at least 1 and --optuna-trials at least 0, got {top} and {optuna_trials}")
+        cost = default_cost_model(engine)
         problem = make_problem(model=model, hardware=hardware, gpus=gpus, gpus_per_node=gpus_per_node,
-                               global_batch=global_batch, seq_len=seq_len, precision=precision)
+                               global_batch=global_batch, seq_len=seq_len, precision=precision,
+                               memory_headroom=memory_headroom)
+        source = hardware_source(hardware)
         start = time.perf_counter()
         with err_console.status("searching") as status:
-            result = search(problem, options=SearchOptions(
-                top_k=top, on_progress=lambda n: status.update(f"searching: {n} plans priced")))
+            # Rank more than --top: plans the cost model cannot tell apart collapse into one row.
+            result = search(problem, cost=cost, options=SearchOptions(
+                top_k=4 * top, on_progress=lambda n: status.update(f"searching: {n} plans priced")))
             ranked, num_evaluated = list(result.candidates), result.num_evaluated
             if optuna_trials:
                 from planner.optuna_search import refined_ranking
 
                 status.update(f"tuning {result.winner.plan.describe()} with {optuna_trials} TPE trials")
                 ranked, num_evaluated = refined_ranking(result, problem, num_trials=optuna_trials, seed=seed,
-                                                        storage=storage, study_name=study_name)
+                                                        storage=storage, study_name=study_name, cost=cost)
         search_time_s = time.perf_counter() - start
     winner = ranked[0]
     if out:
-        write_json_atomic(out, {"plan": winner.plan.to_dict(), "estimate": winner.estimate.to_dict(),
-                                "model": problem.model.to_dict(), "job": problem.job.to_dict()})
-    shown = [c for c in ranked if c.estimate.fits][:top]
+        PlanFile(plan=winner.plan, model=problem.model, job=problem.job, cluster=problem.cluster,
+                 hardware_source=source, engine=engine, estimate=winner.estimate.to_dict()).save(out)
+    shown = distinct_plans((c for c in ranked if c.estimate.fits), limit=top)
     if fmt is OutputFormat.json:
-        print_json({"search_time_s": search_time_s, "num_evaluated": num_evaluated,
-                    "plans": [c.to_dict() for c in shown], "pareto": [c.to_dict() for c in result.pareto]})
+        print_json({"engine": engine, "search_time_s": search_time_s, "num_evaluated": num_evaluated,
+                    "plans": [{**d.candidate.to_dict(), "alike": len(d.alike), "alike_differ_in": d.differing_knobs()}
+                              for d in shown],
+                    "pareto": [c.to_dict() for c in result.pareto]})
         return
-    table = Table(title=f"Best plans: {problem.model.name} on {problem.cluster.num_devices} x "
-                        f"{problem.cluster.hardware.name}, batch {problem.job.global_batch} x {problem.job.seq_len}")
-    for col in ("#", "plan", "step", "tokens/s", "MFU", "TFLOP/s/GPU", "GiB/device", "fits"):
-        table.add_column(col, justify="left" if col == "plan" else "right", no_wrap=col != "plan")
-    for i, c in enumerate(shown, 1):
-        e = c.estimate
-        table.add_row(str(i), _plan_label(c.plan), f"{e.step_time_s:.4g} s", f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}",
-                      f"{e.tflops_per_gpu:.3g}", f"{e.peak_memory_bytes / 2**30:.3g}", "yes" if e.fits else "no")
-    console.print(table)
+    _print_search_table(problem, shown, engine=engine)
     console.print(f"priced {num_evaluated} plans ({result.num_pruned_memory} ruled out by memory before pricing) "
                   f"in {search_time_s:.2f} s", highlight=False)
     if len(shown) > 1:
-        console.print(_why_winner(shown[0], shown[1]), highlight=False)
+        console.print(_why_winner(shown[0].candidate, shown[1].candidate), highlight=False)
     unfit = [c for c in ranked if not c.estimate.fits and c.estimate.step_time_s < winner.estimate.step_time_s]
     if unfit:
         # The faster plan that comes closest to fitting: what a little more memory would buy.
         near = min(unfit, key=lambda c: c.estimate.memory_shortfall_bytes)
         console.print(f"faster but does not fit: {_plan_label(near.plan)} ({near.estimate.step_time_s:.4g} s) "
                       f"needs {near.estimate.memory_shortfall_bytes / 2**30:.2f} GiB more per device", highlight=False)
+    if out:
+        console.print(f"plan file: {out} (explain, export, estimate and run --plan need no other flag)", highlight=False)
+
+
+def _print_search_table(problem, shown, *, engine: str) -> None:
+    priced_for = "" if engine == "ours" else f", priced as {engine} runs them"
+    table = Table(title=f"Best plans: {problem.model.name} on {problem.cluster.num_devices} x "
+                        f"{problem.cluster.hardware.name}, batch {problem.job.global_batch} x {problem.job.seq_len}"
+                        f"{priced_for}", caption=f"Notation: {PLAN_NOTATION}", caption_justify="left")
+    for col in ("#", "plan", "step", "tokens/s", "MFU", "TFLOP/s/GPU", "GiB/device"):
+        table.add_column(col, justify="left" if col == "plan" else "right", no_wrap=col != "plan")
+    for i, d in enumerate(shown, 1):
+        c, e = d.candidate, d.candidate.estimate
+        label = _plan_label(c.plan) + (f" (+{len(d.alike)} alike in {_knob_groups(d.differing_knobs())})"
+                                       if d.alike else "")
+        table.add_row(str(i), label, f"{e.step_time_s:.4g} s", f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}",
+                      f"{e.tflops_per_gpu:.3g}", f"{e.peak_memory_bytes / 2**30:.3g}")
+    console.print(table)
+
+
+def _knob_groups(fields: list[str]) -> str:
+    """Plan fields in a few words: the three shard degrees are 'sharding', recompute(_layers) 'recompute'."""
+    names = {"param_shard": "sharding", "grad_shard": "sharding", "optim_shard": "sharding",
+             "recompute_layers": "recompute", "bucket_size_bytes": "buckets", "param_cache": "cache",
+             "prefetch_depth": "prefetch"}
+    return ", ".join(dict.fromkeys(names.get(f, f) for f in fields))
 
 
 def _seconds(value_s: float) -> str:
@@ -375,9 +437,11 @@ def _why_winner(winner, runner_up) -> str:
 @app.command("estimate")
 @takes_plan_options
 def estimate_command(
-    model: ModelOpt, hardware: HardwareOpt, gpus: GpusOpt, global_batch: GlobalBatchOpt,
+    model: MaybeModelOpt = None, hardware: MaybeHardwareOpt = None, gpus: MaybeGpusOpt = None,
+    global_batch: MaybeGlobalBatchOpt = None,
     gpus_per_node: GpusPerNodeOpt = None, seq_len: SeqLenOpt = None, precision: PrecisionOpt = None,
-    plan_file: PlanFileOpt = None,
+    memory_headroom: HeadroomOpt = None, plan_file: PlanFileOpt = None,
+    engine: PriceEngineOpt = "ours",
     fmt: FormatOpt = OutputFormat.table,
     plan_options: dict | None = None,
 ) -> None:
@@ -386,24 +450,31 @@ def estimate_command(
     Examples:
       planner estimate --model gpt3-1.7b --hardware a100 --gpus 32 --global-batch 512 --recompute full
       planner estimate --model llama3-70b --hardware h100 --gpus 64 --global-batch 64 --seq-len 4096 --tp 8 --pp 4 --virtual-stages 2 --zero 1 --sequence-parallel
-      planner estimate --model gpt3-175b --hardware a100 --gpus 3072 --global-batch 1536 --plan plan.json --format json
+      planner estimate --plan plan.json --engine megatron --format json      # a plan file from search --out
     """
     from cost_models.estimate import estimate
-    from specs.problem import make_problem
-    from planner.inputs import load_plan, plan_from_options
+    from planner.inputs import (ProblemFlags, plan_and_problem, plan_from_options, problem_from_flags,
+                                refuse_plan_options_with_file)
 
     with _BadInput():
-        problem = make_problem(model=model, hardware=hardware, gpus=gpus, gpus_per_node=gpus_per_node,
-                               global_batch=global_batch, seq_len=seq_len, precision=precision)
-        plan = load_plan(plan_file, problem) if plan_file else plan_from_options(plan_options or {}, problem)
-        est = estimate(plan, model=problem.model, cluster=problem.cluster, job=problem.job)
+        flags = ProblemFlags(model=model, hardware=hardware, gpus=gpus, gpus_per_node=gpus_per_node,
+                             global_batch=global_batch, seq_len=seq_len, precision=precision,
+                             memory_headroom=memory_headroom)
+        if plan_file:
+            refuse_plan_options_with_file(plan_options or {})
+            plan, problem, _ = plan_and_problem(plan_file, flags)
+        else:
+            problem = problem_from_flags(flags)
+            plan = plan_from_options(plan_options or {}, problem)
+        est = estimate(plan, model=problem.model, cluster=problem.cluster, job=problem.job, engine=engine)
     if fmt is OutputFormat.json:
-        print_json({"plan": plan.to_dict(), **est.to_dict()})
+        print_json({"plan": plan.to_dict(), "engine": engine, **est.to_dict()})
         return
-    console.print(f"plan: {plan.describe()}", highlight=False)
+    console.print(f"plan: {plan.describe()}" + ("" if engine == "ours" else f"   (priced as {engine} runs it)"),
+                  highlight=False)
     console.print(f"step {est.step_time_s:.4f} s   {est.tokens_per_s:,.0f} tokens/s   MFU {est.mfu:.1%}   "
                   f"{est.tflops_per_gpu:.0f} TFLOP/s per GPU   memory {est.peak_memory_bytes / 2**30:.2f} of "
-                  f"{est.memory_limit_bytes / 2**30:.2f} GiB per device", highlight=False)
+                  f"{est.memory_limit_bytes / 2**30:.2f} GiB per device (after the memory headroom)", highlight=False)
     table = Table(title="Breakdown (critical rank's time, worst rank's memory)")
     for col in ("term", "value"):
         table.add_column(col, justify="left" if col == "term" else "right")
@@ -428,7 +499,7 @@ def _count(n: float) -> str:
 @app.command()
 def profile(
     out: Annotated[str, typer.Option("--out", help="Where to write the Hardware profile JSON.")] = "profile.json",
-    nproc: Annotated[int, typer.Option("--nproc", help="Processes for the collective benchmark (torchrun).")] = 2,
+    nproc: Annotated[int, typer.Option("--nproc", help="Processes for the collective benchmark (torchrun; 1: no collectives, links from the device's preset).")] = 2,
     gpus_per_node: GpusPerNodeOpt = None,
     quick: Annotated[bool, typer.Option("--quick", help="Fewer shapes, messages up to 16 MiB, short repeats.")] = False,
     model: ModelOpt = "tiny",
@@ -445,6 +516,7 @@ def profile(
     Examples:
       planner profile --quick --out profile.json
       planner profile --nproc 4 --gpus-per-node 2 --out profile.json    # 2 emulated nodes of 2
+      planner profile --nproc 1 --model llama3.2-1b --out gpu.json      # one GPU
       planner profile --cluster --quick --out profile.json              # on `planner cluster up`
     """
     from specs.hardware import COLLECTIVES
@@ -487,6 +559,8 @@ def _print_profile(info: dict, *, out: str) -> None:
     for link in ("intra_node", "inter_node"):
         spec = info[link]
         console.print(f"{link}: {spec['bandwidth_bytes_per_s'] / 1e9:.3f} GB/s, {spec['latency_s'] * 1e6:.1f} us")
+    if info["links_from"] != "measured":
+        console.print(f"links not measured: taken from the {info['links_from']}")
 
 
 # --- planner validate, calibrate, explain, export, tune (the library sides are planner/<command>.py) ------
@@ -530,10 +604,10 @@ def _agreement_table(title: str, columns: dict) -> Table:
 
 @app.command("validate")
 def validate_command(
-    model: ModelOpt = "tiny", hardware: HardwareOpt = "cpu",
+    model: ModelOpt = "tiny", hardware: LocalHardwareOpt = None,
     nproc: Annotated[int, typer.Option("--nproc", help="Local processes every plan runs on.")] = 4,
     global_batch: GlobalBatchOpt = 16, seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")] = 64,
-    precision: Annotated[str, typer.Option("--precision", help="Compute precision of the runs.")] = "fp32",
+    precision: PrecisionOpt = None,
     steps: Annotated[int, typer.Option("--steps", help="Steps per run (the first is a warm-up).")] = 8,
     rounds: Annotated[int, typer.Option("--rounds", help="Runs per plan, interleaved across plans; medians.")] = 1,
     timing_rounds: Annotated[int, typer.Option("--timing-rounds", help="Rounds of one batched, interleaved timing run (0: time from the runs).")] = 0,
@@ -544,11 +618,14 @@ def validate_command(
     png: Annotated[Optional[str], typer.Option("--png", help="Predicted-vs-measured scatter (default: next to --out).")] = None,
     cluster: Annotated[bool, typer.Option("--cluster", help="Run every plan across the emulated cluster's nodes (`planner cluster up`) instead of --nproc local processes.")] = False,
     cluster_prefix: Annotated[str, typer.Option("--cluster-prefix", help="Name prefix of the emulated cluster.")] = "planner",
+    published: Annotated[Optional[str], typer.Option("--published", help="Instead of running plans, price published measured GPU runs: the repo's set (benchmarks/published/dense_runs.csv) or this CSV.")] = None,
+    loso: Annotated[bool, typer.Option("--loso/--no-loso", help="With --published: also the leave-one-source-out MAPE (prices every row at several compute scales).")] = True,
     fmt: FormatOpt = OutputFormat.table,
 ) -> None:
     """Run a spread of plans for real and compare measured with predicted step time and memory.
 
     Reports MAPE, max error, Kendall tau and the regret of the model's top pick; failed runs are listed.
+    With --published, prices published measured runs (each as its engine runs it) instead.
 
     Examples:
       planner validate --nproc 4 --hardware profile.json --out validate.json
@@ -556,9 +633,15 @@ def validate_command(
       planner validate --nproc 4 --rounds 3 --png scatter.png
       planner validate --nproc 4 --timing-rounds 6      # on a loaded host: one interleaved batched timing run
       planner validate --cluster --hardware cluster-profile.json --max-plans 6   # on `planner cluster up`
+      planner validate --published --format json        # the cost model against published GPU runs
+      planner validate --published runs.csv --no-loso
     """
     from specs.jsonio import write_json_atomic
     from planner.validate import ValidateSettings, validate, write_scatter_png
+
+    if published is not None:
+        _validate_published(published, loso=loso, fmt=fmt)
+        return
 
     with _BadInput():
         settings = ValidateSettings(model=model, hardware=hardware, nproc=nproc, global_batch=global_batch,
@@ -591,10 +674,35 @@ def validate_command(
                   highlight=False)
 
 
+def _validate_published(path: str, *, loso: bool, fmt: OutputFormat) -> None:
+    from planner.published import DEFAULT_CSV, validate_published
+
+    with _BadInput(), err_console.status("pricing published runs"):
+        report = validate_published(DEFAULT_CSV if path == PUBLISHED_DEFAULT else path, loso=loso)
+    if fmt is OutputFormat.json:
+        print_json(report.to_dict())
+        return
+    table = Table(title="Published measured runs against the cost model (each priced as its engine runs it)")
+    for col in ("source", "rows", "MAPE", "mean error", "LOSO MAPE"):
+        table.add_column(col, justify="left" if col == "source" else "right")
+    for source, stats in report.per_source.items():
+        loso_cell = _pct(stats["loso_mape"]) if "loso_mape" in stats else "-"
+        table.add_row(source, str(stats["num_rows"]), _pct(stats["mape"]), f"{stats['mean_error']:+.1%}", loso_cell)
+    console.print(table)
+    tau = "-" if report.kendall_tau is None else f"{report.kendall_tau:.3f}"
+    regret = "-" if report.regret is None else _pct(report.regret)
+    loso_all = "-" if report.loso_mape is None else _pct(report.loso_mape)
+    console.print(f"{report.num_rows} rows: MAPE {_pct(report.mape)}, within-model Kendall tau {tau}, worst top-pick "
+                  f"regret {regret}, leave-one-source-out MAPE {loso_all}", highlight=False)
+    for line in report.skipped:
+        err_console.print(f"skipped {line}", markup=False, highlight=False, soft_wrap=True)
+
+
 @app.command("calibrate")
 def calibrate_command(
-    measurements: Annotated[str, typer.Option("--measurements", help="A `planner validate --out` report.")],
-    hardware: Annotated[Optional[str], typer.Option("--hardware", help="Profile to start from (default: the report's).")] = None,
+    measurements: Annotated[Optional[str], typer.Option("--measurements", help="A `planner validate --out` report.")] = None,
+    from_runs: Annotated[Optional[str], typer.Option("--from-runs", help="A CSV of a GPU cluster's past training runs (any engine; columns in planner/published.py) to fit --hardware's free parameters to.")] = None,
+    hardware: Annotated[Optional[str], typer.Option("--hardware", help="Profile to start from (default: the report's; required with --from-runs).")] = None,
     out: Annotated[Optional[str], typer.Option("--out", help="Calibrated profile (default: overwrite --hardware's file).")] = None,
     held_out_every: Annotated[int, typer.Option("--held-out-every", help="Hold out every k-th plan by measured time.")] = 2,
     parameters: Annotated[Optional[str], typer.Option("--parameters", help="Comma list of step-time parameters to fit (default: all).")] = None,
@@ -609,13 +717,23 @@ def calibrate_command(
       planner calibrate --measurements validate.json --hardware profile.json
       planner calibrate --measurements validate.json --hardware cpu --out calibrated.json --format json
       planner calibrate --measurements validate.json --parameters op_overhead_s,collective_overhead_s --held-out-every 3
+      planner calibrate --from-runs runs.csv --hardware h100 --out h100-cluster.json
     """
-    from planner.calibrate import calibrate_measurements
+    from planner.calibrate import calibrate_from_runs, calibrate_measurements
 
     with _BadInput(), err_console.status("fitting"):
-        target, result = calibrate_measurements(
-            measurements, hardware=hardware, out=out, held_out_every=held_out_every, fit_memory=memory,
-            parameters=tuple(p.strip() for p in parameters.split(",")) if parameters else None)
+        names = tuple(p.strip() for p in parameters.split(",")) if parameters else None
+        if (measurements is None) == (from_runs is None):
+            raise PlannerError("give one of --measurements (a planner validate report) or --from-runs (a runs CSV)")
+        if from_runs is not None:
+            if hardware is None:
+                raise PlannerError("--from-runs needs --hardware: the GPU preset or profile the runs ran on")
+            target, result = calibrate_from_runs(from_runs, hardware=hardware, out=out, held_out_every=held_out_every,
+                                                 parameters=names, fit_memory=memory)
+        else:
+            target, result = calibrate_measurements(
+                measurements, hardware=hardware, out=out, held_out_every=held_out_every, fit_memory=memory,
+                parameters=names)
     if fmt is OutputFormat.json:
         print_json({"out": target, **result.to_dict()})
         return
@@ -626,33 +744,13 @@ def calibrate_command(
                   + f"; written to {target}", highlight=False)
 
 
-def _plan_problem(plan_file: str, *, model: str, hardware: str, gpus: Optional[int], gpus_per_node: Optional[int],
-                  global_batch: Optional[int], seq_len: Optional[int], precision: Optional[str]):
-    """The plan of a plan file and the problem around it: the devices and batch default to the plan's,
-    the sequence length and precision to the file's job (search --out writes one)."""
-    from specs.problem import make_problem
-    from planner.inputs import load_plan
-    from specs.jsonio import read_json_file
-
-    data = read_json_file(plan_file, what="plan")
-    job = data.get("job") if isinstance(data, dict) and isinstance(data.get("job"), dict) else {}
-    plan = load_plan(plan_file)
-    problem = make_problem(model=model, hardware=hardware, gpus=gpus or plan.world_size, gpus_per_node=gpus_per_node,
-                           global_batch=global_batch or plan.global_batch, seq_len=seq_len or job.get("seq_len"),
-                           precision=precision or job.get("precision"))
-    from specs.plan import check_plan
-
-    check_plan(plan, model=problem.model, num_devices=problem.cluster.num_devices, job=problem.job)
-    return plan, problem
-
-
 @app.command("explain")
 def explain_command(
-    plan_file: Annotated[str, typer.Option("--plan", help="Plan JSON (search --out, or a bare plan).")],
-    model: ModelOpt = "tiny", hardware: HardwareOpt = "cpu",
-    gpus: Annotated[Optional[int], typer.Option("--gpus", help="Devices (default: the plan's dp x tp x pp).")] = None,
+    plan_file: Annotated[str, typer.Option("--plan", help="Plan file from `search --out` (needs no other flag), or a bare plan JSON with --model and --hardware.")],
+    model: MaybeModelOpt = None, hardware: MaybeHardwareOpt = None,
+    gpus: Annotated[Optional[int], typer.Option("--gpus", help="Devices (default: the plan file's, or the plan's dp x tp x pp).")] = None,
     gpus_per_node: GpusPerNodeOpt = None,
-    global_batch: Annotated[Optional[int], typer.Option("--global-batch", help="Default: the plan's.")] = None,
+    global_batch: Annotated[Optional[int], typer.Option("--global-batch", help="Default: the plan file's, or the plan's.")] = None,
     seq_len: SeqLenOpt = None, precision: PrecisionOpt = None,
     measured: Annotated[Optional[str], typer.Option("--measured", help="`planner run --metrics-out` file of the same plan.")] = None,
     png: Annotated[str, typer.Option("--png", help="The timeline picture.")] = "explain.png",
@@ -661,20 +759,23 @@ def explain_command(
     """Draw one training step per pipeline rank as the cost model sees it, with a text breakdown.
 
     Examples:
-      planner explain --plan plan.json --model tiny --hardware profile.json --seq-len 64
-      planner explain --plan plan.json --model llama3-70b --hardware h100 --gpus-per-node 8 --png step.png
-      planner run --nproc 4 --pp 2 --metrics-out m.json && planner explain --plan m.json --seq-len 64 --measured m.json
+      planner explain --plan plan.json                      # a plan file from search --out
+      planner explain --plan plan.json --png step.png --format json
+      planner run --nproc 4 --pp 2 --metrics-out m.json && planner explain --plan m.json --model tiny --hardware cpu --seq-len 64 --measured m.json
     """
     from planner.explain import breakdown_lines, explain, load_measured, write_timeline_png
+    from planner.inputs import ProblemFlags, plan_and_problem
 
     with _BadInput():
-        plan, problem = _plan_problem(plan_file, model=model, hardware=hardware, gpus=gpus, gpus_per_node=gpus_per_node,
-                                      global_batch=global_batch, seq_len=seq_len, precision=precision)
+        plan, problem, _ = plan_and_problem(plan_file, ProblemFlags(
+            model=model, hardware=hardware, gpus=gpus, gpus_per_node=gpus_per_node, global_batch=global_batch,
+            seq_len=seq_len, precision=precision))
         metrics = load_measured(measured, plan) if measured else None
         ex = explain(plan, problem)
     write_timeline_png(ex, png, metrics=metrics)
     if fmt is OutputFormat.json:
         print_json({"plan": plan.to_dict(), "estimate": ex.estimate.to_dict(), "png": png,
+                    "critical_rank": ex.critical_rank, "busiest_rank": ex.busiest_rank,
                     "measured_step_time_s": metrics.summary.median_step_time_s if metrics else None,
                     "spans": [{"rank": s.rank, "kind": s.kind, "chunk": s.chunk, "micro_batch": s.micro_batch,
                                "start_s": s.start_s, "end_s": s.end_s} for s in ex.spans]})
@@ -686,42 +787,62 @@ def explain_command(
 
 @app.command("export")
 def export_command(
-    plan_file: Annotated[str, typer.Option("--plan", help="Plan JSON (search --out, or a bare plan).")],
+    plan_file: Annotated[str, typer.Option("--plan", help="Plan file from `search --out` (needs no other flag), or a bare plan JSON with --model and --hardware.")],
     to: Annotated[str, typer.Option("--to", help="torchtitan, megatron or deepspeed.")],
-    model: ModelOpt = "tiny",
-    global_batch: Annotated[Optional[int], typer.Option("--global-batch", help="Default: the plan's.")] = None,
-    seq_len: SeqLenOpt = None,
-    precision: Annotated[Optional[str], typer.Option("--precision", help="Default: the plan file's job, else bf16.")] = None,
-    out: OutFileOpt = None,
+    engine: Annotated[Optional[str], typer.Option("--engine", help="Price the exported plan as this engine runs it (default: the --to target; ours, megatron, torchtitan or deepspeed).")] = None,
+    model: MaybeModelOpt = None, hardware: MaybeHardwareOpt = None,
+    gpus: Annotated[Optional[int], typer.Option("--gpus", help="Devices (default: the plan file's, or the plan's dp x tp x pp).")] = None,
+    gpus_per_node: GpusPerNodeOpt = None,
+    global_batch: Annotated[Optional[int], typer.Option("--global-batch", help="Default: the plan file's, or the plan's.")] = None,
+    seq_len: SeqLenOpt = None, precision: PrecisionOpt = None,
+    out: Annotated[Optional[str], typer.Option("--out", help="Folder to write the files into (the config, the model where the target takes one, launch.sh).")] = None,
     fmt: FormatOpt = OutputFormat.table,
 ) -> None:
-    """Write the flags or config that run the same plan in torchtitan, Megatron-LM or DeepSpeed.
+    """Write the config and launch script that run the same plan in torchtitan 0.3.0, Megatron-LM (main 0.20.0)
+    or DeepSpeed 0.19.8, and the predicted step time and memory of the plan as that engine runs it.
 
-    Knobs the target cannot express are listed with the nearest setting used.
+    Each knob the target cannot express is one line (with what is exported instead); a plan the target would
+    reject is refused, naming the closest plan it accepts.
 
     Examples:
-      planner export --plan plan.json --to torchtitan --out llama.toml
-      planner export --plan plan.json --to megatron --model llama3-70b
+      planner export --plan plan.json --to megatron
+      planner export --plan plan.json --to torchtitan --out titan/
       planner export --plan plan.json --to deepspeed --format json
     """
-    from planner.export import export_plan
+    from pathlib import Path
+
+    from planner.exports import describe_price, export_plan
+    from planner.inputs import ProblemFlags, plan_and_problem
 
     with _BadInput():
-        plan, problem = _plan_problem(plan_file, model=model, hardware="h100", gpus=None, gpus_per_node=None,
-                                      global_batch=global_batch, seq_len=seq_len, precision=precision)
-        result = export_plan(plan, model=problem.model, job=problem.job, target=to)
+        plan, problem, _ = plan_and_problem(plan_file, ProblemFlags(
+            model=model, hardware=hardware, gpus=gpus, gpus_per_node=gpus_per_node, global_batch=global_batch,
+            seq_len=seq_len, precision=precision))
+        result, price = export_plan(plan, problem, target=to, engine=engine)
     if out:
-        with open(out, "w") as f:
-            f.write(result.text)
+        folder = Path(out)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            for name, text in result.files.items():
+                (folder / name).write_text(text)
+            (folder / "launch.sh").chmod(0o755)
+        except OSError as exc:
+            err_console.print(f"error: cannot write {out}: {exc.strerror or exc}", markup=False, highlight=False)
+            raise typer.Exit(2)
+    engine = engine or result.target
     if fmt is OutputFormat.json:
-        print_json(result.to_dict())
+        print_json({**result.to_dict(), "engine": engine, "estimate": price.to_dict()})
         return
     if not out:
-        sys.stdout.write(result.text)
-    for line in result.unsupported:
-        err_console.print(f"cannot express: {line}", markup=False, highlight=False, soft_wrap=True)
-    for line in result.notes:
-        err_console.print(f"note: {line}", markup=False, highlight=False, soft_wrap=True)
+        sys.stdout.write(result.files[result.main])
+        if result.main != "launch.sh":
+            sys.stdout.write("\n# --- launch.sh ---\n" + result.files["launch.sh"])
+    report = [f"exported for {result.version}" + (f": {', '.join(sorted(result.files))} in {out}" if out else ""),
+              f"as {engine} runs it: {result.expressed.describe()}: {describe_price(price)}"]
+    report += [f"cannot express: {line}" for line in result.cannot_express]
+    report += [f"note: {line}" for line in result.notes]
+    for line in report:
+        err_console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command("tune")
@@ -856,6 +977,18 @@ def cluster_exec(
     raise typer.Exit(subprocess.call(exec_argv(load_state(prefix), node, ctx.args)))
 
 
+PUBLISHED_DEFAULT = "@repo"
+
+
+def _default_published_value(argv: list[str]) -> None:
+    """`planner validate --published` with no CSV after it means the repo's set (click options cannot
+    take an optional value): give it the sentinel value."""
+    for i, arg in enumerate(argv):
+        if arg == "--published" and (i + 1 == len(argv) or argv[i + 1].startswith("-")):
+            argv.insert(i + 1, PUBLISHED_DEFAULT)
+            return
+
+
 def main() -> None:
     """Console-script entry: bad input is one line on stderr and exit code 2, never a traceback.
 
@@ -868,6 +1001,7 @@ def main() -> None:
     except ImportError:  # older typer on click
         from click import exceptions as click_errors
 
+    _default_published_value(sys.argv)
     try:
         # Not standalone: click's own usage errors come back here and are printed as one line too
         # (standalone mode would draw a multi-line rich box).

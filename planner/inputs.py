@@ -1,14 +1,103 @@
-"""Build the four inputs (model, cluster, job, plan) from command-line values; shared by every command."""
+"""Build the four inputs (model, cluster, job, plan) from command-line values and plan files; shared by
+every command."""
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from specs.errors import PlannerError
-from specs.jsonio import read_json_file
 from specs.knobs import cli_value
 from specs.plan import PLAN_KNOBS, Plan, check_plan, micro_batches_for, zero_degrees
-from specs.problem import Problem
+from specs.planfile import PlanFile, hardware_source, read_plan_json
+from specs.problem import Problem, make_problem
+
+
+@dataclass(frozen=True)
+class ProblemFlags:
+    """The problem options a command was given (None: not given)."""
+
+    model: str | None = None
+    hardware: str | None = None
+    gpus: int | None = None
+    gpus_per_node: int | None = None
+    global_batch: int | None = None
+    seq_len: int | None = None
+    precision: str | None = None
+    memory_headroom: float | None = None
+
+    def given(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+
+_FLAG = {"model": "--model", "hardware": "--hardware", "gpus": "--gpus", "gpus_per_node": "--gpus-per-node",
+         "global_batch": "--global-batch", "seq_len": "--seq-len", "precision": "--precision",
+         "memory_headroom": "--memory-headroom"}
+
+
+def problem_from_flags(flags: ProblemFlags) -> Problem:
+    """The problem the flags describe; model, hardware, devices and global batch are required."""
+    for name in ("model", "hardware", "gpus", "global_batch"):
+        if getattr(flags, name) is None:
+            raise PlannerError(f"{_FLAG[name]} is required (or --plan with a plan file from `planner search --out`)")
+    return make_problem(model=flags.model, hardware=flags.hardware, gpus=flags.gpus, gpus_per_node=flags.gpus_per_node,
+                        global_batch=flags.global_batch, seq_len=flags.seq_len, precision=flags.precision,
+                        memory_headroom=flags.memory_headroom)
+
+
+def plan_and_problem(path: str, flags: ProblemFlags) -> tuple[Plan, Problem, PlanFile | None]:
+    """The plan of `path` and the problem around it.
+
+    A plan file carries its problem: flags may repeat it, and one that contradicts it is an error (never a
+    silent repricing). A bare plan needs --model and --hardware; the devices and global batch default to
+    the plan's own."""
+    loaded = read_plan_json(path)
+    if isinstance(loaded, PlanFile):
+        check_flags_agree(loaded, flags, path=path)
+        return loaded.plan, Problem(model=loaded.model, cluster=loaded.cluster, job=loaded.job), loaded
+    plan = loaded
+    for name in ("model", "hardware"):
+        if getattr(flags, name) is None:
+            raise PlannerError(f"{path} holds a bare plan: give {_FLAG[name]} (a plan file from `planner search --out` "
+                               f"carries the model, hardware, cluster and job)")
+    problem = make_problem(model=flags.model, hardware=flags.hardware, gpus=flags.gpus or plan.world_size,
+                           gpus_per_node=flags.gpus_per_node, global_batch=flags.global_batch or plan.global_batch,
+                           seq_len=flags.seq_len, precision=flags.precision, memory_headroom=flags.memory_headroom)
+    check_plan(plan, model=problem.model, num_devices=problem.cluster.num_devices, job=problem.job)
+    return plan, problem, None
+
+
+def check_flags_agree(planfile: PlanFile, flags: ProblemFlags, *, path: str) -> None:
+    """Raise PlannerError naming the first given flag that differs from what the plan file was made for."""
+    from specs.hardware import resolve_hardware
+    from specs.model import resolve_model
+
+    job, cluster = planfile.job, planfile.cluster
+    theirs = {"gpus": cluster.num_devices, "gpus_per_node": cluster.devices_per_node,
+              "global_batch": job.global_batch, "seq_len": job.seq_len, "precision": job.precision,
+              "memory_headroom": job.headroom(cluster.hardware.device_type)}
+    for name, value in flags.given().items():
+        if name == "model":
+            spec = resolve_model(value)
+            same = dataclasses.replace(spec, name="") == dataclasses.replace(planfile.model, name="")
+            mine_text, file_text = value, planfile.model.name
+        elif name == "hardware":
+            same = resolve_hardware(value).to_dict() == planfile.hardware.to_dict()
+            mine_text, file_text = hardware_source(value).describe(), planfile.hardware_source.describe()
+        else:
+            same, mine_text, file_text = value == theirs[name], value, theirs[name]
+        if not same:
+            raise PlannerError(f"{_FLAG[name]} {mine_text} contradicts the plan file {path}, made for {file_text}; "
+                               f"drop the flag, or search again for this problem")
+
+
+def refuse_plan_options_with_file(options: dict[str, Any]) -> None:
+    """Plan options (--tp, --zero, ...) cannot be combined with --plan: the file holds the plan."""
+    given = [name for name, value in options.items() if value is not None]
+    if given:
+        flag = "--zero" if given[0] == "zero" else next(s.flag for s in PLAN_KNOBS if s.name == given[0])
+        raise PlannerError(f"{flag} cannot be combined with --plan (the file holds the plan); give one or the other")
 
 
 def plan_from_options(options: dict[str, Any], problem: Problem) -> Plan:
@@ -52,11 +141,9 @@ def plan_from_options(options: dict[str, Any], problem: Problem) -> Plan:
 
 
 def load_plan(path: str, problem: Problem | None = None) -> Plan:
-    """A plan JSON file: either a bare plan object or the `{"plan": {...}, ...}` that search writes."""
-    data = read_json_file(path, what="plan")
-    if isinstance(data, dict) and "plan" in data and isinstance(data["plan"], dict):
-        data = data["plan"]
-    plan = Plan.from_dict(data, what=f"plan {path}")
+    """The plan of a plan file or bare plan JSON (specs.planfile.read_plan_json), checked against `problem`."""
+    loaded = read_plan_json(path)
+    plan = loaded.plan if isinstance(loaded, PlanFile) else loaded
     if problem is not None:
         check_plan(plan, model=problem.model, num_devices=problem.cluster.num_devices, job=problem.job)
     return plan

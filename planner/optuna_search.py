@@ -160,12 +160,12 @@ def _best_fitting(study, base: Plan, problem: Problem, cost: CostModel) -> Candi
 
 
 def refined_ranking(result, problem: Problem, *, num_trials: int, seed: int = 0, storage: str | None = None,
-                    study_name: str | None = None) -> tuple[list[Candidate], int]:
+                    study_name: str | None = None, cost: CostModel | None = None) -> tuple[list[Candidate], int]:
     """The search's ranking (a planner.search.SearchResult) with the best plan of `num_trials` TPE trials
     around its winner in front when it is faster, and the number of plans priced in all."""
     ranked = list(result.candidates)
     tuned = refine_with_optuna(problem, base=result.winner.plan, num_trials=num_trials, seed=seed, storage=storage,
-                               study_name=study_name)
+                               study_name=study_name, cost=cost)
     if tuned.best is not None and tuned.best.estimate.step_time_s < ranked[0].estimate.step_time_s:
         ranked.insert(0, tuned.best)
     return ranked, result.num_evaluated + tuned.num_new_trials

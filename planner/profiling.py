@@ -17,9 +17,10 @@ time, as planner/calibrate.py weighs plans), c > 0 and o >= 0 (`fit_overheads`).
 recomputation gives torch.utils.checkpoint's own cost (`recompute_overhead_s`); the overlap probe gives
 comm_overlap_efficiency.
 
-On CUDA the kernel queue hides per-op dispatch behind the kernels of earlier ops, so the probe is
-recorded (raw points in the profile) but not fitted into the calibration: the cost model keeps o = 0,
-c = 1 and full overlap there.
+On CUDA the kernel queue hides per-op dispatch behind the kernels of earlier ops (the probe runs the
+shapes training steps run, where kernels set the time), so o stays 0 and only c is fitted: how much
+slower the engine's real layer (attention, norms, activations, launch gaps) runs than the GEMM sweep
+predicts; the recomputation point and the overlap probe (two or more ranks) are fitted as on CPU.
 """
 
 from __future__ import annotations
@@ -42,22 +43,24 @@ def measure_profile(options: ProfileOptions, *, progress: Progress = _no_progres
 
 
 def with_layer_probe(hardware: Hardware, *, model: ModelSpec) -> Hardware:
-    """Keep the layer and overlap probes' measurements and, on CPU, fit op_overhead_s and
-    compute_time_scale from the layer points and take comm_overlap_efficiency from the overlap probe
-    (runners/probe.py). On CUDA the kernel queue hides per-op dispatch and the collective stream
-    runs beside compute, so the cost model keeps its GPU defaults and the probes are only recorded."""
+    """Keep the layer and overlap probes' measurements, fit compute_time_scale (and on CPU op_overhead_s)
+    and recompute_overhead_s from the layer points, and take comm_overlap_efficiency from the overlap
+    probe (runners/probe.py; the module docstring says what differs on CUDA)."""
     points, overlap = list(hardware.layer_probe), dict(hardware.overlap_probe)
-    if hardware.device_type != "cpu":
-        return hardware
-    calibration = fit_overheads(model, hardware, points) if points else {}
+    calibration = fit_overheads(model, hardware, points, op_overhead=hardware.device_type == "cpu") if points else {}
     if overlap:
         calibration["comm_overlap_efficiency"] = overlap["efficiency"]
     return with_calibration(hardware, calibration)
 
 
-def fit_overheads(model: ModelSpec, hardware: Hardware, points: list[LayerProbePoint]) -> dict[str, float]:
+_PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def fit_overheads(model: ModelSpec, hardware: Hardware, points: list[LayerProbePoint], *,
+                  op_overhead: bool = True) -> dict[str, float]:
     """{'op_overhead_s', 'compute_time_scale'} fitted to the probe points without recomputation (module
-    docstring), and 'recompute_overhead_s' from a point under full recomputation if there is one.
+    docstring; `op_overhead` False keeps o = 0, as on CUDA), and 'recompute_overhead_s' from a point
+    under full recomputation if there is one.
 
     The predicted compute is not linear in c (each kernel's time is floored at the kernel overhead,
     cost_models/compute.py), so c is searched on a log grid, refined by golden-section search, and for each
@@ -79,7 +82,7 @@ def fit_overheads(model: ModelSpec, hardware: Hardware, points: list[LayerProbeP
         rows = []
         for p in points:
             t = layer_compute_times(model, hw, micro_batch=p.micro_batch, seq_len=p.seq_len, tp=1,
-                                    sequence_parallel=False, precision="fp32")
+                                    sequence_parallel=False, precision=_PRECISION_OF_DTYPE.get(p.dtype, "fp32"))
             rows.append((t.forward_s, n, p.forward_s))
             rows.append((t.forward_s + t.backward_s, (1 + k) * n, p.forward_backward_s))
         return rows
@@ -90,7 +93,7 @@ def fit_overheads(model: ModelSpec, hardware: Hardware, points: list[LayerProbeP
         # minimise sum ((f + ops * o) / m - 1)^2 over o >= 0
         num = sum((ops / m) * (1 - f / m) for f, ops, m in rows)
         den = sum((ops / m) ** 2 for _, ops, m in rows)
-        o = max(0.0, num / den)
+        o = max(0.0, num / den) if op_overhead else 0.0
         return sum(((f + ops * o) / m - 1) ** 2 for f, ops, m in rows), o
 
     grid = [10 ** (i / 20) for i in range(-40, 61)]  # 0.01 .. 1000

@@ -170,7 +170,11 @@ class ValidationReport:
         if not isinstance(data, dict) or "plans" not in data:
             raise PlannerError(f"{what}: expected a `planner validate --out` report")
         derived = {"num_plans", "num_failed", *(f.name for f in dataclasses.fields(Agreement))}
-        return dataclass_from_dict(cls, {k: v for k, v in data.items() if k not in derived}, what=what)
+        fields = {k: v for k, v in data.items() if k not in derived}
+        if isinstance(fields["plans"], list):  # each row's derived keys too (what `planner validate --out` writes)
+            fields["plans"] = [{k: v for k, v in row.items() if k not in ValidationRow.DERIVED}
+                               if isinstance(row, dict) else row for row in fields["plans"]]
+        return dataclass_from_dict(cls, fields, what=what)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ recomputation and optimizer time already cannot beat the k-th best (`_BranchAndB
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 import time
@@ -54,10 +55,15 @@ class CostModel:
     cache_cost_inputs: Callable[..., object] | None = None
 
 
-def default_cost_model() -> CostModel:
+def default_cost_model(engine: str = "ours") -> CostModel:
+    """The real cost model, pricing plans as `engine` (cost_models/engines.py) runs them."""
     from cost_models import estimate as est
+    from cost_models.engines import engine_model
 
-    return CostModel(estimate=est.estimate, layer_costs=est.layer_costs, cache_cost_inputs=est.cache_cost_inputs)
+    engine_model(engine)  # an unknown engine is refused here, before any plan is priced
+    return CostModel(estimate=functools.partial(est.estimate, engine=engine),
+                     layer_costs=functools.partial(est.layer_costs, engine=engine),
+                     cache_cost_inputs=functools.partial(est.cache_cost_inputs, engine=engine))
 
 
 @dataclass(frozen=True)
@@ -404,7 +410,8 @@ class _BranchAndBound:
 
     def __init__(self, problem: Problem, pricer: _Pricer, options: SearchOptions) -> None:
         self.problem, self.pricer, self.options = problem, pricer, options
-        self.limit_bytes = float(problem.cluster.hardware.memory_bytes)
+        hw = problem.cluster.hardware
+        self.limit_bytes = float(hw.memory_bytes) * (1.0 - problem.job.headroom(hw.device_type))
         self.priced: list[Candidate] = []
         self.fitting: list[Candidate] = []
         self.top_times: list[float] = []  # negated step times of the k fastest fitting plans (a max-heap)
@@ -483,12 +490,62 @@ class _BranchAndBound:
                 if leanest is None or cand.estimate.peak_memory_bytes < leanest.estimate.peak_memory_bytes:
                     leanest = cand
         est = leanest.estimate
-        return (f"no plan fits in {format_bytes(est.memory_limit_bytes)} per device; the leanest "
+        hw = self.problem.cluster.hardware
+        headroom = self.problem.job.headroom(hw.device_type)
+        room = f" ({format_bytes(hw.memory_bytes)} less the {headroom:.0%} memory headroom)" if headroom else ""
+        return (f"no plan fits in {format_bytes(est.memory_limit_bytes)} per device{room}; the leanest "
                 f"({leanest.plan.describe()}) needs {format_bytes(est.peak_memory_bytes)} per device")
 
 
 def format_bytes(num_bytes: float) -> str:
     return f"{num_bytes / GIB:.1f} GiB" if num_bytes >= GIB else f"{num_bytes / 2**20:.1f} MiB"
+
+
+# Step times (and memories) that agree within this fraction are one to the cost model: a tenth of its error
+# against measured runs (README: 5-10% after calibration).
+SAME_PLAN_TOLERANCE = 0.01
+# The knobs that make a plan's layout: its degrees and how the batch is split. Plans that share them differ
+# in refinements (recomputation, sharding point, MAZ3 tiers, unequal stages, commshift, buckets, prefetch).
+_LAYOUT = ("dp", "tp", "pp", "virtual_stages", "schedule", "micro_batch", "num_micro_batches", "sequence_parallel")
+
+
+@dataclass(frozen=True)
+class DistinctPlan:
+    """A ranked plan and the plans collapsed into it (see distinct_plans)."""
+
+    candidate: Candidate
+    alike: tuple[Candidate, ...] = ()
+
+    def differing_knobs(self) -> list[str]:
+        """The plan fields in which the collapsed plans differ from this one."""
+        mine = self.candidate.plan
+        return [f for f in mine.__dataclass_fields__
+                if any(getattr(c.plan, f) != getattr(mine, f) for c in self.alike)]
+
+
+def distinct_plans(candidates, *, limit: int, tolerance: float = SAME_PLAN_TOLERANCE) -> list[DistinctPlan]:
+    """The first `limit` plans of a ranking (fastest first) that the cost model tells apart. A plan collapses
+    into an earlier kept one when its step time is within `tolerance` of it and it has the same layout
+    (only refinements differ, which then buy nothing measurable), or when its step time and peak memory
+    both are (the ranking puts the plan with fewer knobs turned on first, `_speed`)."""
+    kept: list[tuple[Candidate, list[Candidate]]] = []
+
+    def close(a: float, b: float) -> bool:
+        return abs(a - b) <= tolerance * max(abs(a), abs(b), 1e-30)
+
+    def alike(c: Candidate, first: Candidate) -> bool:
+        if not close(c.estimate.step_time_s, first.estimate.step_time_s):
+            return False
+        same_layout = all(getattr(c.plan, f) == getattr(first.plan, f) for f in _LAYOUT)
+        return same_layout or close(c.estimate.peak_memory_bytes, first.estimate.peak_memory_bytes)
+
+    for c in candidates:
+        group = next((group for first, group in kept if alike(c, first)), None)
+        if group is not None:
+            group.append(c)
+        elif len(kept) < limit:
+            kept.append((c, []))
+    return [DistinctPlan(first, tuple(group)) for first, group in kept]
 
 
 def pareto_front(candidates: list[Candidate]) -> tuple[Candidate, ...]:

@@ -76,11 +76,11 @@ class ValidateSettings:
     """What to validate on: the model, the job, the hardware the predictions use, and how to measure."""
 
     model: str = "tiny"
-    hardware: str = "cpu"
+    hardware: str | None = None  # None: this machine's (planner.run_command.local_hardware)
     nproc: int = 4
     global_batch: int = 16
     seq_len: int = 64
-    precision: str = "fp32"
+    precision: str | None = None  # None: bf16 on a GPU, fp32 on CPU (planner.run_command.local_precision)
     steps: int = 8
     rounds: int = 1
     top_k: int = 3
@@ -96,6 +96,11 @@ class ValidateSettings:
     cluster: str | None = None
 
     def __post_init__(self) -> None:
+        from planner.run_command import local_hardware, local_precision
+
+        # On a GPU the runs use CUDA and NCCL (runners.launch.pick_device): price them as such.
+        object.__setattr__(self, "hardware", self.hardware or local_hardware())
+        object.__setattr__(self, "precision", self.precision or local_precision())
         for name in ("nproc", "global_batch", "seq_len", "steps", "rounds"):
             if getattr(self, name) < 1:
                 raise PlannerError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")

@@ -200,14 +200,11 @@ def run_task(spec_dict: dict) -> dict | None:
     """The worker task (runners.launch.worker_main)."""
     from specs.jsonio import dataclass_from_dict
 
+    from runners.launch import pick_device
+
     spec = dataclass_from_dict(CommSpec, spec_dict, what="collective benchmark spec")
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
+    # More ranks than GPUs share them over gloo (pick_device): LOCAL_RANK alone is no device ordinal.
+    device, backend = pick_device()
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=spec.timeout_s))
     if os.environ.get("PLANNER_PROFILE_FAIL_RANK") == os.environ.get("RANK", "0"):
         # Test hook: lets the integration test check that a failed rank is reported by name.

@@ -55,9 +55,34 @@ def repeat_times(fn: Callable[[], object], *, device: torch.device, budget_s: fl
 
 def time_op(fn: Callable[[], object], *, device: torch.device, budget_s: float, min_repeats: int = 3,
             max_repeats: int = 50) -> float:
-    """Median seconds of `fn` (repeat_times)."""
+    """Seconds of one call of `fn`: on CPU the median of `repeat_times`; on CUDA the mean of calls issued
+    back to back between two CUDA events (`cuda_event_seconds`)."""
+    if device.type == "cuda":
+        return cuda_event_seconds(fn, budget_s=budget_s, min_repeats=min_repeats, max_repeats=max_repeats)
     return statistics.median(repeat_times(fn, device=device, budget_s=budget_s, min_repeats=min_repeats,
                                           max_repeats=max_repeats))
+
+
+def cuda_event_seconds(fn: Callable[[], object], *, budget_s: float, min_repeats: int = 3,
+                       max_repeats: int = 50) -> float:
+    """Mean device seconds per call of `fn`, as many calls as fit in `budget_s` issued back to back and
+    timed by two CUDA events, with no synchronisation between calls: the kernels' own throughput, as a
+    training step's queue of kernels sees it (a host-side timer around each synchronised call would add
+    the launch and synchronisation latency to every call, most of a small GEMM's time)."""
+    fn()  # warm-up: cuBLAS picks its algorithm, the allocator its blocks
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    one_s = max(start.elapsed_time(end) / 1e3, 1e-7)
+    repeats = int(min(max_repeats, max(min_repeats, budget_s / one_s)))
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeats
 
 
 def layer_gemm_shapes(model: ModelSpec, *, token_counts: tuple[int, ...]) -> list[tuple[str, int, int, int]]:
@@ -73,7 +98,9 @@ def layer_gemm_shapes(model: ModelSpec, *, token_counts: tuple[int, ...]) -> lis
 
 
 def square_sweep(*, quick: bool, device: torch.device) -> list[int]:
-    top = 4096 if device.type == "cuda" else (1024 if quick else 2048)
+    """Square GEMM sizes 16 .. top: on CUDA up to the shapes large models run (a 70B layer's GEMMs are
+    8192 x 28672 wide at thousands of tokens), where the tensor cores reach their asymptote."""
+    top = (8192 if quick else 16384) if device.type == "cuda" else (1024 if quick else 2048)
     dims, d = [], 16
     while d <= top:
         dims.append(d)
@@ -154,11 +181,17 @@ def measure_compute(*, model: ModelSpec, device: torch.device, quick: bool,
     shapes += [(d, d, d) for d in square_sweep(quick=quick, device=device)]
     result = ComputeResult(device_name=device_name(device), num_threads=torch.get_num_threads(),
                            dtypes=dtypes, skipped_dtypes=skipped)
-    for dtype in dtypes:
-        for m, n, k in shapes:
-            progress(f"gemm {dtype} {m}x{n}x{k}")
-            t = measure_gemm(m, n, k, dtype=dtype, device=device, budget_s=budget_s)
-            result.gemms.append(GemmSample(m=m, n=n, k=k, dtype=dtype, time_s=t))
+    tf32_before = torch.backends.cuda.matmul.allow_tf32
+    # fp32 GEMMs as training runs them: on TF32 tensor cores (runners/train.py turns it on).
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        for dtype in dtypes:
+            for m, n, k in shapes:
+                progress(f"gemm {dtype} {m}x{n}x{k}")
+                t = measure_gemm(m, n, k, dtype=dtype, device=device, budget_s=budget_s)
+                result.gemms.append(GemmSample(m=m, n=n, k=k, dtype=dtype, time_s=t))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32_before
     progress("element-wise kernels")
     result.elementwise_bytes_per_s = measure_elementwise(
         tokens=max(token_counts), hidden=max(model.hidden_size, 1024),

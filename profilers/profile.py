@@ -1,6 +1,7 @@
 """`planner profile`: measure this node (or an emulated cluster) and write a Hardware profile JSON.
 
     planner profile --nproc 2 --quick --out profile.json
+    planner profile --nproc 1 --model llama3.2-1b --out gpu.json   # one GPU: links from its preset
     planner profile --cluster --quick --out profile.json      # on `planner cluster up`
 
 Compute and memory are measured in this process (with the cores and memory one of the run's processes
@@ -8,6 +9,10 @@ gets); collectives by the profilers.comm worker and the engine's own layer by ru
 launched on every rank through runners.launch (locally, or in each namespace of the emulated cluster),
 then fitted (profilers.fit) into the Hardware type the presets use. The layer probe's points are kept
 raw; what they mean for the cost model is fitted by the application (planner/profiling.py).
+
+With one process (`--nproc 1`, e.g. a one-GPU machine) no collective can be measured: compute, memory,
+host-device copies and the layer probe are, and the links come from the datasheet preset of the device
+(its GPU's by name, else h100; cpu on CPU), which the profile records in `links_from` and the log says.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from profilers.fit import GemmFit, bus_factor, fit_gemm, fit_latency_bandwidth
 from profilers.memory import MemoryResult, measure_memory
 from runners.launch import Where, run_workers
 from specs.errors import PlannerError
-from specs.hardware import COLLECTIVES, PRESETS, CollectiveFit, GemmPoint, Hardware, LayerProbePoint, LinkSpec
+from specs.hardware import (COLLECTIVES, NCCL_CTAS, PRESETS, CollectiveFit, GemmPoint, Hardware, LayerProbePoint,
+                            LinkSpec, preset_for_device)
 from specs.model import resolve_model
 
 log = logging.getLogger(__name__)
@@ -58,8 +64,8 @@ class ProfileOptions:
     comm_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.nproc < 2 and self.cluster_prefix is None:
-            raise PlannerError(f"--nproc must be at least 2 to measure collectives, got {self.nproc}")
+        if self.nproc < 1:
+            raise PlannerError(f"--nproc must be at least 1, got {self.nproc}")
         unknown = [c for c in self.collectives if c not in COLLECTIVES]
         if unknown:
             raise PlannerError(f"unknown collective {unknown[0]!r}; choose from {', '.join(COLLECTIVES)}")
@@ -116,6 +122,11 @@ def run_collectives(options: ProfileOptions, *, progress: Progress = _no_progres
     return run_workers("profilers.comm", spec.to_dict(), where=_where(options), on_event=on_event)["curves"]
 
 
+def measures_collectives(options: ProfileOptions) -> bool:
+    """A collective needs two ranks: not with one local process."""
+    return options.cluster_prefix is not None or options.nproc > 1
+
+
 def run_layer_probe(options: ProfileOptions, *, progress: Progress = _no_progress) -> tuple[tuple[LayerProbePoint, ...], dict]:
     """The engine's layer and overlap probes (runners.probe) on every rank at once: (points, overlap)."""
     model = resolve_model(options.model)
@@ -168,10 +179,15 @@ def _datasheet_peak(device: torch.device, device_name: str) -> dict[str, float] 
     """Datasheet peaks when the GPU is one of the presets (then efficiency is measured against them)."""
     if device.type != "cuda":
         return None
-    for preset in PRESETS.values():
-        if preset.device_type == "cuda" and preset.name.upper() in device_name.upper():
-            return dict(preset.peak_flops_per_s)
-    return None
+    preset = preset_for_device(device_name)
+    return dict(preset.peak_flops_per_s) if preset is not None else None
+
+
+def base_preset(device: torch.device, device_name: str) -> Hardware:
+    """The preset whose links a profile keeps where it measured none: the GPU's own, else h100; cpu."""
+    if device.type == "cpu":
+        return PRESETS["cpu"]
+    return preset_for_device(device_name) or PRESETS["h100"]
 
 
 def efficiency_fields(fit: GemmFit, *, datasheet_peak: dict[str, float] | None) -> tuple[dict[str, float], float]:
@@ -195,11 +211,13 @@ def build_hardware(*, device: torch.device, compute: ComputeResult, memory: Memo
     """The Hardware profile; a link class no group crossed keeps `base`'s value (with a warning)."""
     gemm_fit = fit_gemm(compute.gemms)
     peaks, efficiency = efficiency_fields(gemm_fit, datasheet_peak=_datasheet_peak(device, compute.device_name))
-    links = {}
+    links, kept = {}, []
     for link in ("intra_node", "inter_node"):
         spec = link_from_fits(fits, link)
         if spec is None:
-            log.warning("%s link not measured (no group crossed it); keeping the %s preset's value", link, base.name)
+            log.warning("%s link not measured (%s); keeping the %s preset's value", link,
+                        "no group crossed it" if fits else "one process: no collective measured", base.name)
+            kept.append(link)
         links[link] = spec or base.link(link)
     return Hardware(
         name=f"profile-{device.type}", device_type=device.type, device_name=compute.device_name,
@@ -211,7 +229,19 @@ def build_hardware(*, device: torch.device, compute: ComputeResult, memory: Memo
         collectives=tuple(fits),
         gemm_points=tuple(GemmPoint(m=g.m, n=g.n, k=g.k, dtype=g.dtype, flops_per_s=g.flops / g.time_s)
                           for g in compute.gemms),
-        elementwise_bytes_per_s=compute.elementwise_bytes_per_s)
+        elementwise_bytes_per_s=compute.elementwise_bytes_per_s,
+        links_from=f"{base.name} preset ({', '.join(kept)})" if kept else "",
+        # The wave model (cost_models/compute.py) needs the SM count; the device reports it, and the
+        # tile and NCCL's CTAs are the library's choices the preset records for this GPU family.
+        num_sms=_num_sms(device) or base.num_sms, gemm_tile=base.gemm_tile,
+        nccl_ctas=(base.nccl_ctas or NCCL_CTAS) if device.type == "cuda" else 0)
+
+
+def _num_sms(device: torch.device) -> int:
+    """The streaming multiprocessors of a CUDA device; 0 elsewhere."""
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def run_profile(options: ProfileOptions, *, progress: Progress = _no_progress) -> Hardware:
@@ -221,7 +251,9 @@ def run_profile(options: ProfileOptions, *, progress: Progress = _no_progress) -
     world_size, _ranks_per_node = _topology(options)
     model = resolve_model(options.model)
     # Collectives first: the multi-process part is what fails (a rank, the network), so fail fast.
-    curves = run_collectives(options, progress=progress)
+    curves = run_collectives(options, progress=progress) if measures_collectives(options) else []
+    if not curves:
+        log.warning("one process: collectives are not measured; the links come from the device's preset")
     points, overlap = run_layer_probe(options, progress=progress)
     # Every rank runs on this host (locally, or in the emulated cluster's namespaces), so a training
     # process gets 1/world_size of its cores and memory; measure with exactly that share.
@@ -237,7 +269,7 @@ def run_profile(options: ProfileOptions, *, progress: Progress = _no_progress) -
         memory = measure_memory(device=device, local_procs=host_procs, quick=options.quick)
     finally:
         torch.set_num_threads(threads_before)
-    base = PRESETS["cpu"] if device.type == "cpu" else PRESETS["h100"]
+    base = base_preset(device, compute.device_name)
     hardware = build_hardware(device=device, compute=compute, memory=memory, fits=fit_collectives(curves), base=base)
     return dataclasses.replace(hardware, layer_probe=points, overlap_probe=overlap)
 
@@ -251,6 +283,7 @@ def summary(hardware: Hardware) -> dict:
         "kernel_overhead_s": hardware.kernel_overhead_s, "memory_bytes": hardware.memory_bytes,
         "memory_bandwidth_bytes_per_s": hardware.memory_bandwidth_bytes_per_s,
         "intra_node": dataclasses.asdict(hardware.intra_node), "inter_node": dataclasses.asdict(hardware.inter_node),
+        "links_from": hardware.links_from or "measured",
         "collectives": [{"collective": f.collective, "link": f.link, "group_size": f.group_size,
                          "latency_s": f.latency_s, "bus_bandwidth_bytes_per_s": f.bandwidth_bytes_per_s}
                         for f in hardware.collectives],

@@ -191,10 +191,11 @@ def flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tupl
 def unit_params(chunks) -> list[tuple[torch.nn.Module, list[torch.nn.Parameter]]]:
     """Every engine unit and its parameters in the engine's order (runners.sharding builds units the same
     way: chunk by chunk, unit by unit, trainable parameters only, units without any skipped)."""
-    units = []
+    units, seen = [], set()
     for chunk in chunks:
         for module in chunk.units:
-            params = [p for p in module.parameters() if p.requires_grad]
+            params = [p for p in module.parameters() if p.requires_grad and id(p) not in seen]  # a shared tied weight: its owner's
+            seen |= {id(p) for p in params}
             if params:
                 units.append((module, params))
     return units
@@ -321,7 +322,7 @@ def save_pieces(trainer, *, plan: Plan) -> dict[str, list[tuple[Piece, torch.Ten
         return out
     from runners.transformer import LMHead
 
-    state = trainer.engine.local_state()
+    state = trainer.engine.local_state(copy=False)  # the live shards: each piece is copied to host once
     for i, layout in enumerate(unit_layouts(trainer.chunks, plan=plan, dp_rank=mesh.dp_rank)):
         start, stop = layout.optim_range
         assert state[f"unit{i}.master"].numel() == stop - start, "checkpoint layout disagrees with the engine's shards"
@@ -332,7 +333,7 @@ def save_pieces(trainer, *, plan: Plan) -> dict[str, list[tuple[Piece, torch.Ten
                 continue
             lo, hi = piece.flat_start - start, piece.flat_start - start + piece.numel
             for prefix, key in (("model", "master"), ("optim/exp_avg", "exp_avg"), ("optim/exp_avg_sq", "exp_avg_sq")):
-                tensor = state[f"unit{i}.{key}"][lo:hi].reshape(piece.sizes).clone()
+                tensor = state[f"unit{i}.{key}"][lo:hi].reshape(piece.sizes).to("cpu", copy=True)
                 out.setdefault(f"{prefix}/{piece.name}", []).append((piece, tensor))
     return out
 
@@ -479,7 +480,7 @@ def restore_checkpoint(trainer, cfg, folder: Path) -> int:
     with _plain_errors(f"reading checkpoint {folder}"):
         dcp.load({}, storage_reader=FileSystemReader(folder),
                  planner=_PieceLoadPlanner({k: [(off, t) for off, t, _ in v] for k, v in wanted.items()}))
-    state = trainer.engine.local_state()
+    state = trainer.engine.local_state(copy=False)  # only read for dtypes; replaced below
     state["num_steps"] = torch.tensor(meta.step)
     for i, (layout, bufs) in enumerate(buffers):
         o_lo = layout.optim_range[0] - layout.param_range[0]

@@ -51,12 +51,20 @@ class CommCounters:
 
 
 class Comm:
-    """The collectives of one process, with counters; `ranks_per_node` groups global ranks into nodes."""
+    """The collectives of one process, with counters; `ranks_per_node` groups global ranks into nodes.
 
-    def __init__(self, *, ranks_per_node: int) -> None:
+    On a CUDA `device` the time blocked on communication has two parts: the CPU blocked in a wait (gloo)
+    and the compute stream stalled behind a collective it was told to wait for (NCCL's `work.wait()`
+    returns at once and makes the stream wait), measured with CUDA events around the wait and added up
+    by `settle()` once the device has synchronised. gloo cannot send CUDA tensors point to point (it
+    would read device memory as host memory), so those go through host copies."""
+
+    def __init__(self, *, ranks_per_node: int, device: torch.device | None = None) -> None:
         self.ranks_per_node = max(1, ranks_per_node)
         self.counters = CommCounters()
         self._cross_fraction: dict[tuple[int, ...], float] = {}
+        self.device = device
+        self._stall_events: list[tuple[object, object]] = []
 
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
@@ -123,9 +131,15 @@ class Comm:
     # `tag` tells messages between one pair of ranks apart on gloo; NCCL ignores it and matches by order.
     def isend(self, tensor: torch.Tensor, *, dst: int, group=None, tag: int = 0):
         self._count("p2p", tensor.numel() * tensor.element_size(), (dist.get_rank(), dst))
+        if _host_staged(tensor, group):
+            host = tensor.to("cpu")
+            return _Staged(dist.isend(host, dst=dst, group=group, tag=tag), keep=host)
         return dist.isend(tensor, dst=dst, group=group, tag=tag)
 
     def irecv(self, tensor: torch.Tensor, *, src: int, group=None, tag: int = 0):
+        if _host_staged(tensor, group):
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+            return _Staged(dist.irecv(host, src=src, group=group, tag=tag), keep=host, into=tensor)
         return dist.irecv(tensor, src=src, group=group, tag=tag)
 
     def count_host_copy(self, tensor: torch.Tensor) -> None:
@@ -133,9 +147,49 @@ class Comm:
         self.counters.bytes_by_kind["host_device"] += tensor.numel() * tensor.element_size()
 
     def wait(self, work) -> None:
-        """Wait for an async collective, counting the time blocked."""
-        if work is None:
-            return
+        """Wait for an async collective, counting the time blocked (module docstring)."""
+        if work is not None:
+            self.time_stream_wait(work.wait)
+
+    def time_stream_wait(self, wait) -> None:
+        """Run `wait()` (a collective's wait, or the current stream joining side streams), counting the
+        CPU time blocked and, on CUDA, the current stream's stall behind it (events, read by `settle`)."""
+        timed = self.device is not None and self.device.type == "cuda"
         start = time.perf_counter()
-        work.wait()
+        if timed:
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record()
+        wait()
+        if timed:
+            after.record()
+            self._stall_events.append((before, after))
         self.counters.wait_s += time.perf_counter() - start
+
+    def settle(self) -> None:
+        """Add the device stalls recorded since the last call to wait_s (after a device synchronisation)."""
+        for before, after in self._stall_events:
+            self.counters.wait_s += before.elapsed_time(after) / 1e3
+        self._stall_events.clear()
+
+
+def _host_staged(tensor: torch.Tensor, group) -> bool:
+    """Whether a point-to-point message of `tensor` must go through host memory: a CUDA tensor on gloo."""
+    return tensor.is_cuda and dist.get_backend(group) == "gloo"
+
+
+class _Staged:
+    """A gloo point-to-point message of a CUDA tensor through a host copy: `wait()` also copies a
+    received message into its device tensor."""
+
+    def __init__(self, work, *, keep: torch.Tensor, into: torch.Tensor | None = None) -> None:
+        self.work, self.keep, self.into = work, keep, into
+
+    def wait(self) -> bool:
+        self.work.wait()
+        if self.into is not None:
+            self.into.copy_(self.keep)
+            self.into = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()

@@ -41,6 +41,12 @@ class RunConfig:
     # The cost model's estimate of this plan (cost_models.estimate.Estimate.to_dict()), handed in by the
     # application so that the metrics carry measured beside predicted; None: no prediction.
     predicted: dict | None = None
+    # TF32 for fp32 GEMMs on CUDA (the speed the presets' fp32 peak assumes); exactness checks against
+    # one process on a GPU turn it off.
+    allow_tf32: bool = True
+    # Chain gradient reductions on side streams (runners/sharding/streams.py); None: on CUDA under NCCL.
+    # True elsewhere runs the same logic on gloo (a GPU check of the stream code on one device).
+    stream_ordered: bool | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -100,6 +106,10 @@ class RunSummary:
     engine: str
     # False under --engine torch: torch's collectives bypass runners.comm, so comm_bytes stay zero.
     comm_counted: bool = True
+    precision: str = ""  # the job's compute precision
+    # fp16: steps skipped because a gradient overflowed under the loss scale, and the scale at the end.
+    skipped_steps: int = 0
+    loss_scale: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -128,6 +128,14 @@ def describe_failure(exc: BaseException) -> str:
 
 
 # --- process start ------------------------------------------------------------------------------------------
+def nccl_failure_env() -> dict[str, str]:
+    """NCCL settings under which a timed-out collective raises in the rank's own thread instead of killing
+    the process: torch's watchdog by default (TORCH_NCCL_ASYNC_ERROR_HANDLING=3) aborts the process on a
+    timeout, before `describe_failure` can name the rank that hung; 2 (clean up only) aborts the
+    communicators, so the blocked kernels end and the next wait raises. A value the user set is kept."""
+    return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")}
+
+
 def init_distributed(backend: str, *, timeout_s: float) -> None:
     """init_process_group on a store namespaced by torchrun's restart attempt.
 
@@ -138,6 +146,7 @@ def init_distributed(backend: str, *, timeout_s: float) -> None:
     """
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     timeout = datetime.timedelta(seconds=timeout_s)
+    os.environ.update(nccl_failure_env())
     if "MASTER_ADDR" not in os.environ:
         dist.init_process_group(backend, timeout=timeout)
         return

@@ -89,6 +89,25 @@ def worker_env(*, procs_on_host: int) -> dict[str, str]:
 
 
 # --- the worker side --------------------------------------------------------------------------------
+def pick_device() -> tuple["torch.device", str]:
+    """This rank's device and collective backend (call once per worker, before init_process_group).
+
+    CUDA: GPU LOCAL_RANK modulo the visible GPUs (more ranks than GPUs share them, e.g. several ranks on a
+    one-GPU machine), NCCL when every local rank has a GPU of its own, else gloo, which runs collectives
+    on CUDA tensors through host copies (NCCL refuses two ranks on one device). Without CUDA: CPU, gloo.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return torch.device("cpu"), "gloo"
+    count = torch.cuda.device_count()
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    device = torch.device("cuda", local % count)
+    torch.cuda.set_device(device)
+    return device, ("nccl" if local_world <= count else "gloo")
+
+
 def emit_event(kind: str, **fields: object) -> None:
     """Print one progress event for the launcher (call on rank 0 only)."""
     print(EVENT_PREFIX + json.dumps({"kind": kind, **fields}), flush=True)

@@ -137,6 +137,24 @@ def param_intra_groups(plan, *, ranks_per_node: int) -> list[tuple[int, ...]]:
     return parts
 
 
+# The stream each kind of group's collectives run on. NCCL runs every collective of one process group on
+# one stream, in issue order, so two kinds meant to overlap need groups of their own even over the same
+# ranks: the parameter all-gathers of the next units and the gradient reduce-scatters of the last ones
+# (FSDP2 issues them from separate all-gather and reduce-scatter streams). Kinds of one stream that span
+# the same ranks share a group (their collectives are ordered anyway).
+STREAM_OF_KIND = {"tp": "tp", "pp": "pp", "param": "gather", "param_intra": "gather", "redistribute": "gather",
+                  "dp": "reduce", "grad": "reduce", "grad_replica": "reduce"}
+
+
+def group_keys(plan, *, ranks_per_node: int) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(kind, stream, ranks) of every group `plan` needs, in the one order all ranks create them; the
+    distinct (stream, ranks) pairs are the process groups."""
+    kinds = list(mesh_groups(plan))
+    if _uses_secondary(plan):
+        kinds += [("param_intra", ranks) for ranks in param_intra_groups(plan, ranks_per_node=max(1, ranks_per_node))]
+    return [(kind, STREAM_OF_KIND[kind], ranks) for kind, ranks in kinds]
+
+
 def _uses_secondary(plan) -> bool:
     tiers = (plan.param_cache,) if isinstance(plan.param_cache, str) else plan.param_cache
     return "secondary" in tiers
@@ -145,34 +163,30 @@ def _uses_secondary(plan) -> bool:
 def build_mesh(plan, *, ranks_per_node: int, timeout=None) -> Mesh:
     """Create every process group of `plan` (call after dist.init_process_group, on every rank).
 
-    Every rank creates every group in the same order (torch.distributed requires it); a rank tuple
-    that two kinds share (e.g. param and grad groups when s_p == s_g) becomes one group. `timeout` (a
-    timedelta) bounds each collective on the groups: torch gives new groups its 30-minute default, not
-    the world group's timeout, so a hung peer would otherwise stall a sub-group collective that long.
+    Every rank creates every group in the same order (torch.distributed requires it); kinds of one
+    stream over the same ranks share a group, kinds of different streams never do (`STREAM_OF_KIND`:
+    e.g. ZeRO-3's param and grad groups span the same ranks but are two groups, so gathers and
+    reduce-scatters overlap on NCCL). `timeout` (a timedelta) bounds each collective on the groups:
+    torch gives new groups its 30-minute default, not the world group's timeout, so a hung peer would
+    otherwise stall a sub-group collective that long.
     """
     world_size, rank = dist.get_world_size(), dist.get_rank()
     if plan.world_size != world_size:
         raise PlannerError(f"plan needs dp x tp x pp = {plan.dp} x {plan.tp} x {plan.pp} = {plan.world_size} "
                            f"processes, but the job has {world_size}")
     dp, tp = plan.dp, plan.tp
-    handles: dict[tuple[int, ...], object] = {}
-    mine: dict[str, tuple[int, ...]] = {}
-    for kind, ranks in mesh_groups(plan):
-        if ranks not in handles:
-            handles[ranks] = dist.new_group(list(ranks), timeout=timeout)
+    handles: dict[tuple[str, tuple[int, ...]], object] = {}
+    mine: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for kind, stream, ranks in group_keys(plan, ranks_per_node=ranks_per_node):
+        if (stream, ranks) not in handles:
+            handles[(stream, ranks)] = dist.new_group(list(ranks), timeout=timeout)
         if rank in ranks:
-            mine[kind] = ranks
-    if _uses_secondary(plan):
-        for ranks in param_intra_groups(plan, ranks_per_node=max(1, ranks_per_node)):
-            if ranks not in handles:
-                handles[ranks] = dist.new_group(list(ranks), timeout=timeout)
-            if rank in ranks:
-                mine["param_intra"] = ranks
+            mine[kind] = (stream, ranks)
     return Mesh(
         rank=rank, world_size=world_size, ranks_per_node=max(1, ranks_per_node), dp=dp, tp=tp, pp=plan.pp,
         dp_rank=(rank // tp) % dp, tp_rank=rank % tp, pp_rank=rank // (tp * dp), shard_degrees=plan.shard_degrees,
-        tp_ranks=mine["tp"], dp_ranks=mine["dp"], pp_ranks=mine["pp"], param_ranks=mine["param"],
-        grad_ranks=mine["grad"], grad_replica_ranks=mine["grad_replica"],
-        redistribute_ranks=mine["redistribute"], param_intra_ranks=mine.get("param_intra", ()),
-        groups={kind: handles[ranks] for kind, ranks in mine.items()},
+        tp_ranks=mine["tp"][1], dp_ranks=mine["dp"][1], pp_ranks=mine["pp"][1], param_ranks=mine["param"][1],
+        grad_ranks=mine["grad"][1], grad_replica_ranks=mine["grad_replica"][1],
+        redistribute_ranks=mine["redistribute"][1], param_intra_ranks=mine.get("param_intra", (None, ()))[1],
+        groups={kind: handles[key] for kind, key in mine.items()},
     )

@@ -29,8 +29,10 @@ from specs.jsonio import dataclass_from_dict
 from specs.model import ModelSpec
 
 # (micro-batch, sequence length) points; the sequence is capped at the model's max_seq_len. The first is
-# nearly compute-free (it isolates the per-op cost), the others scale the GEMMs up.
+# nearly compute-free (it isolates the per-op cost), the others scale the GEMMs up. On a GPU the shapes
+# are those training steps run, where kernels, not the host's dispatch, set the time.
 PROBE_SHAPES = ((1, 8), (1, 64), (4, 64))
+CUDA_PROBE_SHAPES = ((1, 1024), (2, 2048), (4, 2048))
 # Layers per probed chunk; times are per layer. One backward call has a fixed cost (autograd's graph
 # walk setup, the loss) that a training chunk of many layers spreads thin; a one-layer probe would
 # charge all of it to the layer.
@@ -59,8 +61,9 @@ class ProbeResult:
         return dataclass_from_dict(cls, data, what=what)
 
 
-def probe_shapes(model: ModelSpec) -> list[tuple[int, int]]:
-    return [(b, min(s, model.max_seq_len)) for b, s in PROBE_SHAPES]
+def probe_shapes(model: ModelSpec, *, device: torch.device | None = None) -> list[tuple[int, int]]:
+    shapes = CUDA_PROBE_SHAPES if device is not None and device.type == "cuda" else PROBE_SHAPES
+    return [(b, min(s, model.max_seq_len)) for b, s in shapes]
 
 
 def _synchronize(device: torch.device) -> None:
@@ -103,7 +106,7 @@ def measure_layer(model: ModelSpec, *, device: torch.device, dtype: torch.dtype,
     num_layers = min(PROBE_LAYERS, model.num_layers)
     chunks = {policy: _probe_chunk(model, num_layers=num_layers, recompute=policy, device=device, dtype=dtype)
               for policy in ("none", "full")}
-    shapes = probe_shapes(model)
+    shapes = probe_shapes(model, device=device)
     keys = [(shape, "none") for shape in shapes] + [(shapes[len(shapes) // 2], "full")]
     inputs = {shape: torch.randn(*shape, model.hidden_size, device=device, dtype=dtype, requires_grad=True)
               for shape in shapes}
@@ -184,7 +187,7 @@ def run_task(spec_dict: dict) -> ProbeResult | None:
     slowest rank's means, since a synchronous step waits for its slowest rank."""
     from runners.faults import init_distributed
     from runners.launch import emit_event
-    from runners.train import pick_device
+    from runners.launch import pick_device
 
     spec = dataclass_from_dict(ProbeSpec, spec_dict, what="probe spec")
     device, backend = pick_device()

@@ -23,7 +23,8 @@ def run_task(spec_dict: dict) -> TimingResult | None:
     from runners.data import make_data
     from runners.faults import init_distributed
     from runners.launch import emit_event
-    from runners.train import make_trainer, pick_device, timed_step
+    from runners.launch import pick_device
+    from runners.train import make_trainer, timed_step
 
     spec = TimingSpec.from_dict(spec_dict)
     device, backend = pick_device()

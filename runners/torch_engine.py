@@ -23,8 +23,9 @@ eps 1e-8); only the engine differs. The mapping, and how each point differs from
   (set_requires_all_reduce), as ours.
 Under ZeRO-2/3 and HSDP the gradient is reduce-scattered after every micro-batch (gradient sync stays on)
 so that a rank never holds a full unsharded gradient, as the plan's s_g promises and as ours does.
-FSDP2 under bf16/fp16 uses MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=fp32): fp32 master
-weights and fp32 gradient reduction, as ours.
+FSDP2 under bf16 uses MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=fp32 under the plan's
+reduce_fp32, else the compute dtype): fp32 master weights, gradients reduced as ours reduces them. fp16
+is refused: torch's FSDP2 path here has no loss scaling, and fp16 gradients underflow without it.
 
 ZeRO-0 with tp > 1 runs on torch's FSDP2-based DDP (torch.distributed._composable.replicate_with_fsdp.replicate,
 the one PipelineStage also drives): DDP's reducer takes only plain tensors, and TP parameters are DTensors.
@@ -73,6 +74,7 @@ import torch.distributed as dist
 from torch import nn
 
 from specs.errors import PlannerError
+from specs.knobs import show_value
 from runners.comm import Comm
 
 ADAM_BETAS = (0.9, 0.999)
@@ -112,7 +114,7 @@ def torch_strategy(plan) -> str:
     plan torch can run (tp > 1 with dp > 1 names its FSDP2 component); PlannerError naming the knob
     otherwise."""
     if plan.param_cache != "none":
-        raise PlannerError(f"--engine torch has no MAZ3 parameter cache (param_cache {plan.param_cache!r}); "
+        raise PlannerError(f"--engine torch has no MAZ3 parameter cache (param_cache {show_value(plan.param_cache)}); "
                            "use param_cache none")
     if plan.commshift:
         raise PlannerError("--engine torch has no commshift (torch's schedules reduce gradients outside the "
@@ -169,12 +171,14 @@ def replicate_sum(module: nn.Module, *, mesh) -> None:
 
 
 def fully_shard_units(root: nn.Module, groups: list[list[nn.Module]], *, mesh, reshard: bool,
-                      dtype: torch.dtype) -> None:
+                      dtype: torch.dtype, reduce_fp32: bool = True) -> None:
     """FSDP2 in place: one group per unit (our engine's sharding granularity), then the root; gradients
-    summed (module docstring, "Gradient scale"); bf16/fp16 compute over fp32 master weights and reduction."""
+    summed (module docstring, "Gradient scale"); bf16 compute over fp32 master weights, gradients reduced
+    in fp32 (`reduce_fp32`, the plan's knob) or in the compute dtype."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp_policy = MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32)
+    mp_policy = MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype,
+                                     reduce_dtype=torch.float32 if reduce_fp32 or dtype == torch.float32 else dtype)
     for group in groups:
         fully_shard(group if len(group) > 1 else group[0], mesh=mesh, reshard_after_forward=reshard,
                     mp_policy=mp_policy)
@@ -204,6 +208,9 @@ class TorchDataParallelTrainer:
         self.cfg, self.plan, self.device = cfg, cfg.plan, device
         self.strategy = torch_strategy(self.plan)
         self.dtype = compute_dtype(cfg.job.precision)
+        if self.dtype == torch.float16:
+            raise PlannerError("--engine torch has no loss scaling, so fp16 gradients would underflow; "
+                               "use --precision bf16, or --engine ours (dynamic loss scaling)")
         if self.strategy in ("ddp", "zero1", "tp") and self.dtype != torch.float32:
             raise PlannerError(f"--engine torch runs {cfg.job.precision} only with sharded parameters or gradients "
                                f"(FSDP2's mixed precision); {self.strategy} needs precision fp32")
@@ -270,7 +277,8 @@ class TorchDataParallelTrainer:
         units = list(chunk.units)
         groups = [[units[0], units[-1]]] + [[u] for u in units[1:-1]] if self.tied else [[u] for u in units]
         # TP parameters are DTensors on the TP sub-mesh: FSDP2 on the DP sub-mesh shards them 2-D.
-        fully_shard_units(chunk, groups, mesh=self.mesh.dp_mesh, reshard=self.strategy != "zero2", dtype=self.dtype)
+        fully_shard_units(chunk, groups, mesh=self.mesh.dp_mesh, reshard=self.strategy != "zero2", dtype=self.dtype,
+                          reduce_fp32=self.plan.reduce_fp32)
         return chunk, self._adam(chunk.parameters())
 
     # --- the step ------------------------------------------------------------------------------

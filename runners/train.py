@@ -11,6 +11,7 @@ launcher's progress bar reads them) and returns the RunMetrics the launcher read
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import statistics
 import time
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from runners.config import RunConfig, RunMetrics, RunSummary, StepRecord
+from runners.launch import pick_device
 from specs.errors import PlannerError
 from specs.plan import check_plan
 
@@ -54,29 +56,43 @@ class Trainer:
         from runners.comm import Comm
         from runners.mesh import build_mesh
         from runners.sharding import ShardedDataParallel
-        from runners.transformer import build_local_chunks, canonical_names, compute_dtype
+        from runners.sharding.loss_scale import DynamicLossScale
+        from runners.transformer import LMHead, build_local_chunks, canonical_names, compute_dtype
         from runners.tensor_parallel import TPContext
 
         self.cfg, self.plan, self.device = cfg, cfg.plan, device
         ranks_per_node = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        self.comm = Comm(ranks_per_node=ranks_per_node)
+        self.comm = Comm(ranks_per_node=ranks_per_node, device=device)
         self.mesh = build_mesh(self.plan, ranks_per_node=ranks_per_node,
                                timeout=datetime.timedelta(seconds=cfg.timeout_s))
         mutation = mutations.active()  # a test's injected bug; None outside tests
         tp = TPContext(group=self.mesh.tp_group, rank=self.mesh.tp_rank, size=self.plan.tp, comm=self.comm,
                        sequence_parallel=self.plan.sequence_parallel,
                        replicated_grad_reductions=2 if mutation and mutation.kind == "sp_double_reduce" else 1)
-        self.chunk_ids, self.chunks = build_local_chunks(cfg, pp_rank=self.mesh.pp_rank, tp=tp, device=device)
+        # Deferred: no rank ever holds a weight it does not own; the engine draws its shards. A tied head
+        # on the embedding's rank shares its weight (one copy, as Megatron and the cost model hold it)
+        # where that weight is never sharded away between the two uses (param_shard 1).
+        share_tied = self.plan.pp == 1 and self.plan.param_shard == 1
+        self.chunk_ids, self.chunks = build_local_chunks(cfg, pp_rank=self.mesh.pp_rank, tp=tp, device=device,
+                                                         deferred=True, share_tied=share_tied)
         self.names = canonical_names(self.chunks, self.chunk_ids)
-        if mutation and mutation.kind == "scale_grad":
-            mutations.scale_gradients(self.chunks, mutation)
+        dtype = compute_dtype(cfg.job.precision)
+        # fp16 gradients of a loss averaged over the global batch's tokens underflow: scale the loss.
+        self.loss_scale = DynamicLossScale() if dtype == torch.float16 else None
         self.engine = ShardedDataParallel(self.chunks, plan=self.plan, mesh=self.mesh, comm=self.comm,
                                           num_micro_batches=self.plan.num_micro_batches, lr=cfg.lr,
                                           defer_grad_sync=self.plan.commshift and self.plan.pp > 1,
-                                          param_dtype=compute_dtype(cfg.job.precision))  # bf16/fp16: 2-byte params and grads
+                                          param_dtype=dtype,  # bf16/fp16: 2-byte params (and grads, unless reduce_fp32)
+                                          grad_dtype=torch.float32 if self.plan.reduce_fp32 else None,
+                                          device=device, loss_scale=self.loss_scale,
+                                          stream_ordered=cfg.stream_ordered)
+        if mutation and mutation.kind == "scale_grad":
+            mutations.scale_gradients(self.chunks, mutation)
         if mutation and mutation.kind == "skip_reduction":
             reducer = self.engine.reducer
             reducer.skip_unit, reducer.skip_micro_batch = self.engine.units_by_chunk[0][mutation.unit], mutation.micro_batch
+        self.heads = [u for chunk in self.chunks for u in chunk.units if isinstance(u, LMHead)]
+        self.base_loss_scales = [h.loss_scale for h in self.heads]
         self.holds_loss = self.chunk_ids[-1] == self.plan.num_chunks - 1 and self.mesh.tp_rank == 0
         self.tied_units, self.tied_group = self._tied_embedding_units()
 
@@ -89,6 +105,8 @@ class Trainer:
         from runners.transformer import Embedding, LMHead
 
         units = [u for chunk in self.chunks for u in chunk.units if isinstance(u, (Embedding, LMHead))]
+        if len(units) == 2 and units[0].weight is units[1].weight:
+            return [], None  # one shared Parameter: autograd already sums its two gradients
         group = None
         if self.plan.pp > 1:
             for dp_rank in range(self.plan.dp):
@@ -133,8 +151,12 @@ class Trainer:
                             after_last_backward=self.engine.start_grad_sync if self.plan.commshift else None)
 
     def step(self, micro_batches, *, before_update: Callable[[], None] | None = None) -> float:
-        """One optimizer step; returns this rank's contribution to the global mean loss. `before_update`
-        runs once the gradients are final (reduced, tied copies summed), before Adam reads them."""
+        """One optimizer step; returns this rank's contribution to the global mean loss (unscaled).
+        `before_update` runs once the gradients are final (reduced, tied copies summed; still multiplied
+        by the fp16 loss scale), before Adam reads them."""
+        scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
+        for head, base in zip(self.heads, self.base_loss_scales):
+            head.loss_scale = base * scale
         losses = self.run_micro_batches(micro_batches)
 
         def ready() -> None:
@@ -144,7 +166,7 @@ class Trainer:
                 before_update()
 
         self.engine.optimizer_step(before_update=ready if self.tied_units or before_update else None)
-        return float(sum(l.item() for l in losses)) if self.holds_loss else 0.0
+        return float(sum(l.item() for l in losses)) / scale if self.holds_loss else 0.0
 
     def _one_process_view(self, tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         """Engine tensors ('<chunk>.<name>' keys) as (one-process name, tensor on CPU), TP shards joined."""
@@ -197,6 +219,7 @@ def timed_step(trainer, sequences: torch.Tensor, *, device: torch.device, barrie
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
+    trainer.comm.settle()  # the device stalls behind collectives, timed with events (runners/comm.py)
     # On the device: an NCCL-only group has no CPU backend.
     loss = torch.tensor([contribution], dtype=torch.float64, device=device)
     seconds = torch.tensor([elapsed], dtype=torch.float64, device=device)
@@ -220,6 +243,7 @@ def train(cfg: RunConfig, *, device: torch.device, on_step=None) -> tuple[RunMet
     from runners.data import make_data
     from runners.faults import post_progress
 
+    set_matmul_precision(device, allow_tf32=cfg.allow_tf32)
     trainer = make_trainer(cfg, device=device)
     data = make_data(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.job.seq_len, seed=cfg.seed)
     start_step = 0
@@ -246,6 +270,7 @@ def train(cfg: RunConfig, *, device: torch.device, on_step=None) -> tuple[RunMet
 
 
 def _summary(cfg: RunConfig, trainer, records: list[StepRecord], device) -> RunSummary:
+    scale = getattr(trainer, "loss_scale", None)
     step_times = [r.step_time_s for r in records]
     measured = step_times[1:] if len(step_times) > 1 else step_times
     median = statistics.median(measured)
@@ -264,16 +289,17 @@ def _summary(cfg: RunConfig, trainer, records: list[StepRecord], device) -> RunS
         peak_memory_bytes=int(peak.item()),
         comm_bytes={k: int(totals_list[i] / num_measured) for i, k in enumerate(keys)},
         comm_wait_s=totals_list[len(keys)] / num_measured / world, world_size=world, device=device.type,
-        engine=cfg.engine, comm_counted=getattr(trainer, "comm_counted", True))
+        engine=cfg.engine, comm_counted=getattr(trainer, "comm_counted", True), precision=cfg.job.precision,
+        skipped_steps=scale.num_skipped if scale is not None else 0, loss_scale=scale.scale if scale is not None else 1.0)
 
 
 # --- process entry ----------------------------------------------------------------------------------------
-def pick_device() -> tuple[torch.device, str]:
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local), "nccl"
-    return torch.device("cpu"), "gloo"
+def set_matmul_precision(device: torch.device, *, allow_tf32: bool) -> None:
+    """TF32 for fp32 GEMMs and convolutions on CUDA (the presets' fp32 peak is the TF32 figure); no
+    effect on CPU."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+        torch.backends.cudnn.allow_tf32 = allow_tf32
 
 
 def run_task(spec: dict) -> RunMetrics | dict | None:
@@ -303,7 +329,12 @@ def run_task(spec: dict) -> RunMetrics | dict | None:
     for cfg in cfgs:
         torch.manual_seed(cfg.seed)
         metrics, trainer = train(cfg, device=device, on_step=on_step)
+        # The engine's hooks and modules reference each other: free the cycle before the next run, so
+        # its peak memory is its own.
         del trainer
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         results.append(metrics)
     dist.destroy_process_group()
     if rank != 0:

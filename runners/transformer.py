@@ -13,8 +13,14 @@ summed over micro-batches and data-parallel ranks are those of the global mean l
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import contextvars
+import functools
 import hashlib
 import math
+import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,23 +32,109 @@ from runners.tensor_parallel import (TPContext, cross_entropy_sum, enter_tp_regi
                                      sequence_parallel_param)
 
 INIT_STD = 0.02
+# Seeded values are drawn in blocks of this many elements, each from its own generator, so that any slice
+# of a weight can be drawn alone (an engine that shards parameters draws only its shard: ParamInit).
+INIT_BLOCK = 1 << 20
+_DEFERRED = contextvars.ContextVar("deferred_init", default=False)
 
 
-def _seeded_normal(shape: tuple[int, ...], *, seed: int, name: str, std: float) -> torch.Tensor:
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+def _seeded_block(*, seed: int, name: str, numel: int, block: int) -> torch.Tensor:
+    """Block `block` of the flattened full weight `name` (INIT_BLOCK elements, fewer for the last), drawn
+    whole from its own generator seeded by (seed, name, block), unscaled."""
+    digest = hashlib.sha256(f"{seed}:{name}:{block}".encode()).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
-    return torch.randn(shape, generator=gen, dtype=torch.float32) * std
+    return torch.randn(min(INIT_BLOCK, numel - block * INIT_BLOCK), generator=gen, dtype=torch.float32)
 
 
-def _shard(full: torch.Tensor, *, dim: int, tp: TPContext) -> torch.Tensor:
-    return full.chunk(tp.size, dim=dim)[tp.rank].contiguous() if tp.size > 1 else full
+def _seeded_range(*, seed: int, name: str, numel: int, start: int, stop: int, std: float) -> torch.Tensor:
+    """Elements [start, stop) of the flattened full weight `name` of `numel` elements: N(0, std^2), the
+    same values whichever slice is asked for (each block is drawn whole, `_seeded_block`). Blocks are
+    independent, so a long range draws them on several threads (torch's generator releases the GIL)."""
+    out = torch.empty(stop - start, dtype=torch.float32)
+    blocks = range(start // INIT_BLOCK, (stop - 1) // INIT_BLOCK + 1 if stop > start else 0)
+
+    def fill(block: int) -> None:
+        base = block * INIT_BLOCK
+        lo, hi = max(start, base), min(stop, base + INIT_BLOCK)
+        out[lo - start:hi - start] = _seeded_block(seed=seed, name=name, numel=numel, block=block)[lo - base:hi - base]
+
+    workers = min(len(blocks), os.cpu_count() or 1, 16)
+    if workers > 1:
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            list(pool.map(fill, blocks))
+    else:
+        for block in blocks:
+            fill(block)
+    return out.mul_(std)
+
+
+@dataclass(frozen=True)
+class ParamInit:
+    """How one parameter's initial values are drawn: a constant `fill`, or N(0, std^2) seeded by (seed,
+    canonical name); the parameter is this TP rank's slice of the full weight along `split_dim`. Any
+    slice of the flattened local tensor can be drawn alone (`values`), so every plan starts from exactly
+    the one-process model while each rank only ever draws what it holds."""
+
+    name: str
+    seed: int
+    std: float
+    fill: float | None
+    full_shape: tuple[int, ...]
+    split_dim: int | None
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        if self.split_dim is None or self.tp_size == 1:
+            return self.full_shape
+        shape = list(self.full_shape)
+        shape[self.split_dim] //= self.tp_size
+        return tuple(shape)
+
+    def values(self, start: int, stop: int) -> torch.Tensor:
+        """fp32 CPU values of elements [start, stop) of the flattened local (TP-sliced) parameter."""
+        if self.fill is not None:
+            return torch.full((stop - start,), float(self.fill), dtype=torch.float32)
+        draw = functools.partial(_seeded_range, seed=self.seed, name=self.name, numel=math.prod(self.full_shape),
+                                 std=self.std)
+        if self.split_dim is None or self.tp_size == 1:
+            return draw(start=start, stop=stop)
+        local = self.local_shape
+        if self.split_dim == 0:  # whole rows: one contiguous range of the full weight
+            offset = self.tp_rank * math.prod(local)
+            return draw(start=offset + start, stop=offset + stop)
+        assert self.split_dim == 1 and len(local) == 2, "a weight split along dim 1 is a matrix"
+        cols, full_cols = local[1], self.full_shape[1]
+        first, last = start // cols, (stop - 1) // cols
+        rows = draw(start=first * full_cols, stop=(last + 1) * full_cols).view(-1, full_cols)
+        mine = rows[:, self.tp_rank * cols:(self.tp_rank + 1) * cols].reshape(-1)
+        return mine[start - first * cols:stop - first * cols].clone()
+
+
+@contextlib.contextmanager
+def deferred_init():
+    """Parameters built inside hold no storage: their values are drawn later, slice by slice, by the engine
+    that shards them (ParamInit.values), so no rank ever holds a weight it does not own."""
+    token = _DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
 
 
 def _param(full_shape, *, name, seed, std, tp, split_dim=None, fill=None) -> nn.Parameter:
-    full = torch.full(full_shape, float(fill)) if fill is not None else _seeded_normal(full_shape, seed=seed, name=name, std=std)
-    param = nn.Parameter(_shard(full, dim=split_dim, tp=tp) if split_dim is not None else full)
+    init = ParamInit(name=name, seed=seed, std=std, fill=fill, full_shape=tuple(full_shape),
+                     split_dim=split_dim if tp.size > 1 else None, tp_rank=tp.rank, tp_size=tp.size)
+    numel = math.prod(init.local_shape)
+    if _DEFERRED.get():
+        data = torch.empty(init.local_shape)  # never touched: no pages are committed
+        data.untyped_storage().resize_(0)
+    else:
+        data = init.values(0, numel).view(init.local_shape)
+    param = nn.Parameter(data)
     # The canonical name and TP split let any plan's shards be reassembled into one-process names.
-    param.canonical_name, param.tp_split_dim = name, split_dim
+    param.canonical_name, param.tp_split_dim, param.init = name, split_dim, init
     return param
 
 
@@ -58,7 +150,7 @@ class Norm(nn.Module):
 
     def __init__(self, spec: ModelSpec, *, name: str, tp: TPContext) -> None:
         super().__init__()
-        self.tp, self.rms = tp, spec.arch == "llama"
+        self.tp, self.rms, self.eps = tp, spec.arch == "llama", spec.norm_eps
         self.weight = _param((spec.hidden_size,), name=f"{name}.weight", seed=0, std=0, tp=tp, fill=1.0)
         self.bias = None if self.rms else _param((spec.hidden_size,), name=f"{name}.bias", seed=0, std=0, tp=tp, fill=0.0)
 
@@ -66,8 +158,8 @@ class Norm(nn.Module):
         w = sequence_parallel_param(self.weight, self.tp)
         if self.rms:
             xf = x.float()
-            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype) * w
-        return F.layer_norm(x, (x.shape[-1],), w, sequence_parallel_param(self.bias, self.tp), 1e-5)
+            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * w
+        return F.layer_norm(x, (x.shape[-1],), w, sequence_parallel_param(self.bias, self.tp), self.eps)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -160,7 +252,7 @@ class Block(nn.Module):
         self.rope = spec.arch == "llama"
         if self.rope:
             d = spec.head_dim
-            inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+            inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
             angles = torch.outer(torch.arange(spec.max_seq_len, dtype=torch.float32), inv_freq)
             # [s, 1, 1, d/2]: broadcast over batch and heads.
             self.register_buffer("cos", angles.cos()[:, None, None, :], persistent=False)
@@ -283,15 +375,31 @@ def compute_dtype(precision: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
-def build_local_chunks(cfg, *, pp_rank: int, tp: TPContext, device: torch.device) -> tuple[list[int], list[Chunk]]:
+def build_local_chunks(cfg, *, pp_rank: int, tp: TPContext, device: torch.device, deferred: bool = False,
+                       share_tied: bool = False) -> tuple[list[int], list[Chunk]]:
     """The chunks pipeline rank `pp_rank` holds under a RunConfig's plan, in local order (chunk c = j * pp +
-    pp_rank), with the loss scaled to the global batch's mean."""
+    pp_rank), with the loss scaled to the global batch's mean. `deferred`: parameters without storage
+    (`deferred_init`; the engine draws its shards), buffers on `device`. `share_tied`: a tied head whose
+    chunk also holds the embedding uses its very Parameter (build_chunk)."""
     plan, spec = cfg.plan, cfg.model
     check_tp_shapes(spec, plan.tp)
     ranges = plan.chunk_layer_ranges(spec.num_layers)
     recompute = list(plan.recompute_layers) if plan.recompute_layers is not None else plan.recompute
     loss_scale = 1.0 / (cfg.job.global_batch * cfg.job.seq_len)
     chunk_ids = [j * plan.pp + pp_rank for j in range(plan.virtual_stages)]
-    chunks = [build_chunk(spec, layers=ranges[c], first=c == 0, last=c == plan.num_chunks - 1, seed=cfg.seed,
-                          tp=tp, recompute=recompute, loss_scale=loss_scale).to(device) for c in chunk_ids]
+    chunks = []
+    for c in chunk_ids:
+        with deferred_init() if deferred else contextlib.nullcontext():
+            chunk = build_chunk(spec, layers=ranges[c], first=c == 0, last=c == plan.num_chunks - 1, seed=cfg.seed,
+                                tp=tp, recompute=recompute, loss_scale=loss_scale, share_tied=share_tied)
+        chunks.append(_buffers_to(chunk, device) if deferred else chunk.to(device))
     return chunk_ids, chunks
+
+
+def _buffers_to(module: nn.Module, device: torch.device) -> nn.Module:
+    """Move only the buffers (the parameters have no storage yet)."""
+    for m in module.modules():
+        for key, buf in m._buffers.items():
+            if buf is not None:
+                m._buffers[key] = buf.to(device)
+    return module

@@ -120,6 +120,25 @@ class Hardware:
     # Measured training runs the calibration was last fitted to (`planner calibrate`, `planner tune`);
     # 0: only the profile's own probes.
     calibrated_from_runs: int = 0
+    # Measured efficiencies (fraction of the dtype's peak) of kernels that are not plain GEMMs, by name:
+    # flash2_forward/backward (FlashAttention-2), flash3_forward/backward (FlashAttention-3 / cuDNN fused
+    # attention, Hopper only), fp8_gemm (the largest-GEMM rate in fp8, whose peak is peak_flops_per_s["fp8"]).
+    # Absent: the kernel is priced as its GEMMs at gemm_max_efficiency (CPU profiles).
+    kernel_efficiency: dict[str, float] = field(default_factory=dict)
+    # GPUs: streaming multiprocessors and the output tile (rows, columns) of the library's large-GEMM kernel;
+    # a GEMM runs in waves of one tile per SM, so shapes that leave the last wave part-empty or pad their
+    # edge tiles lose that share (cost_models/compute.py). 0 SMs: no wave model (CPU).
+    num_sms: int = 0
+    gemm_tile: tuple[int, ...] = (128, 256)
+    # GPUs: the SMs a collective running beside compute holds (NCCL: one CTA per channel, for the
+    # collective's whole duration); the compute under it runs on the rest (cost_models/compute.py contended).
+    nccl_ctas: int = 0
+    # SMs held by a collective running beside the compute being priced: 0 for the device itself,
+    # nccl_ctas in its contended view (cost_models/compute.py contended).
+    sms_held: int = 0
+    # Where a profile's links come from when no collective measured them ("" : measured, or a datasheet
+    # preset's own), e.g. "h200 preset" for `planner profile --nproc 1`.
+    links_from: str = ""
 
     def __post_init__(self) -> None:
         if self.device_type not in ("cuda", "cpu"):
@@ -146,6 +165,14 @@ class Hardware:
                 raise ValueError(f"{name} must be a non-negative finite number, got {value}")
         if self.host_memory_bytes < 0:
             raise ValueError(f"host_memory_bytes must be non-negative, got {self.host_memory_bytes}")
+        if self.sms_held < 0 or (self.num_sms and self.sms_held >= self.num_sms):
+            raise ValueError(f"sms_held must be non-negative and below num_sms, got {self.sms_held}")
+        if self.nccl_ctas < 0 or (self.num_sms and self.nccl_ctas >= self.num_sms):
+            raise ValueError(f"nccl_ctas must be non-negative and below num_sms, got {self.nccl_ctas}")
+        if self.num_sms < 0:
+            raise ValueError(f"num_sms must be non-negative, got {self.num_sms}")
+        if len(self.gemm_tile) != 2 or min(self.gemm_tile) <= 0:
+            raise ValueError(f"gemm_tile must be two positive sizes, got {self.gemm_tile}")
 
     def mismatch(self, *, device_type: str, device_name: str | None = None) -> str | None:
         """Why this measured profile does not describe the devices a run uses (another device type or
@@ -162,6 +189,9 @@ class Hardware:
 
     def link(self, link_class: str) -> LinkSpec:
         return self.intra_node if link_class == "intra_node" else self.inter_node
+
+    def has_kernel(self, name: str) -> bool:
+        return name in self.kernel_efficiency
 
     def peak_flops(self, dtype: str) -> float:
         """Peak dense FLOP/s in `dtype`, falling back to fp32 where the device has no such unit."""
@@ -184,25 +214,62 @@ GB = 1e9
 GIB = 1024**3
 
 
-def _gpu(name: str, device_name: str, bf16: float, fp32: float, mem: int, mem_bw: float,
-         nvlink: float, nic: float) -> Hardware:
+def _gpu(name: str, device_name: str, *, bf16: float, fp32: float, mem: int, mem_bw: float, nvlink: float, nic: float,
+         gemm: float, kernels: dict[str, float], sms: int, tile: tuple[int, int], fp8: float | None = None) -> Hardware:
+    peaks = {"bf16": bf16, "fp16": bf16, "fp32": fp32, **({"fp8": fp8} if fp8 else {})}
     return Hardware(
-        name=name, device_type="cuda", device_name=device_name,
-        peak_flops_per_s={"bf16": bf16, "fp16": bf16, "fp32": fp32},
+        name=name, device_type="cuda", device_name=device_name, peak_flops_per_s=peaks,
         memory_bytes=mem, memory_bandwidth_bytes_per_s=mem_bw,
         host_memory_bytes=2048 * GIB // 8, host_device_bandwidth_bytes_per_s=25 * GB,
         intra_node=LinkSpec(bandwidth_bytes_per_s=nvlink, latency_s=5e-6),
         inter_node=LinkSpec(bandwidth_bytes_per_s=nic, latency_s=1.5e-5),
-        gemm_max_efficiency=0.80, gemm_half_dim=96.0, kernel_overhead_s=5e-6)
+        gemm_max_efficiency=gemm, gemm_half_dim=48.0, kernel_overhead_s=5e-6, kernel_efficiency=kernels,
+        num_sms=sms, gemm_tile=tile, nccl_ctas=NCCL_CTAS)
+
+
+# Kernel efficiencies of the GPU presets, each from a published measurement (never from end-to-end runs):
+# - gemm_max_efficiency: the sustained bf16 matmul rate over the datasheet peak. Burst: the largest rate a
+#   shape sweep finds ("Maximum Achievable Matmul FLOPS", MAMF; S. Bekman, ml-engineering,
+#   compute/accelerator/README.md): A100 SXM 271.2 of 312 TFLOP/s, H100 SXM 794.5 of 989, H200 834.
+#   Training runs GEMMs back to back at the power limit, where the clocks settle lower: the same source's
+#   "Maximum Sustained Matmul FLOPS" (MSMF, the figure it recommends for training) is 755 on H200, 0.905 of
+#   its MAMF. Presets: H200 755/989 = 0.763; H100 and A100 their MAMF x 0.905 (the same power-limited
+#   behaviour; no MSMF published for them): 0.727 and 0.786. fp8 the same way: H100 1402.6 x 0.905 of
+#   1979 (0.641), H200 1453.4 x 0.905 (0.665).
+# - Shapes: the wave and tile quantization of cost_models/compute.py over the SM count (A100 108, H100/H200
+#   132) and the large-GEMM tile of cuBLAS's kernels (Ampere 256x128, Hopper 128x256), and a K-loop fill of
+#   gemm_half_dim.
+# - FlashAttention-2 (Dao, 2023, arXiv 2307.08691): 50-73% of the A100's peak forward + backward; its
+#   causal head-dim-128 curves level off near 0.62 forward and 0.50 backward; on H100 it reaches about 35%
+#   (FlashAttention-3 paper, Shah et al. 2024, arXiv 2407.08608), backward lower.
+# - FlashAttention-3 / cuDNN fused attention on H100: up to 740 TFLOP/s forward (75%) non-causal, the
+#   causal curve lower (~0.62); backward 1.5-1.75x FlashAttention-2's (~0.47).
+# - Links are what NCCL's busbw reaches (nccl-tests reference numbers: 8x A100 NVLink-3 all-reduce
+#   230-250 GB/s, 8x H100 NVLink-4 all-gather/reduce-scatter ~370 GB/s, 460-480 all-reduce with NVLS),
+#   and one NIC per GPU at ~92% of its line rate (HDR 200 Gb/s: 23 GB/s; NDR 400 Gb/s: 46 GB/s).
+# - nccl_ctas: NCCL runs one CTA per channel on an SM of its own for the collective's whole duration
+#   (NCCL issue #689: "NCCL CTAs won't share an SM with compute kernels"); an NVLink all-gather beside a GEMM
+#   on H100 holds 24 (NVIDIA developer forum, "Compute-Communication Overlap Causes Severe GEMM Performance
+#   Degradation because of Tail Effect", 2025: a one-wave 132-block GEMM nearly doubles in time beside it).
+#   The compute under a collective runs on the other SMs, its waves re-quantized (cost_models/compute.py).
+NCCL_CTAS = 24
+_AMPERE = {"flash2_forward": 0.62, "flash2_backward": 0.50}
+_HOPPER = {"flash2_forward": 0.35, "flash2_backward": 0.30, "flash3_forward": 0.62, "flash3_backward": 0.47}
 
 
 PRESETS: dict[str, Hardware] = {
-    # Datasheet figures: dense bf16 tensor-core FLOP/s; fp32 is TF32 tensor-core throughput, which
-    # PyTorch uses for fp32 matmuls when allowed; NVLink is per GPU per direction (600 and 900 GB/s
-    # bidirectional); the NIC is one 200 Gb/s HDR (A100) or 400 Gb/s NDR (H100/H200) rail per GPU.
-    "a100": _gpu("a100", "NVIDIA A100-SXM4-80GB", 312e12, 156e12, 80 * GIB, 2.039e12, 300 * GB, 25 * GB),
-    "h100": _gpu("h100", "NVIDIA H100 80GB HBM3", 989e12, 494e12, 80 * GIB, 3.35e12, 450 * GB, 50 * GB),
-    "h200": _gpu("h200", "NVIDIA H200", 989e12, 494e12, 141 * GB, 4.8e12, 450 * GB, 50 * GB),
+    # Datasheet figures: dense bf16 (and fp8) tensor-core FLOP/s; fp32 is TF32 tensor-core throughput,
+    # which PyTorch uses for fp32 matmuls when allowed; memory bandwidth of the HBM.
+    "a100": _gpu("a100", "NVIDIA A100-SXM4-80GB", bf16=312e12, fp32=156e12, mem=80 * GIB, mem_bw=2.039e12,
+                 nvlink=235 * GB, nic=23 * GB, gemm=0.786, kernels=_AMPERE, sms=108, tile=(256, 128)),
+    "a100-40gb": _gpu("a100-40gb", "NVIDIA A100-SXM4-40GB", bf16=312e12, fp32=156e12, mem=40 * GIB, mem_bw=1.555e12,
+                      nvlink=235 * GB, nic=23 * GB, gemm=0.786, kernels=_AMPERE, sms=108, tile=(256, 128)),
+    "h100": _gpu("h100", "NVIDIA H100 80GB HBM3", bf16=989e12, fp32=494e12, fp8=1979e12, mem=80 * GIB, mem_bw=3.35e12,
+                 nvlink=370 * GB, nic=46 * GB, gemm=0.727, kernels={**_HOPPER, "fp8_gemm": 0.641},
+                 sms=132, tile=(128, 256)),
+    "h200": _gpu("h200", "NVIDIA H200", bf16=989e12, fp32=494e12, fp8=1979e12, mem=141 * GB, mem_bw=4.8e12,
+                 nvlink=370 * GB, nic=46 * GB, gemm=0.763, kernels={**_HOPPER, "fp8_gemm": 0.665},
+                 sms=132, tile=(128, 256)),
     # The local runner: one process per core, gloo over loopback. Rough figures; `planner profile`
     # replaces them with measured ones.
     "cpu": Hardware(
@@ -213,6 +280,14 @@ PRESETS: dict[str, Hardware] = {
         inter_node=LinkSpec(bandwidth_bytes_per_s=1.25e8, latency_s=1e-3),
         gemm_max_efficiency=0.7, gemm_half_dim=16.0, kernel_overhead_s=1e-5),
 }
+
+
+def preset_for_device(device_name: str) -> Hardware | None:
+    """The GPU preset whose name appears in a CUDA device's name ('NVIDIA H200' -> h200), or None."""
+    for preset in PRESETS.values():
+        if preset.device_type == "cuda" and preset.name.lower() in device_name.lower():
+            return preset
+    return None
 
 
 def resolve_hardware(name_or_path: str) -> Hardware:

@@ -1,7 +1,7 @@
 """Each plan knob is declared once, as a field of `Plan` with its `Knob` (specs/plan.py): its help, CLI
 flag, limits, tuning space, and how each export target spells it. The CLI options of every command
 that takes plan flags (planner/cli.py), the checks (`check_knob`), the JSON form (the dataclass), the
-tuning space (planner/optuna_search.py) and the exporters' mapping (planner/export.py) all read it from
+tuning space (planner/optuna_search.py) and the exporters' mapping (planner/exports/) all read it from
 here, so a new knob is one field plus its pricing and its engine code.
 
     commshift: bool = knob(False, help="...", applies=lambda plan: plan.pp > 1 and plan.dp > 1,
@@ -15,11 +15,19 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-# An export rule: how a target engine spells a knob. A string is a flag (Megatron) or a dotted config key
-# (torchtitan, DeepSpeed) that takes the knob's value; CUSTOM: the target's exporter maps it by hand (it
-# feeds several of the target's settings, or the other way round). A knob without a rule for a target
-# and a non-default value is reported as inexpressible there, from its help text.
+# An export rule: what a target engine can express of a knob (planner/exports/). CUSTOM: the target's
+# exporter maps every value by hand (the knob feeds several of the target's settings, or the other way
+# round), and says itself what it cannot express. A tuple: the values the target expresses (its exporter
+# maps them); any other value is reported from the knob's help and exported as the knob's default. No
+# rule: the target has no such setting; a non-default value is reported and exported as the default.
 CUSTOM = "custom"
+
+
+def export_rule_allows(rule: str | tuple | None, value: Any, default: Any) -> bool:
+    """Whether a target with export `rule` for a knob expresses `value` (see CUSTOM)."""
+    if rule == CUSTOM or value == default:
+        return True
+    return isinstance(rule, tuple) and value in rule
 
 
 @dataclass(frozen=True)
@@ -38,7 +46,7 @@ class Knob:
     applies: Callable[[Any], bool] | None = None
     needs: str = ""  # what `applies` asks for, in words ("data parallelism (dp > 1)")
     tune: tuple | None = None
-    exports: dict[str, str] = field(default_factory=dict)
+    exports: dict[str, str | tuple] = field(default_factory=dict)  # target -> export rule (CUSTOM above)
 
 
 def knob(default: Any, **meta: Any):
@@ -98,3 +106,16 @@ def cli_value(spec: KnobField, value: Any) -> Any:
     if value is None or spec.knob.cli_unit == 1.0:
         return value
     return max(1, int(value * spec.knob.cli_unit))
+
+
+def show_value(value: Any) -> str:
+    """A knob value in a message: a long per-layer tuple as counts, e.g. 'per-layer (20 full, 12 none)',
+    never all its entries; strings quoted."""
+    if isinstance(value, tuple) and len(value) > 6:
+        counts: dict = {}
+        for v in value:
+            counts[v] = counts.get(v, 0) + 1
+        return f"per-layer ({', '.join(f'{n} {v}' for v, n in counts.items())})"
+    if isinstance(value, tuple):
+        return "(" + ", ".join(map(str, value)) + ")"
+    return repr(value) if isinstance(value, str) else str(value)

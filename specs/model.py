@@ -71,6 +71,17 @@ class ModelSpec:
     def learned_positions(self) -> bool:
         return self.arch == "gpt2"
 
+    @property
+    def rope_theta(self) -> float | None:
+        """The RoPE base of a llama model (Llama 3's, without scaling), None for learned positions; the engine
+        and every export use it."""
+        return 500000.0 if self.arch == "llama" else None
+
+    @property
+    def norm_eps(self) -> float:
+        """The RMSNorm / LayerNorm epsilon."""
+        return 1e-5
+
     # --- parameter counts ----------------------------------------------------------------------
     def attention_params(self) -> int:
         h, kv = self.hidden_size, self.kv_dim

@@ -92,11 +92,17 @@ class Plan:
     param_cache: str | tuple[str, ...] = knob(
         "none", help="MAZ3 tier of forward-gathered parameters until backward: none (gather again), device "
         "(keep), host (copy to host memory), secondary (keep an intra-node shard, ZeRO++ hpZ).",
-        choices=CACHE_TIERS, exports={"deepspeed": CUSTOM})
+        choices=CACHE_TIERS, exports={"torchtitan": ("device",), "deepspeed": ("secondary",)})
     # Commshift: issue the DP gradient reduction after the stage's last input-gradient send.
     commshift: bool = knob(False, help="Move the DP gradient reduction of a stage's last micro-batch behind its "
                            "last input-gradient send (Commshift).", applies=lambda plan: plan.pp > 1 and plan.dp > 1,
                            needs="both pipeline (pp > 1) and data parallelism (dp > 1)", tune=(False, True))
+    # Under bf16/fp16: gradients accumulated over micro-batches and reduced over DP in fp32 (torch FSDP's
+    # reduce_dtype=float32, Megatron's --accumulate-allreduce-grads-in-fp32) instead of the compute dtype
+    # (ZeRO's 2-byte gradients): 4 bytes per gradient element held and sent. No effect under fp32.
+    reduce_fp32: bool = knob(False, help="Accumulate and reduce gradients in fp32 under bf16/fp16 (4-byte "
+                             "gradient buffers and reductions; default: the compute dtype).",
+                             exports={"megatron": CUSTOM, "torchtitan": CUSTOM, "deepspeed": CUSTOM})
 
     def __post_init__(self) -> None:
         for spec in PLAN_KNOBS:
@@ -210,6 +216,8 @@ class Plan:
             parts.append(f"cache={self.param_cache if isinstance(self.param_cache, str) else 'per-layer'}")
         if self.commshift:
             parts.append("commshift")
+        if self.reduce_fp32:
+            parts.append("grads-fp32")
         return " ".join(p for p in parts if p)
 
     def replace(self, **changes: object) -> "Plan":

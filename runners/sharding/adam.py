@@ -17,10 +17,13 @@ class AdamSettings:
 
 
 @torch.no_grad()
-def adam_update(u, *, step: int, settings: AdamSettings) -> None:
-    """One Adam step (number `step`, from 1) of unit `u`'s shard from its reduced gradient."""
+def adam_update(u, *, step: int, settings: AdamSettings, grad_scale: float = 1.0) -> None:
+    """One Adam step (number `step`, from 1) of unit `u`'s shard from its reduced gradient times
+    `grad_scale` (1 / the loss scale under fp16, applied in fp32)."""
     beta1, beta2 = settings.betas
     grad = u.optim_grad()
+    if grad_scale != 1.0:
+        grad = grad * grad_scale
     if settings.weight_decay != 0:
         grad = grad.add(u.master, alpha=settings.weight_decay)
     u.exp_avg.lerp_(grad, 1 - beta1)

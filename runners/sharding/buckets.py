@@ -83,9 +83,17 @@ class ReduceScatterBucket:
 class GradientReducer:
     """Owns the gradient buffers, the buckets and every gradient collective of one rank's chunks."""
 
-    def __init__(self, units_by_chunk: list[list], *, plan, mesh, comm, deferred) -> None:
+    def __init__(self, units_by_chunk: list[list], *, plan, mesh, comm, deferred, streams=None,
+                 ordered: bool = False) -> None:
+        """`ordered`: collectives are ordered on the device (NCCL; runners/sharding/streams.py): each
+        reduction is chained on the side `streams` as it is issued instead of being polled for."""
         self.units_by_chunk, self.plan, self.mesh, self.comm, self.deferred = units_by_chunk, plan, mesh, comm, deferred
         self.degrees = plan.shard_degrees
+        self.streams, self.ordered = streams, ordered
+        assert streams is not None or not ordered, "the ordered reducer needs side streams"
+        # Ordered mode: buffers side streams may still read or write; released only once the current
+        # stream has joined them (freed earlier, the allocator could hand them to compute meanwhile).
+        self.held: list[tuple] = []
         self.pending: deque[Pending] = deque()
         self.boundary_queue: deque = deque()
         self.boundary_bucket: list = []
@@ -141,6 +149,10 @@ class GradientReducer:
                 with torch.no_grad():
                     u.grad[u.offsets[i]:u.offsets[i] + p.numel()].add_(p.grad.reshape(-1))
                 p.grad = u.grad[u.offsets[i]:u.offsets[i] + p.numel()].view(p.shape)
+        elif u.rs_bucket is None:  # s_g == 1 with fp32 gradients of lower-precision parameters: accumulate
+            with torch.no_grad():
+                u.grad[u.offsets[i]:u.offsets[i] + p.numel()].add_(p.grad.reshape(-1))
+            p.grad = None
         else:
             bucket = u.rs_bucket
             if bucket.send is None:
@@ -208,12 +220,22 @@ class GradientReducer:
             for u in boundary:
                 u.rs_reduced = True
 
-        if self._skipped(bucket.units):  # the injected missing reduction
+        if self._skipped(bucket.units):  # the injected missing reduction (tests only)
             recv.copy_(send.view(len(self.mesh.grad_ranks), -1)[self.mesh.grad_ranks.index(self.mesh.rank)])
             self.pending.append(Pending(None, on_done, (send, recv)))
             return
-        work = self.comm.reduce_scatter(recv, send, self.mesh.grad_group, async_op=True)
-        self.pending.append(Pending(work, on_done, (send, recv)))
+        if not self.ordered:
+            work = self.comm.reduce_scatter(recv, send, self.mesh.grad_group, async_op=True)
+            self.pending.append(Pending(work, on_done, (send, recv)))
+            return
+        with self.streams.on("reduce_scatter"):  # after the backward that wrote `send`
+            if not first:
+                recv = torch.empty_like(bucket.grad)  # allocated on the stream that uses it
+            work = self.comm.reduce_scatter(recv, send, self.mesh.grad_group, async_op=True)
+            if work is not None:
+                work.wait()  # the reduce-scatter stream waits for the collective; the CPU does not
+            on_done()  # the add runs on the reduce-scatter stream, after the collective
+        self.held.append((send, recv, work))
 
     # --- the boundary all-reduce -------------------------------------------------------------------------
     def _queue_boundary(self, u) -> None:
@@ -240,22 +262,34 @@ class GradientReducer:
 
     def _flush_boundary(self, group) -> None:
         units, self.boundary_bucket = self.boundary_bucket, []
-        if self._skipped(units):  # the injected missing reduction
+        if self._skipped(units):  # the injected missing reduction (tests only)
             return
+        if not self.ordered:
+            self._all_reduce(units, group)
+            return
+        # After the backward (s_g == 1: the gradients it accumulated) and the reduce-scatters (s_g > 1).
+        with self.streams.on("all_reduce", after=("reduce_scatter",)):
+            self._all_reduce(units, group)
+
+    def _all_reduce(self, units: list, group) -> None:
         whole = span([u.grad for u in units])
-        if whole is not None:  # consecutive units of a chunk: reduce their buffer in place
-            work = self.comm.all_reduce(whole, group, async_op=True)
-            self.pending.append(Pending(work, lambda: None, ()))
-            return
-        buffer = torch.cat([u.grad for u in units])
+        buffer = whole if whole is not None else torch.cat([u.grad for u in units])
 
         def on_done() -> None:
+            if whole is not None:  # consecutive units of a chunk: reduced in place
+                return
             offset = 0
             for u in units:
                 u.grad.copy_(buffer[offset:offset + u.grad.numel()])
                 offset += u.grad.numel()
 
         work = self.comm.all_reduce(buffer, group, async_op=True)
+        if self.ordered:  # the all-reduce stream waits for the collective, then copies back
+            if work is not None:
+                work.wait()
+            on_done()
+            self.held.append((buffer, work))
+            return
         self.pending.append(Pending(work, on_done, (buffer,)))
 
     # --- completion --------------------------------------------------------------------------------------
@@ -280,3 +314,6 @@ class GradientReducer:
             self._finish(self.pending.popleft())
             self._pump()
         assert not self.boundary_bucket
+        if self.ordered:  # the optimizer (compute stream) reads what the side streams wrote
+            self.comm.time_stream_wait(self.streams.join)
+            self.held.clear()

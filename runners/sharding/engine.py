@@ -6,15 +6,18 @@ import warnings
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from runners.comm import all_gather_single
 from runners.sharding.adam import AdamSettings, adam_update
 from runners.sharding.buckets import GradientReducer
 from runners.sharding.commshift import DeferredSync
 from runners.sharding.gather import ParameterGather
-from runners.comm import all_gather_single
 from runners.sharding.layout import FlatUnit, shard_chunks
 from runners.sharding.lins import Redistributor
+from runners.sharding.loss_scale import DynamicLossScale
+from runners.sharding.streams import SideStreams
 from specs.errors import PlannerError
 
 # The first unit's input (token ids) needs no gradient, so torch warns that its full backward hook fires
@@ -39,11 +42,22 @@ class ShardedDataParallel:
         defer_grad_sync: issue each chunk's last-micro-batch reduce-scatter and boundary all-reduce only at
             start_grad_sync(chunk) (Commshift).
         param_dtype: compute dtype of the parameters (default: the modules'); the master stays fp32.
+        grad_dtype: dtype gradients accumulate and reduce in (default: param_dtype; fp32 under the plan's
+            reduce_fp32).
+        device: where the shards live (default: the first parameter's; needed for deferred parameters,
+            built without storage by runners.transformer.deferred_init).
+        loss_scale: a loss_scale.DynamicLossScale (fp16): the caller multiplies the loss by its `scale`;
+            optimizer_step divides it out, or skips the step when a gradient overflowed.
+        stream_ordered: chain the gradient reductions on side streams instead of polling them
+            (runners/sharding/streams.py; default: on CUDA under NCCL). True on CPU runs the same logic
+            with no-op streams (for tests).
     """
 
     def __init__(self, chunks, *, plan, mesh, comm, num_micro_batches: int, lr: float,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 defer_grad_sync: bool = False, param_dtype: torch.dtype | None = None) -> None:
+                 defer_grad_sync: bool = False, param_dtype: torch.dtype | None = None,
+                 grad_dtype: torch.dtype | None = None, device: torch.device | None = None,
+                 loss_scale: DynamicLossScale | None = None, stream_ordered: bool | None = None) -> None:
         if num_micro_batches < 1:
             raise PlannerError(f"num_micro_batches must be at least 1, got {num_micro_batches}")
         self.chunks, self.plan, self.mesh, self.comm = list(chunks), plan, mesh, comm
@@ -51,13 +65,20 @@ class ShardedDataParallel:
         self.adam = AdamSettings(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.degrees = plan.shard_degrees
         self.num_steps = 0
-        self._build_units(param_dtype)
+        self.loss_scale = loss_scale
+        self.device = device
+        self._build_units(param_dtype, grad_dtype)
+        device = self.units[0].flat.device if self.units else torch.device("cpu")
+        self.streams = SideStreams(device)
+        if stream_ordered is None:
+            stream_ordered = device.type == "cuda" and dist.get_backend(mesh.grad_group) == "nccl"
         self.lins = Redistributor(self.units, degrees=self.degrees, mesh=mesh, comm=comm,
                                   bucket_size_bytes=plan.bucket_size_bytes)
         self.gather = ParameterGather(self.units_by_chunk, s_p=self.degrees[0], prefetch_depth=plan.prefetch_depth,
-                                      mesh=mesh, comm=comm, lins=self.lins)
+                                      mesh=mesh, comm=comm, lins=self.lins, streams=self.streams)
         self.deferred = DeferredSync(len(self.chunks), enabled=defer_grad_sync)
-        self.reducer = GradientReducer(self.units_by_chunk, plan=plan, mesh=mesh, comm=comm, deferred=self.deferred)
+        self.reducer = GradientReducer(self.units_by_chunk, plan=plan, mesh=mesh, comm=comm, deferred=self.deferred,
+                                       streams=self.streams, ordered=stream_ordered)
         self._register_hooks()
 
     @property
@@ -65,7 +86,7 @@ class ShardedDataParallel:
         return self.gather.peak_param_bytes
 
     # --- construction ----------------------------------------------------------------------------
-    def _build_units(self, param_dtype: torch.dtype | None) -> None:
+    def _build_units(self, param_dtype: torch.dtype | None, grad_dtype: torch.dtype | None) -> None:
         self.units_by_chunk: list[list[FlatUnit]] = []
         self.names: dict[int, str] = {}
         seen: dict[int, str] = {}
@@ -77,9 +98,15 @@ class ShardedDataParallel:
             for i, module in enumerate(chunk.units):
                 params = [p for p in module.parameters() if p.requires_grad]
                 for p in params:
-                    if id(p) in seen:
+                    if id(p) in seen and self.degrees[0] > 1:
                         raise PlannerError(f"parameter {self.names.get(id(p))} is in two units ({seen[id(p)]} and "
-                                           f"chunk {v} unit {i}); flat-parameter sharding needs each in one unit")
+                                           f"chunk {v} unit {i}); sharded parameters (param_shard > 1) need each "
+                                           f"in one unit")
+                # Unsharded parameters stay whole on the device: a later unit that uses one (a tied head)
+                # borrows it from the unit that owns it, and its gradient, summed by autograd over both
+                # uses, reaches the owner's hook once.
+                params = [p for p in params if id(p) not in seen]
+                for p in params:
                     seen[id(p)] = f"chunk {v} unit {i}"
                 if not params:
                     continue
@@ -88,7 +115,8 @@ class ShardedDataParallel:
                 layer = getattr(module, "layer_index", None)
                 tier = self.plan.layer_cache(layer) if layer is not None else "none"
                 units.append(FlatUnit(module, params, chunk=v, position=len(units), q=self.mesh.dp_rank,
-                                      degrees=self.degrees, dtype=dtype, tier=tier))
+                                      degrees=self.degrees, dtype=dtype, tier=tier, grad_dtype=grad_dtype,
+                                      device=self.device))
             self.units_by_chunk.append(units)
         self.units = [u for units in self.units_by_chunk for u in units]
 
@@ -136,12 +164,14 @@ class ShardedDataParallel:
                 return u.grad
         raise KeyError(f"{type(module).__name__} is not a unit with trainable parameters")
 
-    def optimizer_step(self, *, before_update: Callable[[], None] | None = None) -> None:
+    def optimizer_step(self, *, before_update: Callable[[], None] | None = None) -> bool:
         """Wait for the gradient reductions, Adam-step my shard, redistribute, and zero the gradients.
 
         `before_update` runs once the gradients are reduced and before Adam reads them (e.g. to sum the
         gradients of tied copies through unit_grad). The redistribution of the updated shards is left in
-        flight (Lins); the next forward waits for it unit by unit."""
+        flight (Lins); the next forward waits for it unit by unit. Under a loss scale, a step whose
+        gradients overflowed on any rank is skipped (parameters and Adam state unchanged). Returns whether
+        the parameters were updated."""
         self.lins.finish_all()
         for u in self.units:
             if u.num_backward != self.num_micro_batches:
@@ -153,17 +183,27 @@ class ShardedDataParallel:
         self.reducer.drain()
         if before_update is not None:
             before_update()
-        self.num_steps += 1
-        for u in self.units:
-            adam_update(u, step=self.num_steps, settings=self.adam)
-        with torch.no_grad():
-            self.lins.issue()
+        updated = True
+        if self.loss_scale is not None:
+            device = self.units[0].grad.device if self.units else (self.device or torch.device("cpu"))
+            overflow = self.loss_scale.found_inf([u.grad for u in self.units], device=device)
+            inv_scale = 1.0 / self.loss_scale.scale
+            self.loss_scale.update(found_inf=overflow)
+            updated = not overflow
+        if updated:
+            self.num_steps += 1
+            for u in self.units:
+                adam_update(u, step=self.num_steps, settings=self.adam,
+                            grad_scale=inv_scale if self.loss_scale is not None else 1.0)
+            with torch.no_grad():
+                self.lins.issue()
         for u in self.units:
             u.grad.zero_()
             u.num_backward = 0
             u.boundary_done = False
             u.rs_reduced = self.degrees[1] == 1
         self.deferred.new_step()
+        return updated
 
     # --- state ----------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -201,15 +241,16 @@ class ShardedDataParallel:
                 out[self.names[id(p)]] = grad[off:off + p.numel()].view(p.shape).clone()
         return out
 
-    def local_state(self) -> dict[str, torch.Tensor]:
-        """This rank's shards (parameters, fp32 master, Adam moments) and the step count, for checkpoints."""
+    def local_state(self, *, copy: bool = True) -> dict[str, torch.Tensor]:
+        """This rank's shards (parameters, fp32 master, Adam moments) and the step count, for checkpoints:
+        copies, or (`copy` False) the live tensors themselves, for a caller that copies what it needs to
+        host memory (no second device copy of every shard)."""
         self.lins.finish_all()
         state = {"num_steps": torch.tensor(self.num_steps)}
         for i, u in enumerate(self.units):
-            state[f"unit{i}.param_shard"] = u.param_shard.clone()
-            state[f"unit{i}.master"] = u.master.clone()
-            state[f"unit{i}.exp_avg"] = u.exp_avg.clone()
-            state[f"unit{i}.exp_avg_sq"] = u.exp_avg_sq.clone()
+            for key in ("param_shard", "master", "exp_avg", "exp_avg_sq"):
+                tensor = getattr(u, key)
+                state[f"unit{i}.{key}"] = tensor.clone() if copy else tensor
         return state
 
     def load_local_state(self, state: dict[str, torch.Tensor]) -> None:

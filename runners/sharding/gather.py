@@ -2,12 +2,18 @@
 in the s_p group before the unit's forward and again before its backward (or fetched from a MAZ3 tier,
 runners/sharding/maz3.py), and the gathered buffer is freed after each (its storage resized to zero,
 FSDP1-style, so the module's parameter views stay valid). `prefetch_depth` units ahead (behind, in
-backward) are gathered asynchronously; the wait is just before use.
+backward) are gathered asynchronously; the wait is just before use. On CUDA a rate limiter (FSDP's
+limit_all_gathers) keeps the CPU from issuing gathers far ahead of the kernels that free their buffers:
+before a gather, once `max(2, prefetch_depth + 1)` freed buffers are not yet known to be free on the
+device, the CPU waits for the oldest (an event recorded at its free), so gathered memory stays within
+the prefetch window the cost model prices.
 
 Before a unit's first gather of a step its Lins redistribution must have landed (the shard it gathers
 is the updated one): `lins.await_unit`, looked up at call time."""
 
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 
@@ -16,10 +22,13 @@ from runners.sharding.maz3 import CacheTiers
 
 
 class ParameterGather:
-    def __init__(self, units_by_chunk: list[list], *, s_p: int, prefetch_depth: int, mesh, comm, lins) -> None:
+    def __init__(self, units_by_chunk: list[list], *, s_p: int, prefetch_depth: int, mesh, comm, lins,
+                 streams=None) -> None:
         self.units_by_chunk, self.s_p, self.prefetch_depth = units_by_chunk, s_p, prefetch_depth
         self.mesh, self.comm, self.lins = mesh, comm, lins
-        self.tiers = CacheTiers(mesh=mesh, comm=comm, track=self.track)
+        self.tiers = CacheTiers(mesh=mesh, comm=comm, track=self.track, streams=streams)
+        self.max_freed_ahead = max(2, prefetch_depth + 1)
+        self.free_events: deque = deque()  # CUDA: one event per freed buffer, oldest first
         units = [u for chunk in units_by_chunk for u in chunk]
         # Parameter storage held now: gathered buffers plus (under s_p > 1) the persistent shards.
         self.live_param_bytes = sum(u.flat.untyped_storage().nbytes() + (u.param_shard.untyped_storage().nbytes()
@@ -60,6 +69,7 @@ class ParameterGather:
         if u.gathered or u.gather_work is not None:
             return
         self.lins.await_unit(u)
+        self._limit_rate()
         self._resize(u, u.flat_bytes)
         work = self.tiers.fetch(u) if backward else None
         if work is None:
@@ -79,6 +89,16 @@ class ParameterGather:
             return
         self._resize(u, 0)
         u.gathered = False
+        if u.flat.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self.free_events.append(event)
+
+    def _limit_rate(self) -> None:
+        """Before allocating another gathered buffer: wait until the device has passed the free of all but
+        the newest `max_freed_ahead - 1` freed buffers (FSDP's rate limiter; a no-op on CPU)."""
+        while len(self.free_events) >= self.max_freed_ahead:
+            self.free_events.popleft().synchronize()
 
     def _prefetch(self, u, *, step: int) -> None:
         units = self.units_by_chunk[u.chunk]

@@ -3,8 +3,10 @@ parameters until its backward, per transformer layer (`plan.layer_cache(i)`; oth
 
 - "none": freed, all-gathered again for backward (plain ZeRO-3);
 - "device": kept gathered until the backward of the last micro-batch in flight (no backward gather);
-- "host": copied to host memory after every forward (pinned, on a side stream, on CUDA) and copied back
-  before backward instead of the gather, counted as "host_device" bytes;
+- "host": copied to host memory after every forward and back before backward instead of the gather,
+  counted as "host_device" bytes; on CUDA into pinned memory, both ways on the host-copy side stream
+  (runners/sharding/streams.py), so the copies overlap compute: the backward waits only for its own
+  copy (an event), which the gather side issues ahead of use like a prefetched gather;
 - "secondary" (ZeRO++ hpZ): each rank keeps the 1/(param-group ranks in its node) slice and the backward
   gather runs inside the node.
 
@@ -16,12 +18,13 @@ from __future__ import annotations
 import torch
 
 from runners.sharding.layout import DONE
+from runners.sharding.streams import EventWork, SideStreams
 
 
 class CacheTiers:
-    def __init__(self, *, mesh, comm, track) -> None:
+    def __init__(self, *, mesh, comm, track, streams: SideStreams | None = None) -> None:
         self.mesh, self.comm, self.track = mesh, comm, track  # track(delta_bytes): the live parameter bytes
-        self._copy_stream = None  # CUDA side stream of the device-to-host copies
+        self.streams = streams
 
     def keep(self, u) -> None:
         """After u's forward: keep what its tier keeps of the gathered buffer (before it is freed)."""
@@ -37,11 +40,17 @@ class CacheTiers:
         if u.num_in_flight == 0 or u.tier not in ("host", "secondary"):
             return None
         if u.tier == "host":
-            if u.host_event is not None:  # the device-to-host copy on the side stream has landed
-                torch.cuda.current_stream(u.flat.device).wait_event(u.host_event)
-            u.flat.copy_(u.host, non_blocking=u.flat.is_cuda)
             self.comm.count_host_copy(u.flat)
-            return DONE
+            if not u.flat.is_cuda:
+                u.flat.copy_(u.host)
+                return DONE
+            # After the buffer's allocation (compute stream); the device-to-host copy that filled u.host
+            # ran earlier on the same side stream.
+            with self._streams(u).on("host_copy"):
+                u.flat.copy_(u.host, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            return EventWork(event)
         work = self.comm.all_gather(u.flat, u.secondary, self.mesh.param_intra_group, async_op=True)
         return DONE if work is None else work
 
@@ -50,25 +59,25 @@ class CacheTiers:
         if u.secondary is not None:
             self.track(-u.secondary.untyped_storage().nbytes())
             u.secondary = None
-        u.host_event = None  # the host buffer itself stays allocated (pinned allocation is slow)
+        # The host buffer itself stays allocated (pinned allocation is slow).
 
     def _copy_to_host(self, u) -> None:
         """Copy the gathered parameters to host memory; on CUDA, pinned and async on a side stream."""
         if u.host is None:
             u.host = torch.empty(u.padded, dtype=u.flat.dtype, device="cpu", pin_memory=u.flat.is_cuda)
         if u.flat.is_cuda:
-            if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(u.flat.device)
-            self._copy_stream.wait_stream(torch.cuda.current_stream(u.flat.device))
-            with torch.cuda.stream(self._copy_stream):
+            with self._streams(u).on("host_copy") as stream:  # after the forward that used the buffer
                 u.host.copy_(u.flat, non_blocking=True)
-                u.host_event = torch.cuda.Event()
-                u.host_event.record()
             # The buffer is freed right after this: the allocator must not reuse it before the copy ends.
-            u.flat.record_stream(self._copy_stream)
+            u.flat.record_stream(stream)
         else:
             u.host.copy_(u.flat)
         self.comm.count_host_copy(u.flat)
+
+    def _streams(self, u) -> SideStreams:
+        if self.streams is None:
+            self.streams = SideStreams(u.flat.device)
+        return self.streams
 
     def _keep_secondary(self, u) -> None:
         """Keep my slice of the gathered buffer for the intra-node backward gather (ZeRO++ hpZ)."""

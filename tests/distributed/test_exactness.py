@@ -47,12 +47,14 @@ MATRIX = {
 }
 RANKS_PER_NODE = {"hsdp-2x2": 2, "mixed-2-2-4": 2}
 
-# Two model variants on 2 processes: GPT-2's blocks under TP + SP, and tied embeddings, where the
-# reference shares one Parameter and the engine keeps two copies whose reduced gradients it sums, on one
-# rank (pp=1, sharded) and across the first and last pipeline stage (pp=2).
+# Model variants on 2 processes: GPT-2's blocks under TP + SP, and tied embeddings. The reference shares
+# one Parameter; so does the engine where both ends are on one rank and the weight is never sharded away
+# (ZeRO-2); elsewhere it keeps two copies whose reduced gradients it sums, on one rank (pp=1, sharded
+# parameters) and across the first and last pipeline stage (pp=2).
 MODEL_VARIANTS = {
     "gpt2-tp2-sp-full-recompute": (Plan(tp=2, sequence_parallel=True, micro_batch=2, num_micro_batches=2,
                                         recompute="full"), {"arch": "gpt2", "num_kv_heads": 8}),
+    "tied-zero2-shared": (_z(2, 1, 2, 2, micro_batch=2, num_micro_batches=2), {"tied_embeddings": True}),
     "tied-zero3": (_z(2, 2, 2, 2, micro_batch=2, num_micro_batches=2), {"tied_embeddings": True}),
     "tied-pp2-1f1b": (Plan(pp=2, micro_batch=1, num_micro_batches=4, schedule="1f1b"), {"tied_embeddings": True}),
 }

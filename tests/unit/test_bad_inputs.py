@@ -22,6 +22,7 @@ from specs.errors import PlannerError
 from specs.job import Job
 from specs.model import PRESETS, ModelSpec, model_from_hf_config, resolve_model
 from specs.plan import Plan
+from specs.planfile import HardwareSource, PlanFile
 from specs.hardware import PRESETS as HARDWARE
 from specs.hardware import Hardware, resolve_hardware
 from runners.checkpoint import CheckpointMeta, load_meta
@@ -42,7 +43,8 @@ def _cli_cases() -> list[tuple[str, list[str]]]:
         cases.append((path.name, [*RUN, "--plan", str(path)]))
     for path in sorted(CORPUS.glob("metrics_*.json")):
         cases.append((path.name, ["explain", "--plan", str(CORPUS / "good_plan_dp2.json"), "--measured", str(path),
-                                  "--global-batch", "8", "--seq-len", "64", "--png", "/dev/null"]))
+                                  "--model", "tiny", "--hardware", "cpu", "--global-batch", "8", "--seq-len", "64",
+                                  "--png", "/dev/null"]))
     flags = {
         "gpus-not-a-number": ["estimate", "--model", "tiny", "--hardware", "cpu", "--gpus", "two", "--global-batch", "8"],
         "unknown-flag": [*RUN, "--zero-stage", "3"],
@@ -166,7 +168,16 @@ def _valid_objects() -> dict:
         "hardware": (Hardware.from_dict, HARDWARE["h100"].to_dict()),
         "run config": (RunConfig.from_dict, json.loads(json.dumps(cfg.to_dict()))),
         "checkpoint metadata": (CheckpointMeta.from_dict, meta.to_dict()),
+        "plan file": (PlanFile.from_dict, _plan_file().to_dict()),
     }
+
+
+def _plan_file() -> PlanFile:
+    from specs.problem import make_problem
+
+    problem = make_problem(model="tiny", hardware="cpu", gpus=4, gpus_per_node=2, global_batch=8, seq_len=64)
+    return PlanFile(plan=Plan(dp=2, pp=2, micro_batch=1, num_micro_batches=4), model=problem.model, job=problem.job,
+                    cluster=problem.cluster, hardware_source=HardwareSource("cpu"))
 
 
 VALID = _valid_objects()

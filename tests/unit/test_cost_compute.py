@@ -43,7 +43,8 @@ def test_tensor_parallel_splits_every_gemm():
 
 
 def test_gemm_time_follows_the_efficiency_curve_and_the_overhead_floor():
-    hw = HW["a100"]
+    # A host without an SM count (CPU profiles): the smooth per-dimension curve.
+    hw = dataclasses.replace(HW["a100"], num_sms=0)
     g = Gemm(1024, 2048, 4096)
     eff = hw.gemm_max_efficiency * (1024 / (1024 + hw.gemm_half_dim)) * (2048 / (2048 + hw.gemm_half_dim)) \
         * (4096 / (4096 + hw.gemm_half_dim))
@@ -52,6 +53,21 @@ def test_gemm_time_follows_the_efficiency_curve_and_the_overhead_floor():
     # Larger shapes run closer to peak.
     assert gemm_efficiency(hw, m=8192, n=8192, k=8192, dtype="bf16") > gemm_efficiency(hw, m=512, n=512, k=512,
                                                                                            dtype="bf16")
+
+
+def test_gpu_gemms_lose_their_part_empty_last_wave():
+    hw = HW["a100"]  # 108 SMs, 256 x 128 output tiles
+    k = 8192
+    full = gemm_efficiency(hw, m=256 * 12, n=128 * 9, k=k, dtype="bf16")  # 108 tiles: one full wave
+    assert full == pytest.approx(hw.gemm_max_efficiency * k / (k + hw.gemm_half_dim))
+    # Twelve more rows of tiles need a second wave the big tile would leave mostly empty; a smaller tile
+    # or split-K fills it better, but not for free.
+    ragged = gemm_efficiency(hw, m=256 * 13, n=128 * 9, k=k, dtype="bf16")
+    assert 0.5 * full < ragged < full
+    # Big training GEMMs run within a few percent of the sustained rate; a TP-8 slice of a small model
+    # loses much more.
+    assert gemm_efficiency(hw, m=16384, n=8192, k=8192, dtype="bf16") > 0.97 * hw.gemm_max_efficiency
+    assert gemm_efficiency(hw, m=2048, n=2048 // 8, k=2048, dtype="bf16") < 0.8 * hw.gemm_max_efficiency
 
 
 def test_measured_gemm_points_are_exact_where_measured_and_scaled_between():

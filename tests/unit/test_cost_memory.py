@@ -24,6 +24,19 @@ def test_zero_stages_match_the_paper_exactly(num_params, n):
     assert total((n, n, n)) == 16 * p / n
 
 
+@pytest.mark.parametrize("shards", [(1, 1, 1), (1, 1, 8), (1, 8, 8), (8, 8, 8)])
+def test_fp32_gradient_reduction_holds_four_byte_gradients(shards):
+    # The plan's reduce_fp32 knob: under bf16 the gradients (their buffers and their shards) are fp32;
+    # weights and optimizer states are unchanged; fp32 jobs are unaffected.
+    kwargs = dict(param_shard=shards[0], grad_shard=shards[1], optim_shard=shards[2])
+    base = model_state_bytes(1000, precision="bf16", **kwargs)
+    fp32_grads = model_state_bytes(1000, precision="bf16", reduce_fp32=True, **kwargs)
+    assert fp32_grads.grads_bytes == 2 * base.grads_bytes == 4000 / shards[1]
+    assert (fp32_grads.weights_bytes, fp32_grads.optimizer_bytes) == (base.weights_bytes, base.optimizer_bytes)
+    assert model_state_bytes(1000, precision="fp32", reduce_fp32=True, **kwargs) == \
+        model_state_bytes(1000, precision="fp32", **kwargs)
+
+
 def test_fp32_keeps_no_separate_master_copy():
     s = model_state_bytes(1000, param_shard=1, grad_shard=1, optim_shard=1, precision="fp32")
     assert (s.weights_bytes, s.grads_bytes, s.optimizer_bytes) == (4000, 4000, 8000)

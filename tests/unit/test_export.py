@@ -1,111 +1,226 @@
-"""planner export: the generated torchtitan TOML, Megatron-LM arguments and DeepSpeed JSON, and the
-knobs each target cannot express."""
+"""planner export: what each target is given (torchtitan's config module, Megatron-LM's arguments, DeepSpeed's
+JSON), what each cannot express, what each refuses; Megatron-LM's argument rules against outcomes recorded
+from its own code. (tests/integration/test_exports_accepted.py loads every export through the targets' code.)"""
 
 from __future__ import annotations
 
 import json
-import shlex
-import tomllib
+from pathlib import Path
 
 import pytest
 
+from planner.exports import Refused, export_plan
+from planner.exports.common import short
+from planner.exports.megatron import pipeline_layout
+from planner.exports.megatron_rules import megatron_violations, parse_layout
 from specs.errors import PlannerError
-from planner.export import export_plan
-from specs.job import Job
-from specs.model import resolve_model
 from specs.plan import Plan
+from specs.problem import make_problem
+from tests.export_cases import CASES
 
-MODEL = resolve_model("llama3-8b")
-JOB = Job(global_batch=64, seq_len=4096)
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron"
+FLAG_LISTS = {name: json.loads((FIXTURES / f"flags_{name}.json").read_text())["flags"]
+              for name in ("core_v0.16.1", "main_0.20.0")}
+LLAMA70 = make_problem(model="llama3-70b", hardware="h100", gpus=64, gpus_per_node=8, global_batch=64, seq_len=4096)
 
 
-def _plan(**kw):
-    base = dict(dp=4, tp=2, pp=2, micro_batch=1, num_micro_batches=16)
+def _export(plan: Plan, target: str, problem=LLAMA70):
+    return export_plan(plan, problem, target=target)[0]
+
+
+def _plan(**kw) -> Plan:
+    base = dict(dp=8, tp=8, micro_batch=1, num_micro_batches=8)
     base.update(kw)
     return Plan(**base)
 
 
-def _megatron_args(text: str) -> dict:
-    tokens = shlex.split(text.replace("\\\n", " "))
-    args, i = {}, tokens.index("pretrain_gpt.py") + 1
-    while i < len(tokens):
-        if i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
-            args[tokens[i]] = tokens[i + 1]
-            i += 2
+def _argv_to_args(argv: list[str], flags: dict) -> dict:
+    """argparse's reading of an argv, from the flag list's nargs (unknown flags raise KeyError)."""
+    args, i = {}, 0
+    while i < len(argv):
+        spec = flags[argv[i]]
+        if spec["nargs"] == 0:
+            args[argv[i]], i = True, i + 1
+        elif spec["nargs"] == "+":
+            j = i + 1
+            while j < len(argv) and not argv[j].startswith("--"):
+                j += 1
+            args[argv[i]], i = " ".join(argv[i + 1:j]), j
         else:
-            args[tokens[i]] = True
-            i += 1
+            args[argv[i]], i = argv[i + 1], i + 2
     return args
 
 
-def test_torchtitan_toml_degrees_batches_schedule_and_checkpointing():
-    plan = _plan(virtual_stages=2, schedule="interleaved-1f1b", sequence_parallel=True, param_shard=4, grad_shard=4,
-                 optim_shard=4, recompute="full")
-    out = export_plan(plan, model=MODEL, job=JOB, target="torchtitan")
-    toml = tomllib.loads(out.text)
-    par = toml["parallelism"]
-    assert (par["data_parallel_replicate_degree"], par["data_parallel_shard_degree"]) == (1, 4)
-    assert (par["tensor_parallel_degree"], par["pipeline_parallel_degree"]) == (2, 2)
-    assert par["pipeline_parallel_schedule"] == "Interleaved1F1B" and par["pipeline_parallel_microbatch_size"] == 1
-    assert par["pipeline_parallel_layers_per_stage"] == 32 // 4
-    # Per-DP-rank batch times DP is the global batch.
-    assert toml["training"]["local_batch_size"] * 4 == toml["training"]["global_batch_size"] == 64
-    assert toml["activation_checkpoint"]["mode"] == "full"
-    assert out.unsupported == ()
+def test_megatron_rules_agree_with_megatrons_own_checks():
+    recorded = json.loads((FIXTURES / "validate_args_cases.json").read_text())
+    flags = FLAG_LISTS["main_0.20.0"]
+    assert len(recorded["cases"]) == 42
+    for case in recorded["cases"]:
+        argv = recorded["base_argv"] + case["extra_argv"]
+        try:
+            args = _argv_to_args(argv, flags)
+        except KeyError:
+            accepted = False  # argparse: unrecognized arguments
+        else:
+            accepted = not megatron_violations(args, world_size=case["world_size"], env=case["env"], runtime=False)
+        assert accepted == case["accepted"], (case["name"], case["outcome"])
 
 
-def test_torchtitan_hsdp_ddp_and_unequal_stages():
-    hsdp = export_plan(_plan(tp=1, pp=1, dp=16, num_micro_batches=4, param_shard=4, grad_shard=4, optim_shard=4),
-                       model=MODEL, job=JOB, target="torchtitan")
-    par = tomllib.loads(hsdp.text)["parallelism"]
-    assert (par["data_parallel_replicate_degree"], par["data_parallel_shard_degree"]) == (4, 4)
-    ddp = tomllib.loads(export_plan(_plan(tp=1, pp=1, dp=16, num_micro_batches=4), model=MODEL, job=JOB,
-                                    target="torchtitan").text)
-    assert (ddp["parallelism"]["data_parallel_replicate_degree"], ddp["parallelism"]["data_parallel_shard_degree"]) == (16, 1)
-    # Without PP torchtitan accumulates: local batch is one micro-batch, global 64 = 1 x 16 DP x 4 steps.
-    assert ddp["training"]["local_batch_size"] == 1 and ddp["training"]["global_batch_size"] == 64
-    unequal = export_plan(_plan(pp=4, dp=2, num_micro_batches=32, stage_layers=(7, 9, 9, 7)), model=MODEL, job=JOB,
-                          target="torchtitan")
-    assert tomllib.loads(unequal.text)["parallelism"]["pipeline_parallel_split_points"] == ["layers.7", "layers.16", "layers.25"]
+def _flag_value_ok(spec: dict, value) -> bool:
+    if value is True:
+        return spec["nargs"] == 0
+    if spec["nargs"] == 0:
+        return False
+    if spec["choices"] is not None and str(value) not in spec["choices"]:
+        return False
+    kind = {"int": int, "float": float}.get(spec["type"], str)
+    kind(value)
+    return True
 
 
-def test_megatron_arguments():
-    plan = _plan(virtual_stages=2, schedule="interleaved-1f1b", sequence_parallel=True, optim_shard=4, recompute="selective")
-    out = export_plan(plan, model=MODEL, job=JOB, target="megatron")
-    args = _megatron_args(out.text)
-    assert args["--tensor-model-parallel-size"] == "2" and args["--pipeline-model-parallel-size"] == "2"
-    assert args["--num-layers-per-virtual-pipeline-stage"] == "8"
-    assert args["--micro-batch-size"] == "1" and args["--global-batch-size"] == "64"
-    assert args["--sequence-parallel"] is True and args["--use-distributed-optimizer"] is True
-    assert args["--recompute-granularity"] == "selective" and args["--num-query-groups"] == "8"
-    assert out.unsupported == ()
-    firstlast = _megatron_args(export_plan(_plan(pp=4, dp=2, num_micro_batches=32, stage_layers=(7, 9, 9, 7)),
-                                           model=MODEL, job=JOB, target="megatron").text)
-    assert firstlast["--decoder-first-pipeline-num-layers"] == "7" and firstlast["--decoder-last-pipeline-num-layers"] == "7"
-    ragged = export_plan(_plan(pp=4, dp=2, num_micro_batches=32, stage_layers=(8, 7, 9, 8)), model=MODEL, job=JOB,
-                         target="megatron")
-    assert any("unequal stages [8, 7, 9, 8]" in u for u in ragged.unsupported)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_megatron_exports_use_real_flags_and_pass_its_rules(case):
+    result = _export(case.build_plan(), "megatron", case.problem())
+    args, env = result.settings["args"], result.settings["env"]
+    for name, flags in FLAG_LISTS.items():
+        for flag, value in args.items():
+            assert flag in flags, f"{flag} is not a Megatron-LM {name} flag"
+            assert _flag_value_ok(flags[flag], value), (flag, value, flags[flag])
+    assert megatron_violations(args, world_size=case.gpus, env={k: v for k, v in env.items() if v}) == []
+    text = result.files["launch.sh"]
+    assert result.version in text and "<" not in text  # a version, and no placeholder a shell would redirect
+    assert f"--nproc-per-node 8 --nnodes {case.gpus // 8}" in text
 
 
-def test_deepspeed_json_batch_identity_and_zero_stage():
-    plan = _plan(tp=1, pp=1, dp=16, micro_batch=2, num_micro_batches=2, param_shard=1, grad_shard=16, optim_shard=16)
-    out = export_plan(plan, model=MODEL, job=JOB, target="deepspeed")
-    cfg = json.loads(out.text)
-    assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * 16
-    assert cfg["zero_optimization"]["stage"] == 2 and cfg["bf16"]["enabled"] is True
-    mics = json.loads(export_plan(_plan(tp=1, pp=1, dp=16, num_micro_batches=4, param_shard=8, grad_shard=8,
-                                        optim_shard=8, param_cache="secondary"), model=MODEL, job=JOB,
-                                  target="deepspeed").text)
-    assert mics["zero_optimization"]["mics_shard_size"] == 8 and "zero_hpz_partition_size" in mics["zero_optimization"]
+def test_megatron_model_flags_are_the_models():
+    args = _export(_plan(sequence_parallel=True, optim_shard=8), "megatron").settings["args"]
+    assert args["--rotary-base"] == 500000 and args["--position-embedding-type"] == "rope"
+    assert args["--attention-dropout"] == 0.0 == args["--hidden-dropout"]
+    assert args["--num-query-groups"] == 8 and args["--group-query-attention"] is True
+    assert args["--tokenizer-type"] == "NullTokenizer" and args["--vocab-size"] == 128256
+    # Megatron pads the vocabulary to a multiple of divisor x TP: 32 x 8 divides 128256, so no padding.
+    assert 128256 % (args["--make-vocab-size-divisible-by"] * 8) == 0
+    assert "--untie-embeddings-and-output-weights" in args and args["--weight-decay"] == 0.0
 
 
-def test_knobs_the_targets_cannot_express_are_listed():
-    # A Lins mixed point (parameters over 2, gradients and optimizer over 4), a MAZ3 host tier, commshift.
-    plan = _plan(param_shard=2, grad_shard=4, optim_shard=4, param_cache="host", commshift=True, schedule="gpipe")
+def test_megatron_sharding_and_its_environment():
+    zero1 = _export(_plan(optim_shard=8), "megatron").settings
+    assert "--use-distributed-optimizer" in zero1["args"] and zero1["env"] == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    partial = _export(_plan(optim_shard=4), "megatron").settings["args"]
+    assert partial["--num-distributed-optimizer-instances"] == 2
+    zero3 = _export(_plan(param_shard=8, grad_shard=8, optim_shard=8), "megatron").settings
+    assert zero3["args"]["--data-parallel-sharding-strategy"] == "optim_grads_params"
+    assert zero3["args"]["--ckpt-format"] == "fsdp_dtensor" and "--use-torch-fsdp2" not in zero3["args"]
+    assert zero3["env"] == {"CUDA_DEVICE_MAX_CONNECTIONS": ""}
+    # A Lins mix (4, 8, 8) is exported as the Megatron point that shards each state at least as much
+    # (never as the distributed optimizer, which would need far more memory), and says so.
+    mix = _export(_plan(param_shard=4, grad_shard=8, optim_shard=8), "megatron")
+    assert mix.expressed.shard_degrees == (8, 8, 8)
+    assert any("shard degrees (4, 8, 8)" in line and "ZeRO-3 (8, 8, 8)" in line for line in mix.cannot_express)
+
+
+def test_megatron_layout_expresses_every_stage_split():
+    unequal = Plan(dp=4, tp=8, pp=4, micro_batch=1, num_micro_batches=32, stage_layers=(19, 21, 21, 19))
+    assert pipeline_layout(unequal, 80) == "Et*19|t*21|t*21|t*19L"
+    interleaved = Plan(dp=1, pp=2, virtual_stages=2, schedule="interleaved-1f1b", micro_batch=1, num_micro_batches=8,
+                       stage_layers=(1, 3, 2, 2))
+    layout = pipeline_layout(interleaved, 8)
+    assert layout == "Et|t*3|t*2|t*2L" and [s.count("t") for s in parse_layout(layout)] == [1, 3, 2, 2]
+
+
+def test_torchtitan_settings():
+    interleaved = _export(Plan(dp=2, tp=8, pp=4, virtual_stages=2, schedule="interleaved-1f1b", micro_batch=1,
+                               num_micro_batches=32, optim_shard=2, sequence_parallel=True), "torchtitan")
+    par, training = interleaved.settings["parallelism"], interleaved.settings["training"]
+    parts = par["module_fqns_per_model_part"]
+    assert len(parts) == 8 and parts[0][:2] == ["tok_embeddings", "layers.0"] and parts[-1][-2:] == ["norm", "lm_head"]
+    assert [len([n for n in p if n.startswith("layers.")]) for p in parts] == [10] * 8
+    assert par["pipeline_parallel_schedule"] == "Interleaved1F1B" and training["disable_cuda_graphs"] is True
+    # ZeRO-1 runs as FSDP2 that keeps the gathered parameters until backward, said in one line.
+    assert par["fsdp_reshard_after_forward"] == "never" and interleaved.expressed.param_cache == "device"
+    assert training["local_batch_size"] * 2 == training["global_batch_size"] == 64
+    assert "Interleaved1F1B" in interleaved.files["planner_plan.py"] and interleaved.version in interleaved.files["launch.sh"]
+    hsdp = _export(_plan(param_shard=4, grad_shard=4, optim_shard=4), "torchtitan").settings["parallelism"]
+    assert (hsdp["data_parallel_replicate_degree"], hsdp["data_parallel_shard_degree"]) == (2, 4)
+    assert hsdp["fsdp_reshard_after_forward"] == "always" and hsdp["enable_sequence_parallel"] is False
+    ddp = _export(_plan(), "torchtitan").settings
+    assert (ddp["parallelism"]["data_parallel_shard_degree"], ddp["training"]["local_batch_size"]) == (1, 1)
+
+
+def test_torchtitan_refuses_what_it_would_reject_naming_the_closest_plan():
+    tied = make_problem(model="llama3.2-1b", hardware="h100", gpus=16, gpus_per_node=8, global_batch=64, seq_len=8192)
+    with pytest.raises(Refused, match=r"Weight tying is not supported with Pipeline Parallel.*closest plan it accepts "
+                                      r"is dp16 tp1 pp1 .*GiB per device"):
+        _export(Plan(dp=8, pp=2, micro_batch=1, num_micro_batches=8), "torchtitan", tied)
+    gpt = make_problem(model="gpt3-1.7b", hardware="a100", gpus=8, gpus_per_node=8, global_batch=8, seq_len=2048)
+    with pytest.raises(Refused, match="no gpt2 decoder"):
+        _export(Plan(dp=8), "torchtitan", gpt)
+    few = Plan(dp=16, pp=4, micro_batch=1, num_micro_batches=2)
+    with pytest.raises(Refused, match=r"Schedule1F1B needs at least as many micro-batches.*is dp16 tp1 pp4 mb1x2 gpipe"):
+        _export(few, "torchtitan", make_problem(model="llama3-8b", hardware="h100", gpus=64, gpus_per_node=8,
+                                                global_batch=32, seq_len=4096))
+
+
+def test_deepspeed_config_and_refusal():
+    zero2 = _export(_plan(grad_shard=8, optim_shard=8, micro_batch=2, num_micro_batches=4), "deepspeed")
+    config = zero2.settings["ds_config"]
+    assert config["train_batch_size"] == 2 * 4 * 8 and config["zero_optimization"]["stage"] == 2
+    assert config["optimizer"]["type"] == "Adam" and config["optimizer"]["params"]["adam_w_mode"] is False
+    assert config["tensor_parallel"] == {"autotp_size": 8}
+    assert json.loads(zero2.files["config.json"])["rope_theta"] == 500000.0
+    hsdp = _export(_plan(param_shard=4, grad_shard=4, optim_shard=4, param_cache="secondary"), "deepspeed")
+    zero = hsdp.settings["ds_config"]["zero_optimization"]
+    assert zero["stage"] == 3 and zero["zero_hpz_partition_size"] == 1 and "mics_shard_size" not in zero
+    with pytest.raises(Refused, match=r"ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism.*closest plan "
+                                      r"it accepts is dp4 tp8 pp2 mb1x16 1f1b rc=none zero1"):
+        _export(Plan(dp=4, tp=8, pp=2, micro_batch=1, num_micro_batches=16, sequence_parallel=True, param_shard=4,
+                     grad_shard=4, optim_shard=4), "deepspeed")
+
+
+def test_knobs_a_target_cannot_express_are_one_line_each_from_the_knob_table():
+    plan = _plan(pp=1, param_shard=8, grad_shard=8, optim_shard=8, prefetch_depth=3, param_cache="host",
+                 bucket_size_bytes=100 * 2**20, recompute_layers=("full",) * 60 + ("none",) * 20)
     for target in ("torchtitan", "megatron", "deepspeed"):
-        unsupported = " | ".join(export_plan(plan, model=MODEL, job=JOB, target=target).unsupported)
-        assert "shard degrees (2, 4, 4)" in unsupported, target
-        assert "commshift" in unsupported and "host" in unsupported, target
-    assert any("gpipe" in u for u in export_plan(plan, model=MODEL, job=JOB, target="megatron").unsupported)
+        result = _export(plan, target)
+        lines = " | ".join(result.cannot_express)
+        assert "param_cache='host'" in lines and "MAZ3 tier" in lines, target
+        assert "per-layer (60 full, 20 none)" in lines and "'full'" in lines, target
+        assert result.expressed.recompute == "full" and result.expressed.param_cache == "none"
+        assert all("\n" not in line for line in result.cannot_express)
+    # Megatron has no prefetch depth and torchtitan's FSDP2 no buckets; DeepSpeed has both.
+    assert "prefetch_depth=3" in " ".join(_export(plan, "megatron").cannot_express)
+    assert "bucket_size_bytes" in " ".join(_export(plan, "torchtitan").cannot_express)
+    assert not any("prefetch" in line or "bucket" in line for line in _export(plan, "deepspeed").cannot_express)
+    commshift = Plan(dp=8, pp=2, micro_batch=1, num_micro_batches=8, optim_shard=8, commshift=True)
+    problem = make_problem(model="llama3-8b", hardware="h100", gpus=16, gpus_per_node=8, global_batch=64, seq_len=4096)
+    for target in ("torchtitan", "megatron", "deepspeed"):
+        result = _export(commshift, target, problem)
+        assert any(line.startswith("commshift=True") for line in result.cannot_express)
+        assert result.expressed.commshift is False
+
+
+def test_targets_are_named_in_any_case_and_unknown_ones_refused():
+    assert _export(_plan(), "Megatron").target == "megatron"
     with pytest.raises(PlannerError, match="--to must be one of torchtitan, megatron, deepspeed"):
-        export_plan(plan, model=MODEL, job=JOB, target="jax")
+        _export(_plan(), "jax")
+    assert short(("full",) * 20 + ("none",) * 12) == "per-layer (20 full, 12 none)"
+
+
+def test_gradient_reduction_dtype_is_expressed_as_each_target_can():
+    """reduce_fp32 (fp32 gradient accumulation and reduction under bf16): Megatron's default unless
+    --grad-reduce-in-bf16; torchtitan reduces in float32 only; DeepSpeed accumulates in fp32 only on ZeRO-1."""
+    bf16, fp32 = _plan(optim_shard=8), _plan(optim_shard=8, reduce_fp32=True)
+    args = _export(bf16, "megatron").settings["args"]
+    assert args["--grad-reduce-in-bf16"] is True and args["--ddp-bucket-size"] == bf16.bucket_size_bytes // 2
+    args = _export(fp32, "megatron").settings["args"]
+    assert "--grad-reduce-in-bf16" not in args and args["--ddp-bucket-size"] == fp32.bucket_size_bytes // 4
+    titan = _export(bf16, "torchtitan")
+    assert titan.expressed.reduce_fp32 and any(line.startswith("reduce_fp32=False") for line in titan.cannot_express)
+    assert titan.settings["training"]["mixed_precision_reduce"] == "float32"
+    assert not any("reduce_fp32" in line for line in _export(fp32, "torchtitan").cannot_express)
+    zero1 = _export(fp32, "deepspeed")
+    assert zero1.expressed.reduce_fp32 and zero1.settings["ds_config"]["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert zero1.settings["ds_config"]["communication_data_type"] == "fp32"
+    zero2 = _export(_plan(grad_shard=8, optim_shard=8, reduce_fp32=True), "deepspeed")
+    assert not zero2.expressed.reduce_fp32 and "data_types" not in zero2.settings["ds_config"]
+    assert any(line.startswith("reduce_fp32=True") for line in zero2.cannot_express)

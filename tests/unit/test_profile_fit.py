@@ -164,7 +164,7 @@ def test_the_full_recomputation_point_gives_the_checkpoint_overhead() -> None:
     assert "recompute_overhead_s" not in fit_overheads(model, hw, points)
 
 
-def test_probes_calibrate_a_cpu_profile_and_are_only_recorded_on_cuda() -> None:
+def test_probes_calibrate_a_cpu_profile_and_a_cuda_one_without_the_per_op_term() -> None:
     import dataclasses
 
     from specs.model import resolve_model
@@ -179,8 +179,10 @@ def test_probes_calibrate_a_cpu_profile_and_are_only_recorded_on_cuda() -> None:
     assert cpu.calibration["op_overhead_s"] == pytest.approx(3e-5, rel=0.05)
     assert cpu.calibration["comm_overlap_efficiency"] == -0.4
     assert len(cpu.layer_probe) == len(points) and cpu.overlap_probe == overlap
+    # On CUDA the kernel queue hides dispatch: o stays 0 and c alone absorbs the layer's measured time.
     gpu = with_layer_probe(dataclasses.replace(PRESETS["h100"], layer_probe=points, overlap_probe=overlap), model=model)
-    assert gpu.calibration == PRESETS["h100"].calibration and len(gpu.layer_probe) == len(points)
+    assert gpu.calibration["op_overhead_s"] == 0.0 and gpu.calibration["compute_time_scale"] > 0
+    assert gpu.calibration["comm_overlap_efficiency"] == -0.4 and len(gpu.layer_probe) == len(points)
 
 
 def test_intra_node_shapes_are_measured_on_every_copy_at_once() -> None:

@@ -3,6 +3,8 @@ point on a slow inter-node link, the MAZ3 tier ILP against brute force, each tie
 Commshift moving the last micro-batch's reduce-scatter and all-reduce off the critical path."""
 
 import dataclasses
+
+from cost_models.memory import ALLOCATOR_FRAGMENTATION
 import itertools
 import random
 
@@ -169,7 +171,9 @@ def test_cache_tiers_priced_as_the_engine_runs_them():
     # device: one kept copy per layer (all layers of the chunk in flight at the peak), no backward gather.
     extra = priced["device"].breakdown["param_cache_bytes"]
     assert extra == pytest.approx(LLAMA8.num_layers * layer_bytes)
-    assert priced["device"].peak_memory_bytes - priced["none"].peak_memory_bytes == pytest.approx(extra, rel=1e-6)
+    # The kept copies come and go with the step: the allocator's fragmentation share rides on them too.
+    grown = extra * (1 + ALLOCATOR_FRAGMENTATION)
+    assert priced["device"].peak_memory_bytes - priced["none"].peak_memory_bytes == pytest.approx(grown, rel=1e-6)
     # secondary: the node's 8 ranks of the 16-rank group each keep 1/8.
     assert priced["secondary"].breakdown["param_cache_bytes"] == pytest.approx(extra / 8)
     # host: nothing on the device, the copy in host memory.
@@ -199,7 +203,9 @@ def test_cache_cost_inputs_match_the_estimate():
     job = Job(global_batch=64, seq_len=4096)
     inputs = cache_cost_inputs(plan, model=LLAMA8, cluster=cluster, job=job)
     layer_bytes = est.layer_params_per_device(LLAMA8, tp=1) * 2
-    assert inputs.device_bytes["device"] == layer_bytes and inputs.host_bytes["host"] == layer_bytes
+    # What the estimate charges a kept copy on a GPU: the layer and the allocator's fragmentation share.
+    assert inputs.device_bytes["device"] == pytest.approx(layer_bytes * (1 + ALLOCATOR_FRAGMENTATION))
+    assert inputs.host_bytes["host"] == layer_bytes
     assert inputs.fetch_s["none"] == pytest.approx(est.collective_time_s(
         cluster, collective="all_gather", size_bytes=layer_bytes, group_size=16, stride=1))
     assert inputs.chunk_layers == (LLAMA8.num_layers,)
@@ -209,7 +215,7 @@ def test_search_mixes_tiers_per_layer_when_memory_allows_only_some_copies():
     """Room for about half the layers' device copies: the ILP keeps some layers on the device and the
     rest gathered again or in a cheaper tier; the mix beats every uniform tier that fits."""
     model = dataclasses.replace(LLAMA8, num_layers=8)
-    job = Job(global_batch=16, seq_len=1024)
+    job = Job(global_batch=16, seq_len=1024, memory_headroom=0.0)
     probe = Cluster(num_nodes=2, devices_per_node=8, hardware=_slow_inter_node())
     plan = Plan(dp=16, num_micro_batches=1, param_shard=16, grad_shard=16, optim_shard=16)
     plain = estimate(plan, model=model, cluster=probe, job=job)
@@ -241,7 +247,12 @@ def test_commshift_moves_the_last_reduce_scatter_and_all_reduce():
     for c in chunks:
         assert c.comm.rs_s > 0 and c.reduce_s > 0
         assert c.shift_reduce_s == pytest.approx(c.comm.rs_s + c.reduce_s)
-        assert c.shift_backward_s == pytest.approx(c.backward_s - c.comm.rs_last_s - max(0.0, 0.0))
+        # Without its reduce-scatter the last backward loses the exposed last bucket and the hideable
+        # rest's toll on the compute beside it (the SMs it holds, see estimate._overlap).
+        e = costs.overlap_efficiency_backward
+        with_rs = est._overlap(c.backward_compute_s, c.comm.bwd_rest_s + c.comm.rs_hideable_s, cluster, efficiency=e)
+        without_rs = est._overlap(c.backward_compute_s, c.comm.bwd_rest_s, cluster, efficiency=e)
+        assert c.shift_backward_s == pytest.approx(c.backward_s - c.comm.rs_last_s - (with_rs - without_rs))
     without = estimate(plan, model=LLAMA8, cluster=cluster, job=job)
     shifted = estimate(plan.replace(commshift=True), model=LLAMA8, cluster=cluster, job=job)
     assert shifted.step_time_s < without.step_time_s

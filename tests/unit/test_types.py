@@ -107,3 +107,29 @@ def test_hardware_profile_round_trip(tmp_path):
     with pytest.raises(PlannerError, match="missing key 'memory_bytes'"):
         resolve_hardware(str(path))
     assert isinstance(Hardware.from_dict(HW["cpu"].to_dict()), Hardware)
+
+
+def test_plan_file_round_trips_and_checks_its_keys_exactly(tmp_path):
+    from specs.hardware import PRESETS as HARDWARE
+    from specs.planfile import HardwareSource, PlanFile, hardware_source, read_plan_json
+    from specs.problem import make_problem
+
+    problem = make_problem(model="llama3-8b", hardware="h100", gpus=16, gpus_per_node=8, global_batch=64, seq_len=4096)
+    plan = Plan(dp=8, pp=2, micro_batch=1, num_micro_batches=8, optim_shard=8, recompute_layers=("full",) * 32)
+    original = PlanFile(plan=plan, model=problem.model, job=problem.job, cluster=problem.cluster,
+                        hardware_source=hardware_source("h100"), engine="megatron", estimate={"step_time_s": 1.0})
+    path = tmp_path / "plan.json"
+    original.save(path)
+    assert read_plan_json(path) == original
+    data = original.to_dict()
+    for key, value, message in (("bogus", 1, "unknown key 'bogus'"), ("engine", "jax", "engine must be one of"),
+                                ("format", "planner-plan/0", "is not 'planner-plan/1'"),
+                                ("cluster", {"num_devices": 8, "devices_per_node": 8}, "but the cluster has 8")):
+        with pytest.raises(PlannerError, match=message):
+            PlanFile.from_dict({**data, key: value})
+    with pytest.raises(PlannerError, match="missing key 'hardware'"):
+        PlanFile.from_dict({k: v for k, v in data.items() if k != "hardware"})
+    profile = tmp_path / "profile.json"
+    HARDWARE["cpu"].save(profile)
+    source = hardware_source(str(profile))
+    assert source.sha256 is not None and len(source.sha256) == 64 and HardwareSource("h100").sha256 is None

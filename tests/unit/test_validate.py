@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 from types import SimpleNamespace
 
@@ -10,7 +11,7 @@ import pytest
 
 from specs.errors import PlannerError
 from cost_models.estimate import estimate
-from planner.reports import Agreement, ValidationRow, kendall_tau
+from planner.reports import Agreement, ValidationReport, ValidationRow, kendall_tau
 from planner.validate import ValidateSettings, build_report, candidate_plans, measure, write_scatter_png
 from specs.plan import Plan
 from runners.launch import RunFailed
@@ -55,6 +56,11 @@ def test_agreement_by_hand():
     assert Agreement.of([]).mape is None
     # The JSON form round-trips, derived fields included for readers and ignored on the way back.
     assert ValidationRow.from_dict(rows[0].to_dict()) == rows[0] and rows[0].to_dict()["step_time_error"] == -0.2
+    # So does a whole report, as `planner calibrate --measurements` reads `planner validate --out`.
+    report = ValidationReport(model="tiny", hardware="cpu", hardware_name="cpu", calibration={}, nproc=4, cluster=None,
+                              global_batch=16, seq_len=64, precision="fp32", steps=4, rounds=1, timing_rounds=0,
+                              plans=tuple(rows))
+    assert ValidationReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
 
 
 def test_candidates_span_the_knobs_without_duplicates():

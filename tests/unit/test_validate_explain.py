@@ -84,3 +84,35 @@ def test_measured_metrics_of_another_plan_are_refused(tmp_path):
     path.write_text(json.dumps({"steps": []}))
     with pytest.raises(PlannerError, match="expected a `planner run --metrics-out` file"):
         load_measured(str(path), plan)
+
+
+def test_critical_rank_ends_last_and_the_busiest_is_named_apart():
+    problem = make_problem(model="llama3-8b", hardware="h100", gpus=16, gpus_per_node=8, global_batch=32, seq_len=8192)
+    plan = Plan(dp=2, tp=2, pp=4, virtual_stages=2, schedule="interleaved-1f1b", micro_batch=1, num_micro_batches=16,
+                sequence_parallel=True, optim_shard=2)
+    ex = explain(plan, problem)
+    busy = [sum(s.end_s - s.start_s for s in ex.spans if s.rank == r and s.kind != "R") for r in range(4)]
+    ends = [ex.compute_end_s[r] + sum(ex.tails_s[r]) for r in range(4)]
+    assert ex.busiest_rank == busy.index(max(busy)) == 3  # the last stage also computes the head and loss
+    assert ends[ex.critical_rank] == pytest.approx(max(ends))
+    text = "\n".join(breakdown_lines(ex))
+    assert f"critical pipeline rank {ex.critical_rank}" in text and "busiest rank 3" in text
+
+
+def test_the_picture_has_a_lane_per_kind_of_communication(tmp_path):
+    from planner.explain_picture import lanes_of, rank_bars
+
+    problem = make_problem(model="llama3-8b", hardware="h100", gpus=16, gpus_per_node=8, global_batch=32, seq_len=8192)
+    zero3 = explain(Plan(dp=4, tp=2, pp=2, micro_batch=1, num_micro_batches=8, sequence_parallel=True, param_shard=4,
+                         grad_shard=4, optim_shard=4), problem)
+    assert lanes_of(zero3) == ["tp", "gather", "reduce", "p2p"]
+    bars = rank_bars(zero3, 0)
+    kinds = {b.lane for b in bars}
+    assert kinds == {"compute", "tp", "gather", "reduce", "p2p"}
+    # Each forward and backward is labelled with its micro-batch; rank 0's forwards send to rank 1.
+    labels = [b.label for b in bars if b.label]
+    assert labels.count("F0") == 1 and labels.count("B7") == 1
+    assert sum(b.lane == "p2p" for b in bars) == 8
+    ddp = explain(Plan(dp=16, micro_batch=1, num_micro_batches=2), problem)
+    assert lanes_of(ddp) == ["reduce"]
+    write_timeline_png(zero3, str(tmp_path / "z3.png"))

@@ -1,0 +1,87 @@
+"""How each training engine runs a plan: the kernels it launches and how it overlaps communication.
+
+The same plan costs different time in different engines: Megatron-LM fuses its elementwise kernels
+and (with Transformer Engine) hides tensor-parallel communication behind GEMMs and reduces fp32 main
+gradients; torchtitan (FSDP2) runs eager PyTorch with SDPA and reduces in fp32; llm-foundry's Composer
+(FSDP1) the same with FlashAttention-2; the Megatron-LM of SC21 (2021) and the Megatron-DeepSpeed of
+BLOOM (2022) predate FlashAttention and materialise the attention scores. `estimate(..., engine=...)`
+prices a plan as one of these runs it; "ours" is this project's engine (runners/). Each field is a
+mechanism, set from the engine's documentation and source, never fitted to measured runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specs.planfile import ENGINES as ENGINE_NAMES
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    name: str
+    description: str
+    # The attention core: "flash3" (FlashAttention-3 / cuDNN fused attention on Hopper, FlashAttention-2
+    # elsewhere), "flash2" (FlashAttention-2 everywhere), "materialized" (scores, softmax and dropout
+    # in HBM), or "by-arch" (this project's engine on CPU: llama fused, gpt2 materialised).
+    attention: str
+    # Megatron's fused kernels: LayerNorm/RMSNorm, bias-GeLU / SwiGLU, bias-dropout-add, RoPE in one pass
+    # each; otherwise eager PyTorch with a kernel (and a round trip through HBM) per op.
+    fused_elementwise: bool
+    # Share of tensor-parallel communication hidden behind GEMMs (Transformer Engine's userbuffer
+    # overlap, Megatron --tp-comm-overlap): 0 when every TP collective waits in line.
+    tp_comm_hidden: float
+    # Gradients are reduced in fp32 (Megatron's fp32 main gradients, torchtitan's FSDP2 reduce_dtype),
+    # which doubles the DP reduction bytes of bf16 training.
+    reduce_fp32: bool
+    # Megatron keeps an fp32 main-gradient buffer of every local parameter (not sharded by the
+    # distributed optimizer): 4 bytes per parameter where bf16 gradients take 2.
+    main_grads_fp32: bool
+    # The DP gradient reduction waits until the pipeline has drained (DeepSpeed's pipeline engine),
+    # instead of overlapping each bucket with the remaining backward.
+    reduce_after_pipeline: bool = False
+    # GPT layers with Megatron's hidden dropout (its default 0.1): the bias-dropout-add writes a mask.
+    gpt_dropout: bool = True
+    # Gradients stay whole on every rank until the accumulation boundary and are reduce-scattered once
+    # there (Megatron's distributed optimizer, DeepSpeed ZeRO-1/2), where sharded gradients (this
+    # engine, FSDP) are reduce-scattered after every micro-batch.
+    reduce_scatter_once: bool = False
+    # The DP reduction runs on its own process group's NCCL stream (Megatron's overlapped grad reduce,
+    # FSDP), so a pipeline send never queues behind it; this project's engine issues both on one ordered
+    # stream, the wait Commshift removes.
+    reduce_beside_sends: bool = False
+
+
+ENGINES: dict[str, EngineModel] = {e.name: e for e in (
+    EngineModel("ours", "this project's engine (runners/): eager PyTorch, SDPA attention, bf16 reduction",
+                attention="by-arch", fused_elementwise=False, tp_comm_hidden=0.0, reduce_fp32=False,
+                main_grads_fp32=False),
+    EngineModel("megatron", "Megatron-LM / NeMo with Transformer Engine (2024+): fused kernels, cuDNN fused "
+                "attention, TP communication overlap, distributed optimizer with fp32 main gradients",
+                attention="flash3", fused_elementwise=True, tp_comm_hidden=0.8, reduce_fp32=True,
+                main_grads_fp32=True, reduce_scatter_once=True, reduce_beside_sends=True),
+    EngineModel("megatron-sc21", "Megatron-LM of Narayanan et al., SC21 (2021): fused kernels, attention "
+                "scores materialised, no TP overlap, fp32 main gradients all-reduced after the pipeline schedule",
+                attention="materialized", fused_elementwise=True, tp_comm_hidden=0.0, reduce_fp32=True,
+                main_grads_fp32=True, reduce_after_pipeline=True, reduce_scatter_once=True),
+    EngineModel("deepspeed", "Megatron-DeepSpeed (BLOOM, 2022): Megatron's fused kernels and materialised "
+                "attention, DeepSpeed's pipeline engine reducing gradients after the pipeline drains",
+                attention="materialized", fused_elementwise=True, tp_comm_hidden=0.0, reduce_fp32=True,
+                main_grads_fp32=True, reduce_after_pipeline=True, reduce_scatter_once=True),
+    EngineModel("torchtitan", "torchtitan (FSDP2, eager, SDPA attention, fp32 gradient reduction)",
+                attention="flash3", fused_elementwise=False, tp_comm_hidden=0.0, reduce_fp32=True,
+                main_grads_fp32=False, reduce_beside_sends=True),
+    EngineModel("fsdp", "PyTorch FSDP1 with FlashAttention-2 (llm-foundry / Composer), eager elementwise",
+                attention="flash2", fused_elementwise=False, tp_comm_hidden=0.0, reduce_fp32=False,
+                main_grads_fp32=False, gpt_dropout=False, reduce_beside_sends=True),
+)}
+
+if tuple(ENGINES) != ENGINE_NAMES:  # the names are declared once, in specs (a plan file records its engine)
+    raise RuntimeError(f"cost_models.engines prices {tuple(ENGINES)} but specs.planfile names {ENGINE_NAMES}")
+
+
+def engine_model(name: str) -> EngineModel:
+    from specs.errors import PlannerError
+
+    if name not in ENGINES:
+        raise PlannerError(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")
+    return ENGINES[name]

@@ -1,0 +1,157 @@
+"""A plan as a DeepSpeed 0.19.8 config (ds_config.json), the model as an HF config (config.json, which the
+training script builds its model from) and a `deepspeed` launch script.
+
+DeepSpeed takes the model and the pipeline in code (PipelineModule(num_stages=...), AutoTP), so the
+JSON holds what it has keys for: the batch (train_batch_size = micro x accumulation x DP),
+zero_optimization (stage 0-3, reduce_bucket_size, overlap_comm, the stage-3 prefetch bucket and ZeRO++
+hpZ: the MAZ3 secondary tier), bf16/fp16, the optimizer (Adam with adam_w_mode false: DeepSpeed turns
+"Adam" into AdamW otherwise), AutoTP's tensor_parallel.autotp_size, activation_checkpointing, and the
+pipeline block (stages, activation checkpoint interval).
+
+Refused (DeepSpeed would reject them): ZeRO-2/3 with pipeline parallelism ("ZeRO-2 and ZeRO-3 are
+incompatible with pipeline parallelism", runtime/pipe/engine.py). Not exported: MiCS (its keys are
+rejected since 0.19.7), so an HSDP point becomes ZeRO-3 over all of DP.
+"""
+
+from __future__ import annotations
+
+import json
+
+from specs.plan import Plan, zero_degrees
+from planner.exports.common import (Export, ExportContext, cover_sharding, dp_ranks_per_node, knob_table_gaps,
+                                    launch_header, refuse, sharding_name, uniform_recompute)
+
+VERSION = "DeepSpeed 0.19.8 (PyPI, 2026-10)"
+
+
+def export_deepspeed(plan: Plan, ctx: ExportContext) -> Export:
+    problem = ctx.problem
+    if plan.pp > 1 and plan.grad_shard > 1:
+        zero1 = plan.replace(**dict(zip(("param_shard", "grad_shard", "optim_shard"), zero_degrees(1, plan.dp))),
+                             param_cache="none")
+        raise refuse("deepspeed", VERSION, "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism",
+                     express(zero1, problem.model.num_layers, problem.job.precision)[0], ctx)
+    expressed, lines = express(plan, problem.model.num_layers, problem.job.precision)
+    config = ds_config(expressed, ctx)
+    files = {"ds_config.json": json.dumps(config, indent=2) + "\n",
+             "config.json": json.dumps(hf_config(problem.model), indent=2) + "\n",
+             "launch.sh": _launch_script(expressed, ctx)}
+    notes = ["the training script is yours: build the model from config.json (transformers' AutoConfig), "
+             "call deepspeed.initialize(config='ds_config.json'); with pipeline parallelism wrap the layers in "
+             f"PipelineModule(num_stages={expressed.pp}, partition_method='uniform') and call engine.train_batch()"]
+    if expressed.tp > 1:
+        notes.append(f"tensor parallelism is AutoTP training (tensor_parallel.autotp_size = {expressed.tp}): "
+                     "DeepSpeed shards the HF model's linear layers itself")
+    return Export(target="deepspeed", version=VERSION, files=files, main="ds_config.json", expressed=expressed,
+                  cannot_express=tuple(lines), notes=tuple(notes), settings={"ds_config": config})
+
+
+def express(plan: Plan, num_layers: int, precision: str) -> tuple[Plan, list[str]]:
+    """The plan as DeepSpeed runs it, and one line per knob it cannot express."""
+    dp = plan.dp
+    changes, lines = knob_table_gaps(plan, "deepspeed")
+    recompute, recompute_lines = uniform_recompute(plan, "deepspeed")
+    changes.update(recompute)
+    lines += recompute_lines
+    lines += _pipeline_gaps(plan, num_layers, changes)
+    points = [zero_degrees(level, dp) for level in range(4)]
+    chosen = cover_sharding(plan, points)
+    if chosen != plan.shard_degrees:
+        changes.update(zip(("param_shard", "grad_shard", "optim_shard"), chosen))
+        lines.append(f"{sharding_name(plan.shard_degrees, dp)}: DeepSpeed shards by ZeRO stage over all of DP (MiCS "
+                     f"was removed in 0.19.7); exported as {sharding_name(chosen, dp)}")
+    if chosen[0] == 1 and changes.get("param_cache", plan.param_cache) != "none":
+        changes["param_cache"] = "none"
+    if plan.reduce_fp32 and precision != "fp32" and not (precision == "bf16" and dp > 1 and chosen == zero_degrees(1, dp)):
+        # Only ZeRO-1 under bf16 takes grad_accum_dtype fp32 (its BF16_Optimizer); ZeRO-2/3 keep gradients in
+        # the model's dtype and a run without ZeRO refuses the mix (engine._do_optimizer_sanity_check).
+        changes["reduce_fp32"] = False
+        lines.append(f"reduce_fp32=True: DeepSpeed accumulates {precision} gradients in fp32 only under ZeRO-1 with "
+                     f"bf16; exported with {precision} gradient reduction")
+    return plan.replace(**changes), lines
+
+
+def _pipeline_gaps(plan: Plan, num_layers: int, changes: dict) -> list[str]:
+    """DeepSpeed's pipeline engine runs 1F1B over equal stages, one chunk per rank (TrainSchedule,
+    PipelineModule's uniform partition)."""
+    lines = []
+    if plan.pp == 1:
+        return lines
+    if plan.virtual_stages > 1:
+        changes.update(virtual_stages=1, schedule="1f1b", stage_layers=None)
+        lines.append(f"virtual_stages={plan.virtual_stages}: DeepSpeed's pipeline has one stage per rank; exported as "
+                     f"1F1B without interleaving")
+    elif plan.schedule != "1f1b":
+        changes["schedule"] = "1f1b"
+        lines.append(f"schedule={plan.schedule!r}: DeepSpeed's pipeline engine runs 1F1B (TrainSchedule); exported as 1F1B")
+    counts = plan.chunk_layer_counts(num_layers)
+    if plan.stage_layers is not None and len(set(counts)) > 1 and "stage_layers" not in changes:
+        changes["stage_layers"] = None
+        lines.append(f"stage_layers={list(counts)}: PipelineModule partitions by layer count ('uniform'); exported "
+                     f"as an even split")
+    return lines
+
+
+def ds_config(plan: Plan, ctx: ExportContext) -> dict:
+    """The DeepSpeed config dict of the (expressed) plan."""
+    problem, job = ctx.problem, ctx.problem.job
+    element_bytes = 4 if job.precision == "fp32" else 2
+    config: dict = {"train_batch_size": job.global_batch, "train_micro_batch_size_per_gpu": plan.micro_batch,
+                    "gradient_accumulation_steps": plan.num_micro_batches,
+                    # DeepSpeed runs "Adam" as AdamW unless adam_w_mode is false; the job's optimizer is Adam.
+                    "optimizer": {"type": "Adam", "params": {"lr": 3e-4, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                             "weight_decay": 0.0, "adam_w_mode": False}},
+                    "gradient_clipping": 0.0}
+    if job.precision in ("bf16", "fp16"):
+        config[job.precision] = {"enabled": True}
+    stage = plan.zero_level if plan.dp > 1 else 0
+    if plan.reduce_fp32 and job.precision == "bf16":  # express() keeps it only on ZeRO-1 (its BF16_Optimizer)
+        config.update({"data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"})
+        element_bytes = 4
+    zero: dict = {"stage": stage, "overlap_comm": plan.dp > 1, "contiguous_gradients": True,
+                  "reduce_bucket_size": max(1, plan.bucket_size_bytes // element_bytes)}
+    if stage == 3:
+        from cost_models.memory import layer_params_per_device
+
+        zero["stage3_prefetch_bucket_size"] = max(1, plan.prefetch_depth) * int(layer_params_per_device(problem.model,
+                                                                                                        tp=plan.tp))
+        if plan.param_cache == "secondary":
+            zero["zero_hpz_partition_size"] = dp_ranks_per_node(plan, problem)
+    config["zero_optimization"] = zero
+    if plan.tp > 1:
+        config["tensor_parallel"] = {"autotp_size": plan.tp}
+    if plan.recompute != "none":
+        config["activation_checkpointing"] = {"partition_activations": plan.tp > 1,
+                                              "contiguous_memory_optimization": False, "cpu_checkpointing": False}
+    if plan.pp > 1:
+        config["pipeline"] = {"stages": plan.pp, "partition": "uniform",
+                              "activation_checkpoint_interval": 1 if plan.recompute == "full" else 0}
+    return config
+
+
+def hf_config(model) -> dict:
+    """The model as an HF transformers config.json (llama or gpt2), the model definition DeepSpeed scripts load."""
+    if model.arch == "llama":
+        return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": model.hidden_size,
+                "intermediate_size": model.ffn_hidden_size, "num_hidden_layers": model.num_layers,
+                "num_attention_heads": model.num_heads, "num_key_value_heads": model.num_kv_heads,
+                "head_dim": model.head_dim, "vocab_size": model.vocab_size,
+                "max_position_embeddings": model.max_seq_len, "rope_theta": model.rope_theta, "rope_scaling": None,
+                "rms_norm_eps": model.norm_eps, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+                "attention_dropout": 0.0, "tie_word_embeddings": model.tied_embeddings}
+    return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": model.hidden_size,
+            "n_layer": model.num_layers, "n_head": model.num_heads, "n_inner": model.ffn_hidden_size,
+            "n_positions": model.max_seq_len, "vocab_size": model.vocab_size, "activation_function": "gelu",
+            "layer_norm_epsilon": model.norm_eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+            "tie_word_embeddings": model.tied_embeddings}
+
+
+def _launch_script(plan: Plan, ctx: ExportContext) -> str:
+    cluster = ctx.problem.cluster
+    lines = launch_header(VERSION, plan, ctx.problem)
+    lines += ["# train.py is your training script (see the notes); HOSTFILE lists the nodes as 'host slots=N'.",
+              'cd "$(dirname "$0")"']
+    hosts = "" if cluster.num_nodes == 1 else '--hostfile "${HOSTFILE:-hostfile}" '
+    lines.append(f"deepspeed {hosts}--num_nodes {cluster.num_nodes} --num_gpus {cluster.devices_per_node} "
+                 f"train.py --deepspeed --deepspeed_config ds_config.json --model-config config.json")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,275 @@
+"""A plan as a torchtitan 0.3.0 config module (a function returning its `Trainer.Config`) and its launch script.
+
+torchtitan 0.3.0 (PyPI, the release/0.3 branch) has no TOML: a run is a Python function with no
+arguments returning `Trainer.Config`, picked with `--module M --config F`, and its dataclasses reject
+unknown fields. The module written here holds the whole model (a `Llama3Model.Config` built from
+torchtitan's public helpers with the plan's model's shape) and every plan knob torchtitan has:
+
+- parallelism: data_parallel_replicate_degree x data_parallel_shard_degree = dp (FSDP2 over the shard
+  axis, HSDP when both exceed 1), fsdp_reshard_after_forward ("always": ZeRO-3; "never": parameters
+  kept gathered from forward to backward, the MAZ3 device tier, and how torchtitan runs ZeRO-1/2-like
+  plans, since its FSDP2 always shards parameters at rest), tensor_parallel_degree,
+  enable_sequence_parallel, pipeline_parallel_degree, pipeline_parallel_schedule (GPipe, 1F1B,
+  Interleaved1F1B), pipeline_parallel_microbatch_size and module_fqns_per_model_part (the plan's exact
+  chunks: torchtitan's layers_per_stage counts the embedding and the head as layers, so it cannot say
+  "40 layers per stage"), context and expert parallel degrees 1;
+- training: local_batch_size, global_batch_size (gradient accumulation), seq_len, mixed precision,
+  disable_cuda_graphs (required with pipeline parallelism);
+- activation_checkpoint: None, SelectiveAC (per-op) or FullAC; the optimizer: Adam as the job's.
+
+Refused (torchtitan would reject them): GPT-2 models (torchtitan has no such decoder), tied embeddings
+with pipeline parallelism, and 1F1B with fewer micro-batches than stages (torch's Schedule1F1B).
+"""
+
+from __future__ import annotations
+
+from specs.plan import Plan
+from planner.exports.common import (Export, ExportContext, Refused, cover_sharding, dp_ranks_per_node, knob_table_gaps,
+                                    launch_header, refuse, sharding_name, uniform_recompute)
+
+VERSION = "torchtitan 0.3.0 (PyPI; the release/0.3 branch, 2026-08)"
+MODULE = "planner_plan"
+SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B"}
+
+
+def export_torchtitan(plan: Plan, ctx: ExportContext) -> Export:
+    _refuse_what_torchtitan_rejects(plan, ctx)
+    changes, lines = knob_table_gaps(plan, "torchtitan")
+    recompute, recompute_lines = uniform_recompute(plan, "torchtitan")
+    changes.update(recompute)
+    lines += recompute_lines
+    if recompute["recompute"] == "selective":
+        lines.append("recompute='selective' (the attention core): torchtitan's selective AC is per op (it saves the "
+                     "matmul and attention outputs and recomputes the rest); exported as SelectiveAC")
+    shard_changes, shard_lines = _sharding(plan, changes.get("param_cache", plan.param_cache))
+    changes.update(shard_changes)
+    lines += shard_lines
+    if ctx.problem.job.precision == "fp16":
+        lines.append("precision fp16: torchtitan trains in bfloat16 or float32; exported as bfloat16")
+    if ctx.problem.job.precision != "fp32" and not plan.reduce_fp32:
+        changes["reduce_fp32"] = True
+        lines.append("reduce_fp32=False: torchtitan reduces gradients in float32 only (training.mixed_precision_reduce); "
+                     "exported with fp32 gradient reduction")
+    expressed = plan.replace(**changes)
+    settings = _settings(expressed, ctx)
+    files = {f"{MODULE}.py": config_module(expressed, ctx, settings), "launch.sh": _launch_script(expressed, ctx)}
+    notes = ["attention: FlexAttention with torchtitan's per-document (block-causal) masks; the planner's engine "
+             "masks causally over the whole sequence",
+             "hf_assets_path must hold a tokenizer of the model's vocabulary (torchtitan's "
+             "scripts/download_hf_assets.py); the data is torchtitan's c4 loader"]
+    return Export(target="torchtitan", version=VERSION, files=files, main=f"{MODULE}.py", expressed=expressed,
+                  cannot_express=tuple(lines), notes=tuple(notes), settings=settings)
+
+
+def _refuse_what_torchtitan_rejects(plan: Plan, ctx: ExportContext) -> None:
+    model, job = ctx.problem.model, ctx.problem.job
+    if model.arch != "llama":
+        raise Refused(f"{VERSION} has no {model.arch} decoder (LayerNorm, learned positions, GELU, biases); "
+                      f"export {model.name} to megatron or deepspeed")
+    if model.tied_embeddings and plan.pp > 1:
+        dp = plan.dp * plan.pp
+        micro_batch = plan.micro_batch if job.global_batch % (dp * plan.micro_batch) == 0 else 1
+        closest = plan.replace(pp=1, dp=dp, virtual_stages=1, schedule="1f1b", stage_layers=None, commshift=False,
+                               micro_batch=micro_batch, num_micro_batches=job.global_batch // (dp * micro_batch),
+                               **_scaled_shards(plan, dp))
+        raise refuse("torchtitan", VERSION, "Weight tying is not supported with Pipeline Parallel",
+                     export_torchtitan(closest, ctx).expressed, ctx)
+    if plan.pp > 1 and plan.schedule == "1f1b" and plan.num_micro_batches < plan.pp:
+        raise refuse("torchtitan", VERSION, f"torch's Schedule1F1B needs at least as many micro-batches as stages, "
+                     f"got {plan.num_micro_batches} for {plan.pp}", plan.replace(schedule="gpipe"), ctx)
+
+
+def _scaled_shards(plan: Plan, dp: int) -> dict:
+    """The plan's sharding point on a DP group of `dp` (ZeRO stages stay stages; group sizes are kept)."""
+    level = plan.zero_level
+    if level is not None:
+        from specs.plan import zero_degrees
+
+        return dict(zip(("param_shard", "grad_shard", "optim_shard"), zero_degrees(level, dp)))
+    return {"param_shard": plan.param_shard, "grad_shard": plan.grad_shard, "optim_shard": plan.optim_shard}
+
+
+def _sharding(plan: Plan, cache) -> tuple[dict, list[str]]:
+    """torchtitan's FSDP2/HSDP shards parameters, gradients and optimizer states over one axis together:
+    the plan's point, or the covering one (each at least as sharded), with the device tier for "never"."""
+    dp, mine = plan.dp, plan.shard_degrees
+    points = [(g, g, g) for g in range(1, dp + 1) if dp % g == 0]
+    chosen = cover_sharding(plan, points)
+    changes = dict(zip(("param_shard", "grad_shard", "optim_shard"), chosen))
+    if chosen == mine:
+        return changes, []
+    lines = []
+    if mine[0] == 1:
+        # Parameters were replicated: keep the gathered copy from forward to backward ("never").
+        changes["param_cache"] = "device"
+        lines.append(f"{sharding_name(mine, dp)}: torchtitan's FSDP2 also shards parameters at rest; exported as "
+                     f"{sharding_name(chosen, dp)} with fsdp_reshard_after_forward = \"never\" (parameters gathered once "
+                     f"per micro-batch and kept until its backward)")
+    else:
+        lines.append(f"{sharding_name(mine, dp)}: torchtitan shards parameters, gradients and optimizer states over "
+                     f"one group; exported as {sharding_name(chosen, dp)}")
+    if cache not in ("none", "device"):
+        changes["param_cache"] = "none"
+    return changes, lines
+
+
+def _settings(plan: Plan, ctx: ExportContext) -> dict:
+    """torchtitan's own field values (config sections -> field -> value) for the plan."""
+    model, job = ctx.problem.model, ctx.problem.job
+    g = plan.param_shard
+    parallelism: dict = {"data_parallel_replicate_degree": plan.dp // g, "data_parallel_shard_degree": g,
+                         "fsdp_reshard_after_forward": "never" if plan.param_cache == "device" else "always",
+                         "tensor_parallel_degree": plan.tp, "enable_sequence_parallel": plan.sequence_parallel,
+                         "pipeline_parallel_degree": plan.pp, "context_parallel_degree": 1,
+                         "expert_parallel_degree": 1}
+    training: dict = {"global_batch_size": job.global_batch, "seq_len": job.seq_len,
+                      "mixed_precision_param": "float32" if job.precision == "fp32" else "bfloat16",
+                      "mixed_precision_reduce": "float32"}
+    if plan.pp > 1:
+        parallelism.update({"pipeline_parallel_schedule": SCHEDULES[plan.schedule],
+                            "pipeline_parallel_microbatch_size": plan.micro_batch,
+                            "module_fqns_per_model_part": module_fqns(plan, model.num_layers)})
+        # The pipeline runs all of a step's micro-batches of a DP rank in one local batch.
+        training.update({"local_batch_size": plan.micro_batch * plan.num_micro_batches, "disable_cuda_graphs": True})
+    else:
+        # Without a pipeline torchtitan accumulates global / (local x DP) micro-batches.
+        training["local_batch_size"] = plan.micro_batch
+    recompute = {"none": None, "selective": "SelectiveAC", "full": "FullAC"}[plan.recompute]
+    return {"parallelism": parallelism, "training": training, "activation_checkpoint": recompute,
+            "model": {"dim": model.hidden_size, "n_layers": model.num_layers, "n_heads": model.num_heads,
+                      "n_kv_heads": model.num_kv_heads, "ffn_dim": model.ffn_hidden_size, "vocab_size": model.vocab_size,
+                      "enable_weight_tying": model.tied_embeddings, "rope_theta": model.rope_theta,
+                      "norm_eps": model.norm_eps,
+                      "rope_max_seq_len": max(model.max_seq_len, job.seq_len)},
+            "world_size": ctx.problem.cluster.num_devices, "dp_ranks_per_node": dp_ranks_per_node(plan, ctx.problem)}
+
+
+def module_fqns(plan: Plan, num_layers: int) -> list[list[str]]:
+    """torchtitan's module names per model part, chunk by chunk (chunk c on pipeline rank c % pp, the
+    "loop" order of its Interleaved1F1B): the embedding on the first, the final norm and head on the last."""
+    parts = []
+    ranges = plan.chunk_layer_ranges(num_layers)
+    for c, layers in enumerate(ranges):
+        names = [f"layers.{i}" for i in layers]
+        if c == 0:
+            names.insert(0, "tok_embeddings")
+        if c == len(ranges) - 1:
+            names += ["norm", "lm_head"]
+        parts.append(names)
+    return parts
+
+
+_MODULE_TEMPLATE = '''"""planner export for {version}.
+
+plan as exported: {describe}
+{model_name} on {devices} x {hardware} ({nodes} node(s) of {per_node}), global batch {global_batch} x {seq_len} tokens.
+Run with launch.sh (torchtitan's own entry point: -m torchtitan.train --module {module} --config {module}).
+"""
+
+from functools import partial
+
+import torch.nn as nn
+
+from torchtitan.components.loss import CrossEntropyLoss
+from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+from torchtitan.config import ParallelismConfig, TrainingConfig
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+from torchtitan.distributed.pipeline_parallel import pipeline_llm
+from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+from torchtitan.models.common.config_utils import get_attention_config, make_ffn_config, make_gqa_config
+from torchtitan.models.common.param_init import depth_scaled_std
+from torchtitan.models.llama3 import parallelize_llama
+from torchtitan.models.llama3.model import Llama3Model, Llama3TransformerBlock
+from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+from torchtitan.protocols.model_spec import ModelSpec
+from torchtitan.trainer import Trainer
+
+# The model: {model_name} as the planner defines it (RoPE base {rope_theta:g} without scaling, RMSNorm, SwiGLU,
+# no biases).
+DIM, N_LAYERS, N_HEADS, N_KV_HEADS, FFN_DIM, VOCAB = {dim}, {n_layers}, {n_heads}, {n_kv_heads}, {ffn_dim}, {vocab}
+TIED, ROPE_THETA, ROPE_MAX_SEQ_LEN, NORM_EPS = {tied}, {rope_theta!r}, {rope_max_seq_len}, {norm_eps!r}
+
+
+def _init(std: float) -> dict:
+    return {{"weight": partial(nn.init.trunc_normal_, std=std), "bias": nn.init.zeros_}}
+
+
+def _layer(layer_id: int, rope: ComplexRoPE.Config) -> Llama3TransformerBlock.Config:
+    # torchtitan's llama3 initialisation: std 0.02, depth-scaled for the output projections.
+    return Llama3TransformerBlock.Config(
+        attention_norm=RMSNorm.Config(normalized_shape=DIM, eps=NORM_EPS),
+        ffn_norm=RMSNorm.Config(normalized_shape=DIM, eps=NORM_EPS),
+        attention=make_gqa_config(dim=DIM, n_heads=N_HEADS, n_kv_heads=N_KV_HEADS, fuse_qkv=True, rope=rope,
+                                  inner_attention=get_attention_config("flex"), wqkv_param_init=_init(0.02),
+                                  wo_param_init=_init(depth_scaled_std(0.02, layer_id))),
+        feed_forward=make_ffn_config(dim=DIM, hidden_dim=FFN_DIM, w1_param_init=_init(0.02),
+                                     w2w3_param_init=_init(depth_scaled_std(0.02, layer_id))),
+    )
+
+
+def model_config() -> Llama3Model.Config:
+    rope = ComplexRoPE.Config(dim=DIM // N_HEADS, max_seq_len=ROPE_MAX_SEQ_LEN, theta=ROPE_THETA, scaling="none")
+    return Llama3Model.Config(
+        dim=DIM, vocab_size=VOCAB, enable_weight_tying=TIED,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM),
+        norm=RMSNorm.Config(normalized_shape=DIM, eps=NORM_EPS),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB),
+        layers=[_layer(i, rope) for i in range(N_LAYERS)],
+    )
+
+
+def {module}() -> Trainer.Config:
+    spec = ModelSpec(name="llama3", flavor={flavor!r}, model=model_config(), parallelize_fn=parallelize_llama,
+                     pipelining_fn=pipeline_llm, post_optimizer_build_fn=None,
+                     state_dict_adapter=Llama3StateDictAdapter)
+    return Trainer.Config(
+        model_spec=spec,
+        hf_assets_path="./assets/hf/Llama-3.1-8B",  # a tokenizer of VOCAB tokens
+        loss=CrossEntropyLoss.Config(global_vocab_size=VOCAB),
+        optimizer=OptimizersContainer.Config(param_groups=[ParamGroupConfig(
+            pattern=r".*", optimizer_name="Adam",
+            optimizer_kwargs={{"lr": 3e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}})]),
+        dataloader=HuggingFaceTextDataLoader.Config(dataset="c4"),
+        training=TrainingConfig(
+{training}
+        ),
+        parallelism=ParallelismConfig(
+{parallelism}
+        ),
+        activation_checkpoint={activation_checkpoint},
+    )
+'''
+
+
+def _fields(values: dict, indent: int) -> str:
+    pad = " " * indent
+    return "\n".join(f"{pad}{key}={value!r}," for key, value in values.items())
+
+
+def config_module(plan: Plan, ctx: ExportContext, settings: dict) -> str:
+    """The Python source of the config module (torchtitan loads it with --module/--config)."""
+    problem, m = ctx.problem, settings["model"]
+    checkpoint = settings["activation_checkpoint"]
+    return _MODULE_TEMPLATE.format(
+        version=VERSION, describe=plan.describe(), model_name=problem.model.name, devices=problem.cluster.num_devices,
+        hardware=problem.cluster.hardware.name, nodes=problem.cluster.num_nodes,
+        per_node=problem.cluster.devices_per_node, global_batch=problem.job.global_batch, seq_len=problem.job.seq_len,
+        module=MODULE, dim=m["dim"], n_layers=m["n_layers"], n_heads=m["n_heads"], n_kv_heads=m["n_kv_heads"],
+        ffn_dim=m["ffn_dim"], vocab=m["vocab_size"], tied=m["enable_weight_tying"], rope_theta=m["rope_theta"],
+        rope_max_seq_len=m["rope_max_seq_len"], norm_eps=m["norm_eps"], flavor=f"planner-{problem.model.name}",
+        training=_fields(settings["training"], 12), parallelism=_fields(settings["parallelism"], 12),
+        activation_checkpoint="None" if checkpoint is None else f"{checkpoint}.Config()")
+
+
+def _launch_script(plan: Plan, ctx: ExportContext) -> str:
+    cluster = ctx.problem.cluster
+    lines = launch_header(VERSION, plan, ctx.problem)
+    lines += ["# Needs torchtitan 0.3.0 (pip install torchtitan==0.3.0) and this folder's planner_plan.py; run on every",
+              "# node with MASTER_ADDR and MASTER_PORT set (torchtitan's run_train.sh starts the same command).",
+              'export PYTHONPATH="$(cd "$(dirname "$0")" && pwd)${PYTHONPATH:+:$PYTHONPATH}"',
+              'export PYTORCH_ALLOC_CONF="expandable_segments:True"',
+              f"torchrun --nproc-per-node {cluster.devices_per_node} --nnodes {cluster.num_nodes} --rdzv-backend c10d "
+              f'--rdzv-endpoint "${{MASTER_ADDR:-localhost}}:${{MASTER_PORT:-29500}}" --local-ranks-filter 0 '
+              f"--role rank --tee 3 \\\n    -m torchtitan.train --module {MODULE} --config {MODULE}"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,375 @@
+"""Published measured training runs (benchmarks/published/) priced by the cost model.
+
+    planner validate --published                       # the repo's set, every row with use=yes
+    planner validate --published runs.csv --format json
+
+Each row is a run a paper, an engine's README or a benchmark page reports with its parallel layout,
+batch and measured throughput (columns in benchmarks/published/SOURCES.md). A row becomes the model,
+cluster, job and plan it describes, priced as its engine runs it (`engine` of cost_models.estimate),
+and its measured throughput becomes a step time: tokens per second per GPU directly, TFLOP/s per GPU
+through the FLOP count the source states it used (`FLOP_CONVENTIONS`).
+
+Agreement (planner.reports.Agreement's definitions, over the rows priced):
+  mape              mean |predicted - measured| / measured over all rows
+  kendall_tau       Kendall's tau-b between predicted and measured seconds per token (rows differ in batch
+                    and sequence length, so throughput is what compares them) within each group of rows of
+                    one model on one cluster (same GPU type and count), averaged over the groups with at
+                    least three rows
+  regret            per group, the measured seconds per token of the row the model ranks fastest over the
+                    group's fastest measured row, minus 1; the worst group is reported (and the mean)
+  loso_mape         leave-one-source-out: the hardware's free efficiency parameters fitted on every other
+                    source (planner/calibrate.py's least squares), then the held-out source's MAPE; the
+                    mean over sources
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+import statistics
+
+import numpy as np
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from planner.reports import kendall_tau
+from specs.cluster import Cluster
+from specs.errors import PlannerError
+from specs.hardware import PRESETS as HARDWARE, LinkSpec
+from specs.job import Job
+from specs.model import ModelSpec
+from specs.plan import Plan, check_plan, zero_degrees
+from cost_models.engines import ENGINES
+
+PUBLISHED_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "published"
+DEFAULT_CSV = PUBLISHED_DIR / "dense_runs.csv"
+
+# The CSV's hardware labels and the presets they are priced on.
+HARDWARE_OF = {"a100-40gb": "a100-40gb", "a100-80gb": "a100", "h100-sxm": "h100", "h200": "h200"}
+# Each source's engine and the engine the cost model prices it as (cost_models.estimate ENGINES).
+ENGINE_OF = {"megatron": "megatron", "nemo": "megatron", "deepspeed": "deepspeed",
+             "llm-foundry/composer-fsdp": "fsdp", "torchtitan": "torchtitan"}
+# How a source counts the FLOPs behind a TFLOP/s figure: "model" (forward + 2x backward, attention over the
+# full square, logits included, no recomputation: Megatron's num_floating_point_operations, Narayanan et
+# al. 2021 without the recompute term) or "hardware" (the same plus the recomputed forward of every layer
+# under full recomputation: Megatron-DeepSpeed's and SC21's 96 B s l h^2 (...) count).
+FLOP_CONVENTIONS = {"megatron_readme_h100": "model", "bloom_tr11_prequel": "hardware", "bloom_tr11_readme": "hardware"}
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One priced row: the problem and plan it describes, the engine that ran it, what it measured."""
+
+    source_id: str
+    label: str
+    group: str  # model on cluster: rows of one group are ranked against each other
+    hardware: str  # the source's label (a100-40gb, h100-sxm, ...)
+    model: ModelSpec
+    cluster: Cluster
+    job: Job
+    plan: Plan
+    engine: str
+    measured_step_time_s: float
+    measured_peak_memory_bytes: float | None = None
+
+
+@dataclass(frozen=True)
+class PublishedRow:
+    """A priced row's prediction beside its measurement."""
+
+    source_id: str
+    label: str
+    group: str
+    hardware: str
+    predicted_step_time_s: float
+    measured_step_time_s: float
+    tokens_per_step: int = 1
+
+    @property
+    def predicted_s_per_token(self) -> float:
+        return self.predicted_step_time_s / self.tokens_per_step
+
+    @property
+    def measured_s_per_token(self) -> float:
+        return self.measured_step_time_s / self.tokens_per_step
+
+    @property
+    def error(self) -> float:
+        return self.predicted_step_time_s / self.measured_step_time_s - 1
+
+
+@dataclass(frozen=True)
+class PublishedReport:
+    num_rows: int
+    mape: float
+    kendall_tau: float | None
+    regret: float | None  # the worst group's
+    mean_regret: float | None
+    loso_mape: float | None
+    per_source: dict[str, dict[str, float]] = field(default_factory=dict)
+    rows: tuple[PublishedRow, ...] = ()
+    skipped: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["rows"] = [{**dataclasses.asdict(r), "error": r.error} for r in self.rows]
+        return out
+
+
+# --- loading --------------------------------------------------------------------------------------------
+def _int(row: dict, key: str, default: int | None = None) -> int:
+    value = (row.get(key) or "").strip()
+    if not value:
+        if default is None:
+            raise PlannerError(f"column {key!r} is empty")
+        return default
+    return int(float(value))
+
+
+def _model(row: dict) -> ModelSpec:
+    name = (row.get("model") or "").strip()
+    if name:
+        # A user's runs file names the model as `planner search --model` does: a preset or a config.json.
+        from specs.model import resolve_model
+
+        return resolve_model(name)
+    arch = row["arch"] if row["arch"] in ("llama", "gpt2") else "gpt2"
+    hidden, heads = _int(row, "hidden_size"), _int(row, "num_heads")
+    seq = _int(row, "seq_len")
+    ffn = _int(row, "ffn_hidden_size", 4 * hidden)
+    return ModelSpec(name=row["model_name"], arch=arch, num_layers=_int(row, "num_layers"), hidden_size=hidden,
+                     num_heads=heads, num_kv_heads=_int(row, "num_kv_heads", heads), ffn_hidden_size=ffn,
+                     vocab_size=_int(row, "vocab_size", 50257), max_seq_len=max(seq, 2048),
+                     tied_embeddings=arch == "gpt2")
+
+
+def _cluster(row: dict, hardware=None) -> Cluster:
+    if hardware is None:
+        if row.get("hardware") not in HARDWARE_OF:
+            raise PlannerError(f"hardware {row.get('hardware')!r} has no preset")
+        hardware = HARDWARE[HARDWARE_OF[row["hardware"]]]
+    gbit = (row.get("inter_node_gbit_per_gpu") or "").strip()
+    if gbit:
+        link = LinkSpec(bandwidth_bytes_per_s=float(gbit) * 1e9 / 8, latency_s=hardware.inter_node.latency_s)
+        hardware = dataclasses.replace(hardware, inter_node=link)
+    gpus = _int(row, "num_gpus")
+    per_node = min(gpus, _int(row, "gpus_per_node", 8))
+    return Cluster(num_nodes=gpus // per_node, devices_per_node=per_node, hardware=hardware)
+
+
+def _shards(sharding: str, dp: int, engine: str) -> tuple[int, int, int]:
+    sharding = sharding.strip().lower()
+    if sharding.startswith("zero3") or sharding == "full_shard":
+        return zero_degrees(3, dp)
+    if sharding == "zero2":
+        return zero_degrees(2, dp)
+    if sharding == "zero1":
+        return zero_degrees(1, dp)
+    if sharding == "distributed-optimizer" or (sharding == "" and engine == "megatron"):
+        # Megatron's distributed optimizer (NeMo's default): gradients reduce-scattered, optimizer sharded.
+        return zero_degrees(2, dp)
+    return zero_degrees(0, dp)
+
+
+def _plan(row: dict, engine: str) -> Plan:
+    tp, pp, dp = _int(row, "tp", 1), _int(row, "pp", 1), _int(row, "dp")
+    vp = _int(row, "virtual_stages", 1)
+    micro_batch = _int(row, "micro_batch", 1)
+    global_batch = _int(row, "global_batch", micro_batch * dp)
+    if global_batch % (dp * micro_batch):
+        raise PlannerError(f"global batch {global_batch} is not a multiple of dp x micro-batch {dp} x {micro_batch}")
+    # Megatron-based engines turn sequence parallelism on with TP (NeMo's and the README's runs say so).
+    sp = row.get("sequence_parallel", "").strip().lower()
+    sequence_parallel = tp > 1 and (sp == "true" or (sp == "" and engine == "megatron"))
+    recompute = (row.get("recompute") or "").strip().lower() or "none"
+    recompute = recompute if recompute in ("none", "selective", "full") else "full"
+    s_p, s_g, s_os = _shards(row.get("sharding", ""), dp, engine)
+    return Plan(dp=dp, tp=tp, pp=pp, virtual_stages=vp, micro_batch=micro_batch,
+                num_micro_batches=global_batch // (dp * micro_batch),
+                schedule="interleaved-1f1b" if vp > 1 else "1f1b", recompute=recompute,
+                sequence_parallel=sequence_parallel, param_shard=s_p, grad_shard=s_g, optim_shard=s_os)
+
+
+def _measured_step_time_s(row: dict, *, model: ModelSpec, job: Job, plan: Plan, num_gpus: int) -> float:
+    from cost_models.compute import model_flops_per_step
+
+    if (row.get("step_time_s") or "").strip():
+        return float(row["step_time_s"])
+    metric, value = row["measured_metric"], float(row["measured_value"])
+    tokens = job.global_batch * job.seq_len
+    if metric == "tokens_per_s_per_gpu":
+        return tokens / (value * num_gpus)
+    if metric == "tflops_per_gpu":
+        convention = FLOP_CONVENTIONS.get(row["source_id"])
+        if convention is None:
+            raise PlannerError(f"source {row['source_id']} reports TFLOP/s with no known FLOP convention")
+        policies = (plan.recompute,) * model.num_layers if convention == "hardware" else None
+        flops = model_flops_per_step(model, global_batch=job.global_batch, seq_len=job.seq_len,
+                                     recompute_layers=policies)
+        return flops / (value * 1e12 * num_gpus)
+    raise PlannerError(f"unknown measured_metric {metric!r}")
+
+
+def _run(row: dict, *, hardware=None) -> PublishedRun:
+    engine_name = (row.get("engine") or "").strip()
+    engine = ENGINE_OF.get(engine_name, engine_name if engine_name in ENGINES else None)
+    if engine is None:
+        raise PlannerError(f"engine {engine_name!r} has no pricing; engines: {', '.join(ENGINES)}")
+    model, cluster = _model(row), _cluster(row, hardware)
+    plan = _plan(row, engine)
+    precision = (row.get("precision") or "bf16").strip() or "bf16"
+    job = Job(global_batch=plan.global_batch, seq_len=_int(row, "seq_len"), precision=precision)
+    check_plan(plan, model=model, num_devices=cluster.num_devices, job=job)
+    measured = _measured_step_time_s(row, model=model, job=job, plan=plan, num_gpus=cluster.num_devices)
+    if not measured > 0:
+        raise PlannerError(f"measured step time must be positive, got {measured}")
+    source = (row.get("source_id") or "").strip() or "runs"
+    label_hw = row.get("hardware") or cluster.hardware.name
+    group = f"{model.name} on {cluster.num_devices} x {label_hw} ({source})"
+    label = f"{model.name} {cluster.num_devices}x{label_hw} {plan.describe()}"
+    peak = (row.get("peak_memory_gib") or "").strip()
+    return PublishedRun(source_id=source, label=label, group=group, hardware=label_hw, model=model,
+                        cluster=cluster, job=job, plan=plan, engine=engine, measured_step_time_s=measured,
+                        measured_peak_memory_bytes=float(peak) * 1024**3 if peak else None)
+
+
+def load_published(path: str | Path = DEFAULT_CSV, *, hardware=None,
+                   strict: bool = False) -> tuple[list[PublishedRun], list[str]]:
+    """The rows marked use=yes (or with no use column) as runs, and a line for each such row that cannot
+    be priced; `hardware` prices every row on that profile instead of the row's preset; `strict` raises
+    on the first bad row instead (a user's own runs file)."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PlannerError(f"cannot read runs file {path}: {exc}") from None
+    reader = csv.DictReader(line for line in lines if not line.startswith("#"))
+    runs, skipped = [], []
+    try:
+        for i, row in enumerate(reader, 1):
+            if None in row or None in row.values():
+                raise PlannerError(f"{path}: row {i} does not have the header's columns")
+            if (row.get("use") or "yes").strip() != "yes":
+                continue
+            try:
+                runs.append(_run(row, hardware=hardware))
+            except (PlannerError, ValueError, KeyError) as exc:
+                why = f"missing column {exc}" if isinstance(exc, KeyError) else str(exc)
+                if strict:
+                    raise PlannerError(f"{path}: row {i}: {why}") from None
+                skipped.append(f"row {i} ({row.get('source_id') or row.get('model')}, {row.get('model_name', '')}): {why}")
+    except csv.Error as exc:
+        raise PlannerError(f"{path} is not a readable CSV: {exc}") from None
+    if not runs:
+        raise PlannerError(f"{path}: no row could be priced" + (f" ({skipped[0]})" if skipped else ""))
+    return runs, skipped
+
+
+# --- pricing and agreement -----------------------------------------------------------------------------
+def price(run: PublishedRun, *, hardware=None, calibration: dict[str, float] | None = None) -> float:
+    """Predicted step time of `run` as its engine runs it, on its cluster (or `hardware` with the run's
+    inter-node link), with `calibration` merged into the hardware's."""
+    from cost_models.estimate import estimate
+
+    hw = run.cluster.hardware if hardware is None else dataclasses.replace(
+        hardware, inter_node=run.cluster.hardware.inter_node)
+    if calibration:
+        hw = dataclasses.replace(hw, calibration={**hw.calibration, **calibration})
+    cluster = dataclasses.replace(run.cluster, hardware=hw)
+    return estimate(run.plan, model=run.model, cluster=cluster, job=run.job, engine=run.engine).step_time_s
+
+
+def _groups(rows: list[PublishedRow]) -> dict[str, list[PublishedRow]]:
+    out: dict[str, list[PublishedRow]] = {}
+    for r in rows:
+        out.setdefault(r.group, []).append(r)
+    return out
+
+
+def agreement(rows: list[PublishedRow]) -> dict:
+    """mape, the mean within-group Kendall tau, and the worst and mean within-group regret."""
+    taus, regrets = [], []
+    for members in _groups(rows).values():
+        if len(members) >= 3:
+            tau = kendall_tau([r.predicted_s_per_token for r in members], [r.measured_s_per_token for r in members])
+            if tau is not None:
+                taus.append(tau)
+        if len(members) >= 2:
+            pick = min(members, key=lambda r: r.predicted_s_per_token)
+            best = min(members, key=lambda r: r.measured_s_per_token)
+            regrets.append(pick.measured_s_per_token / best.measured_s_per_token - 1)
+    return {"mape": statistics.fmean(abs(r.error) for r in rows),
+            "kendall_tau": statistics.fmean(taus) if taus else None,
+            "regret": max(regrets) if regrets else None,
+            "mean_regret": statistics.fmean(regrets) if regrets else None}
+
+
+def validate_published(path: str | Path = DEFAULT_CSV, *, loso: bool = True) -> PublishedReport:
+    """Price every usable row of `path` and report the agreement (module docstring)."""
+    runs, skipped = load_published(path)
+    curves = _scale_curves(runs) if loso else None
+    predicted = curves[:, LOSO_SCALES.index(1.0)] if curves is not None else [price(r) for r in runs]
+    rows = [PublishedRow(r.source_id, r.label, r.group, r.hardware, float(t), r.measured_step_time_s,
+                         r.job.tokens_per_step) for r, t in zip(runs, predicted)]
+    per_source = {}
+    for source in sorted({r.source_id for r in rows}):
+        mine = [r for r in rows if r.source_id == source]
+        per_source[source] = {"num_rows": len(mine), "mape": statistics.fmean(abs(r.error) for r in mine),
+                              "mean_error": statistics.fmean(r.error for r in mine)}
+    loso_mape = None
+    if curves is not None:
+        loso_mape, held = leave_one_source_out(runs, curves)
+        for source, value in held.items():
+            per_source[source]["loso_mape"] = value
+    stats = agreement(rows)
+    return PublishedReport(num_rows=len(rows), mape=stats["mape"], kendall_tau=stats["kendall_tau"],
+                           regret=stats["regret"], mean_regret=stats["mean_regret"], loso_mape=loso_mape,
+                           per_source=per_source, rows=tuple(rows), skipped=tuple(skipped))
+
+
+# The compute_time_scale values each row is priced at for the leave-one-source-out fit; between them the
+# step time is interpolated (log-log), which is exact at 1.0 (the datasheet prediction).
+LOSO_SCALES = (0.7, 0.85, 1.0, 1.2, 1.45, 1.75)
+_FINE_SCALES = np.geomspace(LOSO_SCALES[0], LOSO_SCALES[-1], 241)
+
+
+def _scale_curves(runs: list[PublishedRun]) -> np.ndarray:
+    """Predicted step time of every run (rows) at every LOSO_SCALES compute_time_scale (columns)."""
+    return np.array([[price(r, calibration={"compute_time_scale": c}) for c in LOSO_SCALES] for r in runs])
+
+
+def _at_scale(curves: np.ndarray, scale: float) -> np.ndarray:
+    logs = np.log(LOSO_SCALES)
+    return np.exp(np.array([np.interp(math.log(scale), logs, np.log(row)) for row in curves]))
+
+
+def fit_compute_scale(curves: np.ndarray, measured: np.ndarray) -> float:
+    """The compute_time_scale (within LOSO_SCALES' range) that minimises the squared relative errors of
+    these rows: the one free parameter the leave-one-source-out check fits per hardware type."""
+    logs, fine = np.log(LOSO_SCALES), np.log(_FINE_SCALES)
+    predicted = np.exp(np.array([np.interp(fine, logs, np.log(row)) for row in curves]))  # rows x fine
+    errors = ((predicted - measured[:, None]) / measured[:, None]) ** 2
+    return float(_FINE_SCALES[int(np.argmin(errors.sum(axis=0)))])
+
+
+def leave_one_source_out(runs: list[PublishedRun], curves: np.ndarray) -> tuple[float | None, dict[str, float]]:
+    """(mean over sources, per source) of the MAPE on each source's rows after fitting the hardware's
+    free compute parameter (compute_time_scale, one per hardware type) on every other source's rows of
+    that hardware type; a hardware type no other source measured keeps its datasheet value."""
+    measured = np.array([r.measured_step_time_s for r in runs])
+    kinds = [r.cluster.hardware.name for r in runs]
+    sources = sorted({r.source_id for r in runs})
+    if len(sources) < 2:
+        return None, {}
+    held_mape = {}
+    for source in sources:
+        errors = []
+        for kind in sorted({k for k, r in zip(kinds, runs) if r.source_id == source}):
+            train = [i for i, r in enumerate(runs) if r.source_id != source and kinds[i] == kind]
+            test = [i for i, r in enumerate(runs) if r.source_id == source and kinds[i] == kind]
+            scale = fit_compute_scale(curves[train], measured[train]) if train else 1.0
+            predicted = _at_scale(curves[test], scale)
+            errors.extend(np.abs(predicted - measured[test]) / measured[test])
+        held_mape[source] = float(np.mean(errors))
+    return statistics.fmean(held_mape.values()), held_mape

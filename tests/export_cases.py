@@ -1,0 +1,72 @@
+"""A dozen plans every exporter is tested on (tests/unit/test_export.py, and through the targets' own
+config code in tests/integration/test_exports_accepted.py): dense 8B to 405B, pipelines with equal,
+unequal and interleaved stages, DDP, ZeRO-1/2/3 and HSDP, TP with and without SP, recomputation, a Lins
+mix, MAZ3 tiers and commshift, a tied-embedding model and a GPT-3 model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specs.plan import Plan, zero_degrees
+from specs.problem import Problem, make_problem
+
+
+@dataclass(frozen=True)
+class ExportCase:
+    name: str
+    model: str
+    gpus: int
+    global_batch: int
+    seq_len: int
+    plan: dict
+    hardware: str = "h100"
+    precision: str | None = None
+    # Targets expected to refuse the plan (the message names the closest plan they accept).
+    refused_by: tuple[str, ...] = ()
+
+    def problem(self) -> Problem:
+        return make_problem(model=self.model, hardware=self.hardware, gpus=self.gpus, gpus_per_node=8,
+                            global_batch=self.global_batch, seq_len=self.seq_len, precision=self.precision)
+
+    def build_plan(self) -> Plan:
+        values = dict(self.plan)
+        zero = values.pop("zero", None)
+        if zero is not None:
+            values.update(zip(("param_shard", "grad_shard", "optim_shard"), zero_degrees(zero, values["dp"])))
+        return Plan(**values)
+
+
+CASES = (
+    ExportCase("1b-ddp", "llama3.2-1b", 8, 64, 8192, dict(dp=8, micro_batch=1, num_micro_batches=8, recompute="full")),
+    ExportCase("8b-zero1", "llama3-8b", 16, 64, 4096, dict(dp=16, micro_batch=1, num_micro_batches=4, zero=1,
+                                                          recompute="full")),
+    ExportCase("8b-tp8-sp-zero2", "llama3-8b", 64, 128, 8192, dict(dp=8, tp=8, micro_batch=2, num_micro_batches=8,
+                                                                  sequence_parallel=True, zero=2)),
+    ExportCase("70b-fsdp-tp8", "llama3-70b", 64, 64, 4096, dict(dp=8, tp=8, micro_batch=1, num_micro_batches=8,
+                                                               sequence_parallel=True, zero=3, recompute="full")),
+    ExportCase("70b-pp4-equal", "llama3-70b", 256, 256, 4096,
+               dict(dp=8, tp=8, pp=4, micro_batch=1, num_micro_batches=32, sequence_parallel=True, zero=1,
+                    recompute="selective")),
+    ExportCase("70b-pp4-unequal", "llama3-70b", 128, 128, 4096,
+               dict(dp=4, tp=8, pp=4, micro_batch=1, num_micro_batches=32, stage_layers=(19, 21, 21, 19), zero=1)),
+    ExportCase("70b-pp4-interleaved", "llama3-70b", 64, 64, 4096,
+               dict(dp=2, tp=8, pp=4, virtual_stages=2, schedule="interleaved-1f1b", micro_batch=1,
+                    num_micro_batches=32, sequence_parallel=True, zero=1, recompute="selective")),
+    ExportCase("405b-pp8-interleaved", "llama3-405b", 1024, 512, 8192,
+               dict(dp=16, tp=8, pp=8, virtual_stages=2, schedule="interleaved-1f1b", micro_batch=1,
+                    num_micro_batches=32, sequence_parallel=True, zero=1, recompute="full")),
+    ExportCase("405b-hsdp", "llama3-405b", 1024, 1024, 4096,
+               dict(dp=128, tp=8, micro_batch=1, num_micro_batches=8, sequence_parallel=True, param_shard=8,
+                    grad_shard=8, optim_shard=8, recompute="full")),
+    ExportCase("70b-lins-mix", "llama3-70b", 64, 64, 4096,
+               dict(dp=8, tp=8, micro_batch=1, num_micro_batches=8, sequence_parallel=True, param_shard=4,
+                    grad_shard=8, optim_shard=8, param_cache="host", recompute="full")),
+    ExportCase("8b-pp2-zero3-maz3-commshift", "llama3-8b", 16, 64, 8192,
+               dict(dp=8, pp=2, micro_batch=1, num_micro_batches=8, zero=3, param_cache="device", commshift=True,
+                    recompute="full"), refused_by=("deepspeed",)),
+    ExportCase("1b-tied-pp2", "llama3.2-1b", 16, 64, 8192, dict(dp=8, pp=2, micro_batch=1, num_micro_batches=8,
+                                                               zero=1), refused_by=("torchtitan",)),
+    ExportCase("gpt3-175b-pp8", "gpt3-175b", 512, 512, 2048,
+               dict(dp=8, tp=8, pp=8, micro_batch=1, num_micro_batches=64, sequence_parallel=True, zero=1,
+                    recompute="full", schedule="gpipe"), hardware="a100", refused_by=("torchtitan",)),
+)
