@@ -182,8 +182,9 @@ class Trainer:
 
     def full_gradients(self) -> list[tuple[str, torch.Tensor]]:
         """This rank's reduced gradients of the step, each whole (over DP shards and TP) under its
-        one-process name, one entry per copy (a tied embedding and head are two); call from `step`'s
-        before_update. Per rank, not merged, so that every replica can be checked (for tests)."""
+        one-process name, one entry per copy (a tied embedding and head the engine keeps apart are two);
+        call from `step`'s before_update. Per rank, not merged, so that every replica can be checked
+        (for tests)."""
         return self._one_process_view(self.engine.full_gradients())
 
     def local_parameters(self) -> list[tuple[str, torch.Tensor]]:

@@ -24,9 +24,9 @@ LOSS_TOL = 1e-4
 PARAM_TOL = 1e-2
 # Runs of one engine against each other (a resumed run and the uninterrupted one): per element.
 PARAM_ABS_TOL = 1e-3
-# Every exactness case holds at each of these seeds: test_gradients.py checks every case's first step at
-# all three; an 8-step case trains at one, spread over the cases (spread_seeds), or at all three with
-# PLANNER_EXACTNESS_SEEDS=all.
+# Every exactness case holds at each of these seeds. A default run checks each case (its first step in
+# test_gradients.py, its 8 steps here) at one of them, spread over the cases (spread_seeds); with
+# PLANNER_EXACTNESS_SEEDS=all at all three.
 SEEDS = (1234, 7, 2024)
 
 

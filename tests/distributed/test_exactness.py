@@ -4,7 +4,7 @@
 Plans of one world size share one set of gloo processes (start-up dominates these tiny runs); each plan
 trains 8 steps of the tiny model from the same seeded weights and data as the reference, at one of the
 three seeds in turn (harness.spread_seeds; all three with PLANNER_EXACTNESS_SEEDS=all). The first step's
-gradients of every plan here, at all three seeds, are checked in test_gradients.py.
+gradients of every plan here are checked in test_gradients.py.
 """
 
 import pytest

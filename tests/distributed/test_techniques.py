@@ -10,7 +10,7 @@ Run: timeout 900 python -m pytest -q tests/distributed/test_techniques.py
   after the stage's last input-gradient send.
 
 Every plan trains 8 steps and must match the one-process reference (harness.check_against_reference), at
-one of harness.SEEDS in turn (test_gradients.py checks every plan's first step at all three); the MAZ3
+one of harness.SEEDS in turn (test_gradients.py checks every plan's first-step gradients); the MAZ3
 byte counters are checked against the ring formulas of runners/comm.py, per unit.
 """
 

@@ -2,7 +2,7 @@
 (harness.check_against_reference), and names the knob of every plan it cannot express.
 
 Plans of one world size share one set of gloo processes, as in test_exactness.py, each at one of
-harness.SEEDS in turn; test_gradients.py checks every plan's first-step gradients at all three.
+harness.SEEDS in turn; test_gradients.py checks every plan's first-step gradients.
 """
 
 import pytest
