@@ -8,6 +8,12 @@ the n edges of a ring over the group's ranks in order, those that join ranks on 
 nodes carry inter-node traffic. "host_device" counts bytes copied between device and host memory (the
 MAZ3 host tier, runners/sharding/), in either direction; they use no network link, so they are in
 neither intra_node nor inter_node.
+
+"inter_node_wire" is the inter-node volume as the backend really moves it, where that differs from the
+ring: torch's gloo backend runs reduce_scatter_tensor as an all-reduce of the whole input, each rank then
+keeping its chunk (ProcessGroupGloo::reduce_scatter_tensor_coalesced), so a reduce-scatter on gloo moves
+2(n - 1)/n of the size, twice the ring's. It is what the veth counters of the emulated cluster measure
+(benchmarks/wire_bytes.py, tests/integration/test_netns_cluster.py), up to the protocol headers.
 """
 
 from __future__ import annotations
@@ -30,16 +36,18 @@ class CommCounters:
     bytes_by_kind: dict[str, int] = field(default_factory=lambda: {k: 0 for k in KINDS})
     intra_node_bytes: int = 0
     inter_node_bytes: int = 0
+    inter_node_wire_bytes: int = 0
     wait_s: float = 0.0
 
     def reset(self) -> None:
         for k in self.bytes_by_kind:
             self.bytes_by_kind[k] = 0
-        self.intra_node_bytes = self.inter_node_bytes = 0
+        self.intra_node_bytes = self.inter_node_bytes = self.inter_node_wire_bytes = 0
         self.wait_s = 0.0
 
     def snapshot(self) -> dict:
-        return {**self.bytes_by_kind, "intra_node": self.intra_node_bytes, "inter_node": self.inter_node_bytes}
+        return {**self.bytes_by_kind, "intra_node": self.intra_node_bytes, "inter_node": self.inter_node_bytes,
+                "inter_node_wire": self.inter_node_wire_bytes}
 
 
 class Comm:
@@ -71,12 +79,13 @@ class Comm:
             self._cross_fraction[ranks] = frac
         return frac
 
-    def _count(self, kind: str, volume_bytes: float, ranks: tuple[int, ...]) -> None:
+    def _count(self, kind: str, volume_bytes: float, ranks: tuple[int, ...], *, wire_factor: int = 1) -> None:
         volume = int(volume_bytes)
         self.counters.bytes_by_kind[kind] += volume
         inter = int(volume * self._inter_fraction(ranks))
         self.counters.inter_node_bytes += inter
         self.counters.intra_node_bytes += volume - inter
+        self.counters.inter_node_wire_bytes += wire_factor * inter
 
     @staticmethod
     def _group_ranks(group) -> tuple[int, ...]:
@@ -108,7 +117,8 @@ class Comm:
         if n == 1:
             output.copy_(full)
             return None
-        self._count("reduce_scatter", (n - 1) / n * full.numel() * full.element_size(), ranks)
+        gloo = dist.get_backend(group) == "gloo"  # an all-reduce underneath (module docstring)
+        self._count("reduce_scatter", (n - 1) / n * full.numel() * full.element_size(), ranks, wire_factor=2 if gloo else 1)
         return reduce_scatter_single(output, full, group=group, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, *, src: int, group, async_op: bool = False):

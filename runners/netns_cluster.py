@@ -274,6 +274,34 @@ def status(*, prefix: str = DEFAULT_PREFIX) -> dict:
     return {**state.to_dict(), "hub_up": state.hub in present, "nodes": nodes}
 
 
+# --- measured traffic ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LinkCounters:
+    """A node NIC's kernel counters (its veth `eth0`): what crossed the emulated network, headers included."""
+
+    tx_bytes: int
+    rx_bytes: int
+    tx_packets: int
+    rx_packets: int
+
+    def __sub__(self, other: "LinkCounters") -> "LinkCounters":
+        return LinkCounters(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+
+def link_counters(state: ClusterState) -> list[LinkCounters]:
+    """Every node's NIC counters now (`ip -n <node> -s -j link show eth0`); read them around a run, and
+    the difference is the traffic the run put on the emulated network: every byte that leaves a node is
+    one node's tx (and the other's rx), so the sum of tx over nodes counts each byte once. Intra-node
+    traffic never reaches eth0 (the node's own address routes over its loopback)."""
+    counters = []
+    for node in range(state.num_nodes):
+        (link,) = json.loads(_run(["ip", "-n", state.namespace(node), "-s", "-j", "link", "show", "dev", NODE_IFNAME]))
+        stats = link["stats64"]
+        counters.append(LinkCounters(tx_bytes=stats["tx"]["bytes"], rx_bytes=stats["rx"]["bytes"],
+                                     tx_packets=stats["tx"]["packets"], rx_packets=stats["rx"]["packets"]))
+    return counters
+
+
 # --- running inside nodes ---------------------------------------------------------------------------
 def node_env(state: ClusterState, node: int) -> dict[str, str]:
     """Environment for a process in `node`: bind gloo/NCCL to the node's NIC, and where node 0 listens."""

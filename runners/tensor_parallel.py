@@ -29,6 +29,9 @@ class TPContext:
     size: int
     comm: Comm | None
     sequence_parallel: bool = False
+    # Test hook (runners/mutations.py, "sp_double_reduce"): how many times a TP-replicated parameter's
+    # gradient is all-reduced under sequence parallelism; 1, the correct count, outside tests.
+    replicated_grad_reductions: int = 1
 
     @classmethod
     def single(cls) -> "TPContext":
@@ -127,7 +130,11 @@ def exit_tp_region(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
 def sequence_parallel_param(p: torch.Tensor, tp: TPContext) -> torch.Tensor:
     """A replicated parameter applied to a sequence shard: its gradient is summed over the TP group
     (each rank saw different tokens), which f's backward does."""
-    return copy_to_tp(p, tp) if tp.sequence_parallel else p
+    if not tp.sequence_parallel:
+        return p
+    for _ in range(tp.replicated_grad_reductions):
+        p = copy_to_tp(p, tp)
+    return p
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

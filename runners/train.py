@@ -16,6 +16,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,7 @@ class Trainer:
     """Our engine: mesh, chunks, sharding engine, pipeline executor."""
 
     def __init__(self, cfg: RunConfig, *, device: torch.device) -> None:
+        from runners import mutations
         from runners.comm import Comm
         from runners.mesh import build_mesh
         from runners.sharding import ShardedDataParallel
@@ -63,8 +65,10 @@ class Trainer:
         self.comm = Comm(ranks_per_node=ranks_per_node, device=device)
         self.mesh = build_mesh(self.plan, ranks_per_node=ranks_per_node,
                                timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        mutation = mutations.active()  # a test's injected bug; None outside tests
         tp = TPContext(group=self.mesh.tp_group, rank=self.mesh.tp_rank, size=self.plan.tp, comm=self.comm,
-                       sequence_parallel=self.plan.sequence_parallel)
+                       sequence_parallel=self.plan.sequence_parallel,
+                       replicated_grad_reductions=2 if mutation and mutation.kind == "sp_double_reduce" else 1)
         # Deferred: no rank ever holds a weight it does not own; the engine draws its shards. A tied head
         # on the embedding's rank shares its weight (one copy, as Megatron and the cost model hold it)
         # where that weight is never sharded away between the two uses (param_shard 1).
@@ -82,6 +86,11 @@ class Trainer:
                                           grad_dtype=torch.float32 if self.plan.reduce_fp32 else None,
                                           device=device, loss_scale=self.loss_scale,
                                           stream_ordered=cfg.stream_ordered)
+        if mutation and mutation.kind == "scale_grad":
+            mutations.scale_gradients(self.chunks, mutation)
+        if mutation and mutation.kind == "skip_reduction":
+            reducer = self.engine.reducer
+            reducer.skip_unit, reducer.skip_micro_batch = self.engine.units_by_chunk[0][mutation.unit], mutation.micro_batch
         self.heads = [u for chunk in self.chunks for u in chunk.units if isinstance(u, LMHead)]
         self.base_loss_scales = [h.loss_scale for h in self.heads]
         self.holds_loss = self.chunk_ids[-1] == self.plan.num_chunks - 1 and self.mesh.tp_rank == 0
@@ -141,25 +150,51 @@ class Trainer:
                             dtype=next(self.chunks[0].parameters()).dtype, device=self.device,
                             after_last_backward=self.engine.start_grad_sync if self.plan.commshift else None)
 
-    def step(self, micro_batches) -> float:
-        """One optimizer step; returns this rank's contribution to the global mean loss (unscaled)."""
+    def step(self, micro_batches, *, before_update: Callable[[], None] | None = None) -> float:
+        """One optimizer step; returns this rank's contribution to the global mean loss (unscaled).
+        `before_update` runs once the gradients are final (reduced, tied copies summed; still multiplied
+        by the fp16 loss scale), before Adam reads them."""
         scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
         for head, base in zip(self.heads, self.base_loss_scales):
             head.loss_scale = base * scale
         losses = self.run_micro_batches(micro_batches)
-        self.engine.optimizer_step(before_update=self._sum_tied_grads if self.tied_units else None)
+
+        def ready() -> None:
+            if self.tied_units:
+                self._sum_tied_grads()
+            if before_update is not None:
+                before_update()
+
+        self.engine.optimizer_step(before_update=ready if self.tied_units or before_update else None)
         return float(sum(l.item() for l in losses)) / scale if self.holds_loss else 0.0
 
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter under its one-process name, assembled over DP, TP and PP (for tests; small models)."""
-        local = {}
-        for key, tensor in self.engine.full_state_dict().items():
+    def _one_process_view(self, tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """Engine tensors ('<chunk>.<name>' keys) as (one-process name, tensor on CPU), TP shards joined."""
+        out = []
+        for key, tensor in tensors.items():
             name, split = self.names[key]
             if split is not None and self.plan.tp > 1:
                 parts = [torch.empty_like(tensor) for _ in range(self.plan.tp)]
                 dist.all_gather(parts, tensor.contiguous(), group=self.mesh.tp_group)
                 tensor = torch.cat(parts, dim=split)
-            local[name] = tensor.detach().cpu()
+            out.append((name, tensor.detach().cpu()))
+        return out
+
+    def full_gradients(self) -> list[tuple[str, torch.Tensor]]:
+        """This rank's reduced gradients of the step, each whole (over DP shards and TP) under its
+        one-process name, one entry per copy (a tied embedding and head the engine keeps apart are two);
+        call from `step`'s before_update. Per rank, not merged, so that every replica can be checked
+        (for tests)."""
+        return self._one_process_view(self.engine.full_gradients())
+
+    def local_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """The parameters this rank holds, each whole (over DP shards and TP) under its one-process name,
+        one entry per copy; per rank, like full_gradients (for tests)."""
+        return self._one_process_view(self.engine.full_state_dict())
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter under its one-process name, assembled over DP, TP and PP (for tests; small models)."""
+        local = dict(self.local_parameters())
         gathered: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
         dist.all_gather_object(gathered, local)
         merged: dict[str, torch.Tensor] = {}

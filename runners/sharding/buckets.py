@@ -97,6 +97,10 @@ class GradientReducer:
         self.pending: deque[Pending] = deque()
         self.boundary_queue: deque = deque()
         self.boundary_bucket: list = []
+        # Test hook (runners/mutations.py, "skip_reduction"): a unit whose buckets' reductions are not
+        # issued (only at micro-batch skip_micro_batch, if set), each rank keeping its local share; None
+        # outside tests.
+        self.skip_unit, self.skip_micro_batch = None, None
         self._layout_grads()
         self._build_rs_buckets()
 
@@ -197,6 +201,11 @@ class GradientReducer:
         for u in reversed(units):
             self._queue_boundary(u)
 
+    def _skipped(self, units: list) -> bool:
+        if self.skip_unit is None or self.skip_unit not in units:
+            return False
+        return self.skip_micro_batch is None or self.skip_micro_batch == units[0].num_backward - 1
+
     def _flush_rs(self, bucket: ReduceScatterBucket) -> None:
         """Reduce-scatter a bucket's send buffer in the s_g group; row r (chunk g(r) of each unit) goes to
         group rank r. The first micro-batch of the step lands straight in the bucket's gradient shards."""
@@ -211,6 +220,10 @@ class GradientReducer:
             for u in boundary:
                 u.rs_reduced = True
 
+        if self._skipped(bucket.units):  # the injected missing reduction (tests only)
+            recv.copy_(send.view(len(self.mesh.grad_ranks), -1)[self.mesh.grad_ranks.index(self.mesh.rank)])
+            self.pending.append(Pending(None, on_done, (send, recv)))
+            return
         if not self.ordered:
             work = self.comm.reduce_scatter(recv, send, self.mesh.grad_group, async_op=True)
             self.pending.append(Pending(work, on_done, (send, recv)))
@@ -249,6 +262,8 @@ class GradientReducer:
 
     def _flush_boundary(self, group) -> None:
         units, self.boundary_bucket = self.boundary_bucket, []
+        if self._skipped(units):  # the injected missing reduction (tests only)
+            return
         if not self.ordered:
             self._all_reduce(units, group)
             return

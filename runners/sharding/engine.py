@@ -9,11 +9,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from runners.comm import all_gather_single
 from runners.sharding.adam import AdamSettings, adam_update
 from runners.sharding.buckets import GradientReducer
 from runners.sharding.commshift import DeferredSync
 from runners.sharding.gather import ParameterGather
-from runners.sharding.layout import FlatUnit
+from runners.sharding.layout import FlatUnit, shard_chunks
 from runners.sharding.lins import Redistributor
 from runners.sharding.loss_scale import DynamicLossScale
 from runners.sharding.streams import SideStreams
@@ -218,6 +219,26 @@ class ShardedDataParallel:
                 self.comm.all_gather(flat, u.param_shard, self.mesh.param_group)
             for p, off in zip(u.params, u.offsets):
                 out[self.names[id(p)]] = flat[off:off + p.numel()].view(p.shape).clone()
+        return out
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """The step's reduced gradients, whole (assembled over the grad group), named as full_state_dict.
+
+        Valid inside optimizer_step's `before_update` (reduced over DP, not yet applied); for tests. A
+        collective over the grad group that the byte counters leave out."""
+        s_g = self.degrees[1]
+        # Group rank r holds gradient chunk order[r] (the grad group is s_g consecutive DP positions).
+        order = [shard_chunks(r, degrees=self.degrees)[1] for r in range(s_g)]
+        out: dict[str, torch.Tensor] = {}
+        for u in self.units:
+            grad = u.grad
+            if s_g > 1:
+                rows = torch.empty(u.padded, dtype=grad.dtype, device=grad.device)
+                all_gather_single(rows, grad, group=self.mesh.grad_group)
+                grad = torch.empty_like(rows)
+                grad.view(s_g, -1)[order] = rows.view(s_g, -1)
+            for p, off in zip(u.params, u.offsets):
+                out[self.names[id(p)]] = grad[off:off + p.numel()].view(p.shape).clone()
         return out
 
     def local_state(self, *, copy: bool = True) -> dict[str, torch.Tensor]:

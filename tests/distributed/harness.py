@@ -16,7 +16,25 @@ from specs.plan import Plan
 from runners.config import RunConfig
 
 LOSS_TOL = 1e-4
-PARAM_TOL = 1e-3
+# Final parameters, per tensor: ||p - p_ref|| <= PARAM_TOL x ||p_ref - p_0||, relative to how far the
+# reference moved them. The absolute bound this replaces (1e-3 per element) failed at some seeds: an Adam
+# element whose gradient is ~0 takes a step of either sign under another summation order (one process
+# with micro-batching shows it too), so one element may differ by a few learning rates after 8 steps. A
+# wrong gradient scale passes either bound (Adam hides it); test_gradients.py checks the gradients.
+PARAM_TOL = 1e-2
+# Runs of one engine against each other (a resumed run and the uninterrupted one): per element.
+PARAM_ABS_TOL = 1e-3
+# Every exactness case holds at each of these seeds. A default run checks each case (its first step in
+# test_gradients.py, its 8 steps here) at one of them, spread over the cases (spread_seeds); with
+# PLANNER_EXACTNESS_SEEDS=all at all three.
+SEEDS = (1234, 7, 2024)
+
+
+def spread_seeds(names: list) -> list[tuple[object, int]]:
+    """(name, seed) for each case: one of SEEDS in turn, or every seed with PLANNER_EXACTNESS_SEEDS=all."""
+    if os.environ.get("PLANNER_EXACTNESS_SEEDS") == "all":
+        return [(name, seed) for name in names for seed in SEEDS]
+    return [(name, SEEDS[i % len(SEEDS)]) for i, name in enumerate(names)]
 
 
 def free_port() -> int:
@@ -25,7 +43,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tiny_config(plan: Plan, *, steps: int = 8, seq_len: int = 32, lr: float = 3e-3, ranks_per_node: int = 0,
+# The exactness runs' learning rate. At 3e-3 the tiny model's 8-step trajectory amplifies a summation-order
+# difference: one process accumulating micro-batches of one sequence against the same process on the whole
+# batch differs by 2e-4 in the loss at 2 of 17 seeds (1234 and 0..15: seed 11; 2024 too). At 1e-3 the
+# largest such difference over 64 seeds is 1.3e-6.
+LR = 1e-3
+
+
+def tiny_config(plan: Plan, *, steps: int = 8, seq_len: int = 32, lr: float = LR, ranks_per_node: int = 0,
                 engine: str = "ours", model: str = "tiny", seed: int = 1234, **model_changes) -> RunConfig:
     import dataclasses
 
@@ -82,10 +107,11 @@ def run_plans(cfgs: list[RunConfig]) -> list[tuple[dict, dict[str, torch.Tensor]
     return results
 
 
-def cached_matrix_results(matrix: dict[int, dict], config_fn):
-    """A function (world, name) -> (metrics, params) for a test matrix {world size: {name: ...}}: the first
-    request for a world size trains all that size's plans, config_fn(world, name) each, on one set of
-    processes (start-up dominates these tiny runs); later requests read the cached result."""
+def cached_matrix_results(matrix: dict[int, list], config_fn):
+    """A function (world, key) -> (metrics, params) for a test matrix {world size: [case key, ...]} (or a
+    {key: ...} dict per world): the first request for a world size trains all that size's cases,
+    config_fn(world, key) each, on one set of processes (start-up dominates these tiny runs); later
+    requests read the cached result."""
     by_world: dict[int, dict] = {}
 
     def result(world: int, name: str) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -97,28 +123,26 @@ def cached_matrix_results(matrix: dict[int, dict], config_fn):
     return result
 
 
-def run_plan(cfg: RunConfig) -> tuple[dict, dict[str, torch.Tensor]]:
-    return run_plans([cfg])[0]
+def parameter_errors(cfg: RunConfig, params: dict[str, torch.Tensor], ref_params: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per tensor, ||p - p_ref|| / ||p_ref - p_0||: the error against the distance the reference moved."""
+    from runners.reference import initial_parameters
+
+    start = initial_parameters(cfg)
+    return {name: ((params[name] - ref).norm() / (ref - start[name]).norm().clamp_min(1e-30)).item()
+            for name, ref in ref_params.items()}
 
 
-def check_against_reference(cfg: RunConfig, metrics, params: dict[str, torch.Tensor], *,
-                            check_params: bool = True) -> None:
-    """Losses within 1e-4 and parameters within 1e-3 of the one-process reference."""
+def check_against_reference(cfg: RunConfig, metrics, params: dict[str, torch.Tensor]) -> None:
+    """Losses within LOSS_TOL and every parameter tensor within PARAM_TOL (relative to how far it moved)
+    of the one-process reference."""
     from runners.reference import train_reference
 
     ref_losses, ref_params = train_reference(cfg)
     losses = metrics.losses
     assert len(losses) == len(ref_losses) == cfg.steps
     worst = max(abs(a - b) for a, b in zip(losses, ref_losses))
-    assert worst <= LOSS_TOL, f"{cfg.plan.describe()}: loss differs by {worst:.2e}\n ours {losses}\n ref  {ref_losses}"
-    if check_params:
-        assert set(params) == set(ref_params), set(params) ^ set(ref_params)
-        for name, ref in ref_params.items():
-            diff = (params[name] - ref).abs().max().item()
-            assert diff <= PARAM_TOL, f"{cfg.plan.describe()}: parameter {name} differs by {diff:.2e}"
-
-
-def assert_matches_reference(cfg: RunConfig, *, check_params: bool = True) -> dict:
-    metrics, params = run_plan(cfg)
-    check_against_reference(cfg, metrics, params, check_params=check_params)
-    return metrics
+    where = f"{cfg.plan.describe()} seed {cfg.seed}"
+    assert worst <= LOSS_TOL, f"{where}: loss differs by {worst:.2e}\n ours {losses}\n ref  {ref_losses}"
+    assert set(params) == set(ref_params), set(params) ^ set(ref_params)
+    for name, err in parameter_errors(cfg, params, ref_params).items():
+        assert err <= PARAM_TOL, f"{where}: parameter {name} differs by {err:.2e} of its distance travelled"

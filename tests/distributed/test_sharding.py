@@ -404,7 +404,7 @@ def test_real_tiny_model_zero3_with_recomputation_matches_one_process():
     """The lead's transformer (specs.model.PRESETS['tiny']) under ZeRO-3 with full and selective
     recomputation and a mixed sharding: the engine's backward pre-hook must gather a unit's parameters
     before torch.utils.checkpoint recomputes it, and freeing after forward must not corrupt saved tensors."""
-    from tests.distributed.harness import check_against_reference, run_plans, tiny_config
+    from tests.distributed.harness import check_against_reference, run_plans, spread_seeds, tiny_config
 
     plans = [Plan(dp=2, num_micro_batches=2, micro_batch=2, param_shard=2, grad_shard=2, optim_shard=2,
                   recompute="full", prefetch_depth=1),
@@ -412,7 +412,7 @@ def test_real_tiny_model_zero3_with_recomputation_matches_one_process():
                   recompute="selective", prefetch_depth=2, bucket_size_bytes=64 * 1024),
              Plan(dp=2, num_micro_batches=3, micro_batch=1, param_shard=1, grad_shard=2, optim_shard=2,
                   recompute="full")]
-    cfgs = [tiny_config(plan, steps=4) for plan in plans]
+    cfgs = [tiny_config(plan, steps=4, seed=seed) for plan, seed in spread_seeds(plans)]
     for cfg, (metrics, params) in zip(cfgs, run_plans(cfgs)):
         check_against_reference(cfg, metrics, params)
 
@@ -442,14 +442,14 @@ def test_mesh_groups_follow_megatron_order_and_nest():
 def test_real_tiny_model_pipelined_sharding_with_commshift_matches_one_process():
     """dp2 x pp2 on the tiny transformer: ZeRO-3 under 1F1B and ZeRO-1 under interleaved 1F1B (two chunks
     per rank finishing at different times), both with deferred (Commshift) boundary reductions."""
-    from tests.distributed.harness import check_against_reference, run_plans, tiny_config
+    from tests.distributed.harness import check_against_reference, run_plans, spread_seeds, tiny_config
 
     plans = [Plan(dp=2, pp=2, num_micro_batches=4, micro_batch=1, schedule="1f1b", param_shard=2, grad_shard=2,
                   optim_shard=2, recompute="full", commshift=True),
              Plan(dp=2, pp=2, virtual_stages=2, num_micro_batches=4, micro_batch=1, schedule="interleaved-1f1b",
                   param_shard=1, grad_shard=1, optim_shard=2, recompute="selective", commshift=True,
                   bucket_size_bytes=32 * 1024)]
-    cfgs = [tiny_config(plan, steps=4) for plan in plans]
+    cfgs = [tiny_config(plan, steps=4, seed=seed) for plan, seed in spread_seeds(plans)]
     for cfg, (metrics, params) in zip(cfgs, run_plans(cfgs)):
         check_against_reference(cfg, metrics, params)
 

@@ -1,10 +1,8 @@
-"""--engine torch trains every plan it expresses to the one-process losses (1e-4) and parameters (1e-3),
-and names the knob of every plan it cannot express.
+"""--engine torch trains every plan it expresses to the one-process losses and parameters
+(harness.check_against_reference), and names the knob of every plan it cannot express.
 
-Plans of one world size share one set of gloo processes, as in test_exactness.py. The TP cases use two
-sequences per micro-batch (mb2x2) where dp is 1: with the default seed and one sequence per micro-batch,
-one embedding element's gradient is ~0 and its Adam update flips sign with the summation order (our
-engine's tp2 mb1x2 run misses the reference by 3e-3 there too), which would test rounding, not TP.
+Plans of one world size share one set of gloo processes, as in test_exactness.py, each at one of
+harness.SEEDS in turn; test_gradients.py checks every plan's first-step gradients.
 """
 
 import pytest
@@ -12,7 +10,7 @@ import pytest
 from specs.errors import PlannerError
 from specs.plan import Plan
 from runners.torch_engine import torch_strategy
-from tests.distributed.harness import cached_matrix_results, check_against_reference, tiny_config
+from tests.distributed.harness import SEEDS, cached_matrix_results, check_against_reference, spread_seeds, tiny_config
 
 
 def _z(dp: int, s_p: int, s_g: int, s_os: int, **kw) -> Plan:
@@ -35,7 +33,7 @@ MATRIX = {
                              "pipeline"),
         "pp2-interleaved-unequal": (Plan(pp=2, virtual_stages=2, schedule="interleaved-1f1b", micro_batch=1,
                                          num_micro_batches=4, stage_layers=(1, 3, 2, 2)), "pipeline"),
-        "tp2": (Plan(tp=2, micro_batch=2, num_micro_batches=2), "tp"),
+        "tp2": (Plan(tp=2, micro_batch=1, num_micro_batches=2), "tp"),
         "tp2-sp-selective": (Plan(tp=2, sequence_parallel=True, micro_batch=2, num_micro_batches=2,
                                   recompute="selective"), "tp"),
         "tp2-sp-full-recompute-tied-gpt2": (Plan(tp=2, sequence_parallel=True, micro_batch=2, num_micro_batches=2,
@@ -56,23 +54,25 @@ MATRIX = {
                                   num_micro_batches=4), "pipeline"),
     },
 }
-CASES = [(world, name) for world, plans in MATRIX.items() for name in plans]
+CASES = [(world, name, seed) for (world, name), seed in
+         spread_seeds([(world, name) for world, plans in MATRIX.items() for name in plans])]
 
 
-def _config(world: int, name: str):
+def _config(world: int, name: str, seed: int = SEEDS[0]):
     plan, _, *model_changes = MATRIX[world][name]
-    return tiny_config(plan, engine="torch", **(model_changes[0] if model_changes else {}))
+    return tiny_config(plan, engine="torch", seed=seed, **(model_changes[0] if model_changes else {}))
 
 
-_result = cached_matrix_results(MATRIX, _config)
+_result = cached_matrix_results({w: [(n, s) for ww, n, s in CASES if ww == w] for w in MATRIX},
+                                lambda world, key: _config(world, *key))
 
 
-@pytest.mark.parametrize("world,name", CASES, ids=[f"{w}procs-{n}" for w, n in CASES])
-def test_torch_engine_matches_one_process(world, name):
+@pytest.mark.parametrize("world,name,seed", CASES, ids=[f"{w}procs-{n}-seed{s}" for w, n, s in CASES])
+def test_torch_engine_matches_one_process(world, name, seed):
     plan, strategy = MATRIX[world][name][:2]
     assert torch_strategy(plan) == strategy  # the plan really ran on the torch component named
-    metrics, params = _result(world, name)
-    check_against_reference(_config(world, name), metrics, params)
+    metrics, params = _result(world, (name, seed))
+    check_against_reference(_config(world, name, seed), metrics, params)
     summary = metrics.summary
     assert summary.engine == "torch" and summary.comm_counted is False
     assert all(v == 0 for v in summary.comm_bytes.values())
@@ -97,69 +97,3 @@ def test_commshift_alone_is_named():
         plan = Plan(dp=2, commshift=True)
     with pytest.raises(PlannerError, match="commshift"):
         torch_strategy(plan)
-
-
-GRADIENT_PLANS = {
-    "ddp": _z(4, 1, 1, 1, micro_batch=1, num_micro_batches=2),
-    "zero1": _z(4, 1, 1, 4, micro_batch=1, num_micro_batches=2),
-    "zero2": _z(4, 1, 4, 4, micro_batch=1, num_micro_batches=2),
-    "zero3": _z(4, 4, 4, 4, micro_batch=1, num_micro_batches=2),
-    "hsdp": _z(4, 2, 2, 2, micro_batch=1, num_micro_batches=2),
-    "pipeline": Plan(pp=4, micro_batch=1, num_micro_batches=4),  # scale_grads=False: summed, not averaged
-    # DTensor's TP reductions, and DP over a TP model / over pipeline stages, must sum as well.
-    "tp2-dp2-zero3-sp": Plan(dp=2, tp=2, param_shard=2, grad_shard=2, optim_shard=2, sequence_parallel=True,
-                             micro_batch=1, num_micro_batches=2),
-    "pp2-dp2-zero0": Plan(dp=2, pp=2, micro_batch=1, num_micro_batches=2),
-}
-
-
-def _first_step_gradients(rank: int, world_size: int, names: list[str]) -> dict:
-    import torch
-
-    from runners.data import make_data, rank_micro_batches
-    from runners.torch_engine import make_torch_trainer
-
-    out = {}
-    for name in names:
-        cfg = tiny_config(GRADIENT_PLANS[name], engine="torch")
-        trainer = make_torch_trainer(cfg, device=torch.device("cpu"))
-        data = make_data(None, vocab_size=cfg.model.vocab_size, seq_len=cfg.job.seq_len, seed=cfg.seed)
-        batches = rank_micro_batches(data.global_batch(0, cfg.job.global_batch), dp=cfg.plan.dp, dp_rank=trainer.mesh.dp_rank,
-                                     micro_batch=cfg.plan.micro_batch, device=torch.device("cpu"))
-        trainer.forward_backward(batches)
-        out[name] = {k: v.numpy() for k, v in trainer.full_gradients().items()}
-    return out
-
-
-def _reference_gradients(cfg) -> dict:
-
-    from runners.data import make_data
-    from runners.transformer import build_chunk
-    from runners.tensor_parallel import TPContext
-
-    job = cfg.job
-    chunk = build_chunk(cfg.model, layers=range(cfg.model.num_layers), first=True, last=True, seed=cfg.seed,
-                        tp=TPContext.single(), recompute="none", loss_scale=1.0 / (job.global_batch * job.seq_len),
-                        share_tied=True)
-    sequences = make_data(None, vocab_size=cfg.model.vocab_size, seq_len=job.seq_len, seed=cfg.seed).global_batch(0, job.global_batch)
-    chunk(sequences[:, :-1], sequences[:, 1:]).backward()
-    return {p.canonical_name: p.grad for p in chunk.parameters()}
-
-
-def test_first_step_gradients_are_the_global_sum():
-    """Adam's update barely depends on the gradient's scale, so a DP average instead of a sum would pass
-    the loss and parameter checks; the reduced gradients themselves must equal one process's."""
-    import torch
-
-    from tests.distributed.spawn import run_on_ranks
-
-    names = list(GRADIENT_PLANS)
-    per_rank = run_on_ranks(_first_step_gradients, world_size=4, args=(names,), timeout_s=300)
-    for name in names:
-        ref = _reference_gradients(tiny_config(GRADIENT_PLANS[name], engine="torch"))
-        for rank, result in enumerate(per_rank):
-            got = result[name]
-            assert set(got) == set(ref)
-            for key, expected in ref.items():
-                assert torch.allclose(torch.from_numpy(got[key]), expected, rtol=1e-4, atol=1e-7), \
-                    f"{name} rank {rank}: gradient {key} differs from one process's"

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
+import numpy as np
 import pytest
 
 from cost_models.estimate import estimate
-from planner.calibrate import calibrate, fit_memory_reserve, fit_time_parameters, split_held_out
+from planner.calibrate import (TIME_PARAMETERS, _predict_step_times, calibrate, fit_memory_reserve,
+                               fit_time_parameters, split_held_out)
 from specs.errors import PlannerError
 from specs.problem import make_problem
 from planner.validate import Measurement, candidate_plans, plan_row
@@ -15,6 +18,9 @@ from specs.hardware import with_calibration
 
 TRUE = {"compute_time_scale": 1.7, "comm_time_scale": 3.0, "op_overhead_s": 4e-5, "collective_overhead_s": 6e-4,
         "step_overhead_s": 5e-3}
+# Every step-time parameter calibrate fits (the two more need overlapped communication and recomputation,
+# which some of the candidate plans have).
+TRUE_ALL = {**TRUE, "comm_overlap_efficiency": 0.6, "recompute_overhead_s": 2e-3}
 
 
 def _problem(calibration=None):
@@ -38,13 +44,30 @@ def _synthetic_rows(truth: dict, *, noise=None, reserve_bytes: int = 300 * 2**20
     return rows
 
 
-def test_fit_recovers_known_parameters_from_exact_measurements():
-    rows = _synthetic_rows(TRUE)
-    calibration, rms = fit_time_parameters(rows, _problem(), parameters=tuple(TRUE))
-    assert rms < 1e-3
-    # Predictions match; the dominant parameters are recovered closely.
-    assert calibration["op_overhead_s"] == pytest.approx(TRUE["op_overhead_s"], rel=0.05)
-    assert calibration["collective_overhead_s"] == pytest.approx(TRUE["collective_overhead_s"], rel=0.25)
+def _log_sensitivities(rows, parameters: tuple[str, ...]) -> np.ndarray:
+    """d log(predicted step time) / d log(parameter) at TRUE_ALL, one row per plan (central differences)."""
+    problem, plans = _problem(), [r.plan for r in rows]
+
+    def log_times(x: np.ndarray) -> np.ndarray:
+        calibration = {p: math.exp(v) for p, v in zip(parameters, x)}
+        return np.log(_predict_step_times(plans, problem, with_calibration(problem.cluster.hardware, calibration)))
+
+    x0, h = np.array([math.log(TRUE_ALL[p]) for p in parameters]), 1e-4
+    return np.stack([(log_times(x0 + h * e) - log_times(x0 - h * e)) / (2 * h) for e in np.eye(len(parameters))], axis=1)
+
+
+def test_fit_recovers_every_parameter_from_exact_measurements():
+    parameters = tuple(TIME_PARAMETERS)
+    assert set(TRUE_ALL) == set(parameters)
+    rows = _synthetic_rows(TRUE_ALL)
+    # Every parameter is identifiable from these plans: the step times' sensitivities to them are linearly
+    # independent (the weakest direction, mostly step_overhead_s, is small but far from zero).
+    singular = np.linalg.svd(_log_sensitivities(rows, parameters), compute_uv=False)
+    assert singular[-1] > 1e-3 * singular[0], singular
+    calibration, rms = fit_time_parameters(rows, _problem(), parameters=parameters)
+    assert rms < 1e-6
+    for name in parameters:
+        assert calibration[name] == pytest.approx(TRUE_ALL[name], rel=1e-4), name
 
 
 def test_uncalibrated_model_is_far_off_and_calibration_fixes_held_out_plans():

@@ -274,20 +274,24 @@ def test_timeline_under_commshift_uses_the_last_backward_without_its_reductions(
 
 
 def test_search_turns_commshift_on_when_it_helps():
-    """One GPU per node at 2 GB/s: every stage's DP reduction crosses the network; with pp the
-    search's winner issues it after the last send."""
+    """One GPU per node at 2 GB/s: every stage's DP reduction crosses the network. Every pp x dp
+    candidate carries its better commshift setting, and the winner among dp2 x pp4 layouts (the overall
+    winner, dp1 x pp8, has no DP reduction to move) issues its reductions after the last send."""
     model = dataclasses.replace(LLAMA8, num_layers=8)
     job = Job(global_batch=32, seq_len=2048)
     cluster = Cluster(num_nodes=8, devices_per_node=1, hardware=_slow_inter_node(inter_bytes_per_s=2e9))
-    result = search(Problem(model=model, cluster=cluster, job=job), options=SearchOptions(top_k=3))
+    problem = Problem(model=model, cluster=cluster, job=job)
+    result = search(problem, options=SearchOptions(top_k=3))
     pipelined = [c for c in result.candidates if c.plan.pp > 1 and c.plan.dp > 1 and c.estimate.fits]
     assert pipelined
     for cand in pipelined[:20]:
         other = estimate(cand.plan.replace(commshift=not cand.plan.commshift), model=model, cluster=cluster, job=job)
         if other.step_time_s < cand.estimate.step_time_s * (1 - 1e-9):
             pytest.fail(f"{cand.plan.describe()} is priced, but flipping commshift is faster")
-    if result.winner.plan.pp > 1 and result.winner.plan.dp > 1:
-        assert result.winner.plan.commshift
+    winner = search(problem, options=SearchOptions(top_k=3, degrees=(2, 1, 4))).winner
+    assert winner.plan.dp == 2 and winner.plan.pp == 4 and winner.plan.commshift, winner.plan.describe()
+    without = estimate(winner.plan.replace(commshift=False), model=model, cluster=cluster, job=job)
+    assert without.step_time_s > 1.5 * winner.estimate.step_time_s
 
 
 def test_device_tier_gathers_forward_only_when_nothing_is_in_flight():

@@ -1,0 +1,200 @@
+"""Our model code against an outside implementation: Hugging Face transformers' LlamaForCausalLM and
+GPT2LMHeadModel (a test-only dependency) holding the same weights, on tiny configs built here (no hub
+download): logits, loss and the gradient of every parameter agree within 1e-5.
+
+Every other exactness check compares a parallel plan with the one-process run of *our own* model code
+(runners/reference.py builds the engine's chunks); this one checks that model code itself: RoPE's
+convention and base, GQA's head grouping, RMSNorm / LayerNorm placement and epsilon, SwiGLU's gate and
+up projections, GELU, learned positions, tied and untied embeddings, and the loss's token mean.
+
+Weights are drawn at random for every tensor (norm weights and biases too, which the engine starts at
+1 and 0, so that a norm or bias applied in the wrong place cannot hide behind its initial value).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from specs.model import ModelSpec
+from runners.tensor_parallel import TPContext
+from runners.transformer import LMHead, build_chunk
+
+transformers = pytest.importorskip("transformers")
+
+BATCH, SEQ = 3, 12
+TOL = 1e-5
+LLAMA = ModelSpec(name="tiny-llama-gqa", arch="llama", num_layers=2, hidden_size=64, num_heads=8, num_kv_heads=2,
+                  ffn_hidden_size=96, vocab_size=128, max_seq_len=32, tied_embeddings=False)
+GPT2 = ModelSpec(name="tiny-gpt2", arch="gpt2", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=4,
+                 ffn_hidden_size=256, vocab_size=128, max_seq_len=32, tied_embeddings=False)
+SPECS = {"llama-gqa-untied": LLAMA, "llama-gqa-tied": dataclasses.replace(LLAMA, tied_embeddings=True),
+         "gpt2-untied": GPT2, "gpt2-tied": dataclasses.replace(GPT2, tied_embeddings=True)}
+
+
+# --- the weight mapping: our canonical names <-> the HF model's state dict ----------------------------
+def _llama_names(spec: ModelSpec) -> dict[str, str]:
+    names = {"embed.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
+             "lm_head.weight": "lm_head.weight"}
+    ours_to_hf = {"norm1.weight": "input_layernorm.weight", "norm2.weight": "post_attention_layernorm.weight",
+                  "attn.wq": "self_attn.q_proj.weight", "attn.wk": "self_attn.k_proj.weight",
+                  "attn.wv": "self_attn.v_proj.weight", "attn.wo": "self_attn.o_proj.weight",
+                  "mlp.w_gate": "mlp.gate_proj.weight", "mlp.w_in": "mlp.up_proj.weight",
+                  "mlp.w_out": "mlp.down_proj.weight"}
+    for i in range(spec.num_layers):
+        names.update({f"layers.{i}.{k}": f"model.layers.{i}.{v}" for k, v in ours_to_hf.items()})
+    return names
+
+
+def to_hf(spec: ModelSpec, ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our tensors (canonical names) as the HF model's state dict entries."""
+    if spec.arch == "llama":
+        return {hf: ours[name] for name, hf in _llama_names(spec).items() if name in ours}
+    out = {"transformer.wte.weight": ours["embed.weight"], "transformer.wpe.weight": ours["embed.pos"],
+           "transformer.ln_f.weight": ours["final_norm.weight"], "transformer.ln_f.bias": ours["final_norm.bias"],
+           "lm_head.weight": ours.get("lm_head.weight", ours["embed.weight"])}
+    for i in range(spec.num_layers):
+        o, h = (lambda k: ours[f"layers.{i}.{k}"]), f"transformer.h.{i}"
+        # GPT-2's Conv1D stores weights as [in, out]: ours transposed; q, k and v fused in one matrix.
+        out.update({
+            f"{h}.ln_1.weight": o("norm1.weight"), f"{h}.ln_1.bias": o("norm1.bias"),
+            f"{h}.ln_2.weight": o("norm2.weight"), f"{h}.ln_2.bias": o("norm2.bias"),
+            f"{h}.attn.c_attn.weight": torch.cat([o("attn.wq"), o("attn.wk"), o("attn.wv")]).t(),
+            f"{h}.attn.c_attn.bias": torch.cat([o("attn.bq"), o("attn.bk"), o("attn.bv")]),
+            f"{h}.attn.c_proj.weight": o("attn.wo").t(), f"{h}.attn.c_proj.bias": o("attn.bo"),
+            f"{h}.mlp.c_fc.weight": o("mlp.w_in").t(), f"{h}.mlp.c_fc.bias": o("mlp.b_in"),
+            f"{h}.mlp.c_proj.weight": o("mlp.w_out").t(), f"{h}.mlp.c_proj.bias": o("mlp.b_out")})
+    return out
+
+
+def from_hf(spec: ModelSpec, hf: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+    """HF tensors (parameters or gradients) under our canonical `names`: to_hf's inverse."""
+    if spec.arch == "llama":
+        mapping = _llama_names(spec)
+        return {name: hf[mapping[name]] for name in names}
+    h = spec.hidden_size
+    out = {"embed.weight": hf["transformer.wte.weight"], "embed.pos": hf["transformer.wpe.weight"],
+           "final_norm.weight": hf["transformer.ln_f.weight"], "final_norm.bias": hf["transformer.ln_f.bias"]}
+    if "lm_head.weight" in names:
+        out["lm_head.weight"] = hf["lm_head.weight"]
+    for i in range(spec.num_layers):
+        p = f"transformer.h.{i}"
+        qkv_w, qkv_b = hf[f"{p}.attn.c_attn.weight"].t(), hf[f"{p}.attn.c_attn.bias"]
+        layer = {"norm1.weight": hf[f"{p}.ln_1.weight"], "norm1.bias": hf[f"{p}.ln_1.bias"],
+                 "norm2.weight": hf[f"{p}.ln_2.weight"], "norm2.bias": hf[f"{p}.ln_2.bias"],
+                 "attn.wq": qkv_w[:h], "attn.wk": qkv_w[h:2 * h], "attn.wv": qkv_w[2 * h:],
+                 "attn.bq": qkv_b[:h], "attn.bk": qkv_b[h:2 * h], "attn.bv": qkv_b[2 * h:],
+                 "attn.wo": hf[f"{p}.attn.c_proj.weight"].t(), "attn.bo": hf[f"{p}.attn.c_proj.bias"],
+                 "mlp.w_in": hf[f"{p}.mlp.c_fc.weight"].t(), "mlp.b_in": hf[f"{p}.mlp.c_fc.bias"],
+                 "mlp.w_out": hf[f"{p}.mlp.c_proj.weight"].t(), "mlp.b_out": hf[f"{p}.mlp.c_proj.bias"]}
+        out.update({f"layers.{i}.{k}": v for k, v in layer.items()})
+    assert set(out) == set(names), set(out) ^ set(names)
+    return out
+
+
+def hf_model(spec: ModelSpec):
+    """The HF model of `spec`'s architecture and shape: our epsilon (1e-5), RoPE base (500000), exact GELU,
+    no dropout, embeddings tied or not as `spec`."""
+    if spec.arch == "llama":
+        config = transformers.LlamaConfig(
+            vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.ffn_hidden_size,
+            num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+            num_key_value_heads=spec.num_kv_heads, max_position_embeddings=spec.max_seq_len, rms_norm_eps=1e-5,
+            rope_theta=500000.0, tie_word_embeddings=spec.tied_embeddings, attention_bias=False, mlp_bias=False)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.GPT2Config(
+            vocab_size=spec.vocab_size, n_embd=spec.hidden_size, n_layer=spec.num_layers, n_head=spec.num_heads,
+            n_inner=spec.ffn_hidden_size, n_positions=spec.max_seq_len, activation_function="gelu",
+            layer_norm_epsilon=1e-5, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            tie_word_embeddings=spec.tied_embeddings, bos_token_id=None, eos_token_id=None)
+        model = transformers.GPT2LMHeadModel(config)
+    return model.float().train()
+
+
+# --- the comparison ---------------------------------------------------------------------------------------
+def _ours(spec: ModelSpec, *, seed: int):
+    """Our one-process model (the reference's build) with every tensor redrawn at random."""
+    chunk = build_chunk(spec, layers=range(spec.num_layers), first=True, last=True, seed=seed, tp=TPContext.single(),
+                        recompute="none", loss_scale=1.0 / (BATCH * SEQ), share_tied=True)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in chunk.parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if p.dim() == 2:
+                p.copy_(noise * 0.05)
+            else:  # norm weights around 1, biases around 0
+                is_norm_weight = "norm" in p.canonical_name and p.canonical_name.endswith(".weight")
+                p.copy_(noise * 0.1 + (1.0 if is_norm_weight else 0.0))
+    return chunk
+
+
+def _our_logits(chunk, tokens: torch.Tensor) -> torch.Tensor:
+    x = tokens
+    for unit in chunk.units:
+        x = torch.nn.functional.linear(x, unit.weight) if isinstance(unit, LMHead) else unit(x)
+    return x.transpose(0, 1)  # [s, b, V] -> [b, s, V]
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_model_matches_hugging_face(name):
+    spec = SPECS[name]
+    chunk = _ours(spec, seed=11)
+    params = {p.canonical_name: p for p in chunk.parameters()}  # tied: one Parameter, one name
+    model = hf_model(spec)
+    state = to_hf(spec, {k: v.detach() for k, v in params.items()})
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # Only buffers (RoPE frequencies) and a tied head (the embedding itself) may be left to HF.
+    allowed = {"lm_head.weight"} if spec.tied_embeddings else set()
+    assert not unexpected and all(k in allowed or "rotary" in k for k in missing), (missing, unexpected)
+    assert (model.lm_head.weight is model.get_input_embeddings().weight) == spec.tied_embeddings
+
+    sequences = torch.randint(spec.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(5))
+    out = model(input_ids=sequences, labels=sequences)  # HF shifts the labels itself: mean over B x SEQ
+    loss = chunk(sequences[:, :-1], sequences[:, 1:])
+    loss.backward()
+    out.loss.backward()
+    with torch.no_grad():
+        logits = _our_logits(chunk, sequences[:, :-1])
+    assert _relative_error(logits, out.logits[:, :SEQ]) <= TOL
+    assert abs(loss.item() - out.loss.item()) <= TOL * abs(out.loss.item())
+    hf_grads = from_hf(spec, {k: p.grad for k, p in model.named_parameters()}, list(params))
+    scale = max(g.abs().max().item() for g in hf_grads.values())
+    for key, p in params.items():
+        if key.endswith("attn.bk"):
+            # Zero in exact arithmetic: the key bias adds q.b_k to every score of a query, which softmax
+            # ignores. Both sides must hold rounding noise only.
+            assert max(p.grad.abs().max().item(), hf_grads[key].abs().max().item()) <= TOL * scale, key
+            continue
+        assert p.grad is not None and p.grad.abs().max() > 0, key
+        err = _relative_error(p.grad, hf_grads[key])
+        assert err <= TOL, f"{name}: gradient of {key} differs from HF's by {err:.1e} of its largest element"
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "gpt2-untied"])
+def test_the_mapping_is_checked(name):
+    """The comparison is not vacuous: the same weights with two layers' MLP inputs swapped, or one
+    norm weight perturbed by 1%, give other logits."""
+    spec = SPECS[name]
+    chunk = _ours(spec, seed=11)
+    tensors = {p.canonical_name: p.detach().clone() for p in chunk.parameters()}
+    assert all(torch.equal(tensors[k], v) for k, v in from_hf(spec, to_hf(spec, tensors), list(tensors)).items())
+    sequences = torch.randint(spec.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ours = _our_logits(chunk, sequences[:, :-1])
+    for change in ("swap", "norm"):
+        wrong = dict(tensors)
+        if change == "swap":
+            wrong["layers.0.mlp.w_in"], wrong["layers.1.mlp.w_in"] = tensors["layers.1.mlp.w_in"], tensors["layers.0.mlp.w_in"]
+        else:
+            wrong["layers.1.norm2.weight"] = tensors["layers.1.norm2.weight"] * 1.01
+        model = hf_model(spec)
+        model.load_state_dict(to_hf(spec, wrong), strict=False)
+        with torch.no_grad():
+            assert _relative_error(ours, model(input_ids=sequences).logits[:, :SEQ]) > 100 * TOL, change
