@@ -238,12 +238,14 @@ FLASH_HALF_SEQ = 384
 
 
 def flash_attention_times_s(hw: Hardware, *, kernel: str, micro_batch: int, seq_len: int, num_heads: int,
-                            head_dim: int) -> tuple[float, float]:
+                            head_dim: int, key_block: int | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of causal flash attention over `num_heads` heads on one device, at the
     hardware's measured kernel efficiency (Hardware.kernel_efficiency; FlashAttention papers' FLOP
-    count: 4 b s^2 d per head forward, causal half of it, backward 2.5x)."""
+    count: 4 b s^2 d per head forward, causal half of it, backward 2.5x). `key_block`: the keys one kernel
+    call sees when the work is cut into blocks (a context-parallel ring step), which sets its efficiency."""
     flops = 4 * micro_batch * seq_len * seq_len * head_dim * num_heads * FUSED_CAUSAL_FRACTION
-    shape = seq_len / (seq_len + FLASH_HALF_SEQ)
+    keys = key_block or seq_len
+    shape = keys / (keys + FLASH_HALF_SEQ)
     peak = hw.peak_flops("bf16")
     scale = hw.calibration.get("compute_time_scale", 1.0)
     forward = scale * flops / (peak * hw.kernel_efficiency[f"{kernel}_forward"] * shape)
@@ -357,8 +359,10 @@ def layer_compute_times(model: ModelSpec, hw: Hardware, *, micro_batch: int, seq
                                                  ring_size=ring_size, dtype="fp32")
         kernel = "blocks"
     else:
+        # A fused ring runs each step's kernels on half-chunks of seq_len / (2 cp) keys (Transformer Engine).
         attn_fwd, attn_bwd = _core_times_s(model, hw, kernel=kernel, micro_batch=micro_batch, seq_len=seq_len,
-                                           tp=tp, dtype=attn_dtype)
+                                           tp=tp, dtype=attn_dtype,
+                                           key_block=seq_len // (2 * cp) if ring_size > 1 else None)
         attn_fwd, attn_bwd = attn_fwd / cp, attn_bwd / cp
     hidden_bytes, materialized_bytes = _elementwise_bytes(model, micro_batch=micro_batch, seq_len=local, tp=tp,
                                                           sequence_parallel=sequence_parallel, precision=precision,
@@ -378,11 +382,11 @@ def layer_compute_times(model: ModelSpec, hw: Hardware, *, micro_batch: int, seq
 
 
 def _core_times_s(model: ModelSpec, hw: Hardware, *, kernel: str, micro_batch: int, seq_len: int,
-                  tp: int, dtype: str) -> tuple[float, float]:
+                  tp: int, dtype: str, key_block: int | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of the attention core over `seq_len` for one TP rank's heads."""
     if kernel != "materialized" and hw.has_kernel(f"{kernel}_forward"):
         return flash_attention_times_s(hw, kernel=kernel, micro_batch=micro_batch, seq_len=seq_len,
-                                       num_heads=model.num_heads // tp, head_dim=model.head_dim)
+                                       num_heads=model.num_heads // tp, head_dim=model.head_dim, key_block=key_block)
     attention = layer_gemms(model, micro_batch=micro_batch, seq_len=seq_len, tp=tp)["attention"]
     attn_fwd = sum(gemm_time_s(hw, g, dtype=dtype) for g in attention)
     attn_bwd = sum(gemm_time_s(hw, g2, dtype=dtype) for g in attention for g2 in g.backward())

@@ -68,7 +68,7 @@ class Plan:
     cp_kind: str = knob("ring", help="How attention crosses the CP ranks: ring (K/V by point-to-point), "
                         "all-to-all (heads, Ulysses), hierarchical (all-to-all inside a node, ring across).",
                         choices=CP_KINDS, applies=lambda plan: plan.cp > 1, needs="context parallelism (cp > 1)",
-                        tune=CP_KINDS, exports={"megatron": CUSTOM, "torchtitan": ("ring",)})
+                        exports={"megatron": CUSTOM, "torchtitan": ("ring",)})  # searched with cp (planner/search.py)
     virtual_stages: int = knob(1, help="Model chunks per pipeline rank (interleaved 1F1B).", minimum=1,
                                exports={"megatron": CUSTOM, "torchtitan": CUSTOM, "deepspeed": CUSTOM})
     micro_batch: int = knob(1, help="Sequences per micro-batch.", minimum=1,
@@ -103,7 +103,7 @@ class Plan:
                                tune=tuple(range(MAX_PREFETCH_DEPTH + 1)), exports={"deepspeed": CUSTOM})
     bucket_size_bytes: int = knob(DEFAULT_BUCKET_BYTES, help="Gradient bucket size.", minimum=1,
                                   flag="--bucket-size-mb", cli_unit=MIB, cli_help_unit="MiB",
-                                  applies=lambda plan: plan.dp > 1, needs="data parallelism (dp > 1)",
+                                  applies=lambda plan: plan.dp_cp > 1, needs="data parallelism (dp x cp > 1)",
                                   tune=tuple(mb * MIB for mb in BUCKET_MB_CHOICES),
                                   exports={"megatron": CUSTOM, "deepspeed": CUSTOM})
     # MAZ3: one tier for every layer or one per layer.
@@ -113,8 +113,8 @@ class Plan:
         choices=CACHE_TIERS, exports={"torchtitan": ("device",), "deepspeed": ("secondary",)})
     # Commshift: issue the DP gradient reduction after the stage's last input-gradient send.
     commshift: bool = knob(False, help="Move the DP gradient reduction of a stage's last micro-batch behind its "
-                           "last input-gradient send (Commshift).", applies=lambda plan: plan.pp > 1 and plan.dp > 1,
-                           needs="both pipeline (pp > 1) and data parallelism (dp > 1)", tune=(False, True))
+                           "last input-gradient send (Commshift).", applies=lambda plan: plan.pp > 1 and plan.dp_cp > 1,
+                           needs="both pipeline (pp > 1) and data parallelism (dp x cp > 1)", tune=(False, True))
     # Under bf16/fp16: gradients accumulated over micro-batches and reduced over DP in fp32 (torch FSDP's
     # reduce_dtype=float32, Megatron's --accumulate-allreduce-grads-in-fp32) instead of the compute dtype
     # (ZeRO's 2-byte gradients): 4 bytes per gradient element held and sent. No effect under fp32.

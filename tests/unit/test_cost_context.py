@@ -72,12 +72,15 @@ def test_attention_work_and_tokens_split_by_cp():
     kw = dict(micro_batch=1, tp=8, sequence_parallel=True, precision="bf16", engine=eng)
     split = layer_compute_times(MODEL, H100, seq_len=2 * S, cp=2, ring_size=2, **kw)
     plain = layer_compute_times(MODEL, H100, seq_len=S, **kw)
-    core = {n: flash_attention_times_s(H100, kernel="flash3", micro_batch=1, seq_len=n, num_heads=4, head_dim=128)
-            for n in (S, 2 * S)}
-    assert split.forward_s - plain.forward_s == pytest.approx(core[2 * S][0] / 2 - core[S][0], rel=1e-9)
-    assert split.backward_s - plain.backward_s == pytest.approx(core[2 * S][1] / 2 - core[S][1], rel=1e-9)
-    # The balanced split gives each rank half the causal pairs of the whole sequence: twice a plain S core.
-    assert core[2 * S][0] / 2 == pytest.approx(2 * core[S][0], rel=0.05)
+    # Each ring step's kernels see half-chunks of 2S / (2 x 2) = S / 2 keys, which set their efficiency.
+    ring_core = flash_attention_times_s(H100, kernel="flash3", micro_batch=1, seq_len=2 * S, num_heads=4,
+                                        head_dim=128, key_block=S // 2)
+    core = flash_attention_times_s(H100, kernel="flash3", micro_batch=1, seq_len=S, num_heads=4, head_dim=128)
+    assert split.forward_s - plain.forward_s == pytest.approx(ring_core[0] / 2 - core[0], rel=1e-9)
+    assert split.backward_s - plain.backward_s == pytest.approx(ring_core[1] / 2 - core[1], rel=1e-9)
+    # The balanced split gives each rank half the causal pairs of the whole sequence: twice a plain S core,
+    # a little slower for the shorter kernels.
+    assert 2 * core[0] < ring_core[0] / 2 < 2.05 * core[0]
 
 
 def test_our_ring_blocks_compute_r_plus_one_half_squares_in_fp32():
