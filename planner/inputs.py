@@ -120,8 +120,11 @@ def plan_from_options(options: dict[str, Any], problem: Problem) -> Plan:
         raise PlannerError(f"cp x tp x pp = {cp * tp * pp} does not divide the {n} devices")
     dp = values.setdefault("dp", n // (tp * pp * cp))
     if dp * cp * tp * pp != n:  # before the batch arithmetic, whose message would hide the real mismatch
-        raise PlannerError(f"dp x cp x tp x pp = {dp} x {cp} x {tp} x {pp} = {dp * cp * tp * pp}, but the cluster "
-                           f"has {n} devices")
+        names, values = ("dp", "cp", "tp", "pp"), (dp, cp, tp, pp)
+        if cp == 1:
+            names, values = ("dp", "tp", "pp"), (dp, tp, pp)
+        raise PlannerError(f"{' x '.join(names)} = {' x '.join(map(str, values))} = {dp * cp * tp * pp}, but the "
+                           f"cluster has {n} devices")
     micro_batch = values.setdefault("micro_batch", 1)
     if dp < 1 or micro_batch < 1:
         raise PlannerError(f"--dp and --micro-batch must be at least 1, got dp={dp}, micro_batch={micro_batch}")
