@@ -238,12 +238,14 @@ FLASH_HALF_SEQ = 384
 
 
 def flash_attention_times_s(hw: Hardware, *, kernel: str, micro_batch: int, seq_len: int, num_heads: int,
-                            head_dim: int) -> tuple[float, float]:
+                            head_dim: int, key_block: int | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of causal flash attention over `num_heads` heads on one device, at the
     hardware's measured kernel efficiency (Hardware.kernel_efficiency; FlashAttention papers' FLOP
-    count: 4 b s^2 d per head forward, causal half of it, backward 2.5x)."""
+    count: 4 b s^2 d per head forward, causal half of it, backward 2.5x). `key_block`: the keys one kernel
+    call sees when the work is cut into blocks (a context-parallel ring step), which sets its efficiency."""
     flops = 4 * micro_batch * seq_len * seq_len * head_dim * num_heads * FUSED_CAUSAL_FRACTION
-    shape = seq_len / (seq_len + FLASH_HALF_SEQ)
+    keys = key_block or seq_len
+    shape = keys / (keys + FLASH_HALF_SEQ)
     peak = hw.peak_flops("bf16")
     scale = hw.calibration.get("compute_time_scale", 1.0)
     forward = scale * flops / (peak * hw.kernel_efficiency[f"{kernel}_forward"] * shape)
@@ -328,33 +330,45 @@ def _elementwise_kernels(model: ModelSpec, engine: EngineModel | None = None) ->
 
 
 def layer_compute_times(model: ModelSpec, hw: Hardware, *, micro_batch: int, seq_len: int, tp: int,
-                        sequence_parallel: bool, precision: str, engine: EngineModel | None = None) -> LayerComputeTimes:
+                        sequence_parallel: bool, precision: str, engine: EngineModel | None = None,
+                        cp: int = 1, ring_size: int = 1) -> LayerComputeTimes:
     """Forward, backward and attention-core seconds of one layer (backward = input + weight gradients,
     elementwise backward moving twice the forward bytes) as `engine` runs it (default: this project's).
 
     The attention core: materialised, its GEMMs priced like the others plus the softmax's bytes over the
     full square (as Megatron computed it); flash, at the hardware's measured flash kernel efficiency over
     the causal half (`flash_attention_times_s`), or, where the profile has none (CPUs), as its GEMMs over
-    the causal half with a backward of 2.5 forwards."""
+    the causal half with a backward of 2.5 forwards.
+
+    Context parallelism over `cp` ranks (`seq_len` is the whole sequence): the token-wise GEMMs and
+    elementwise ops see seq_len / cp tokens; the balanced causal split gives every rank 1/cp of the
+    attention work, which is the whole sequence's attention over 1/cp of the heads (exactly so for
+    all-to-all, and for a ring on a fused kernel per block). This engine's ring (`ring_size` > 1)
+    writes its blocks out instead (`ring_blocks_times_s`)."""
     engine = engine or ENGINES["ours"]
     kernel = attention_kernel(model, engine, hw)
     gemm_dtype = "fp8" if precision == "fp8" else precision
-    gemms = layer_gemms(model, micro_batch=micro_batch, seq_len=seq_len, tp=tp)
+    local = seq_len // cp
+    gemms = layer_gemms(model, micro_batch=micro_batch, seq_len=local, tp=tp)
     dense_fwd = sum(gemm_time_s(hw, g, dtype=gemm_dtype) for g in gemms["dense"])
     dense_bwd = sum(gemm_time_s(hw, g2, dtype=gemm_dtype) for g in gemms["dense"] for g2 in g.backward())
     attn_dtype = "bf16" if precision == "fp8" else precision
-    if kernel != "materialized" and hw.has_kernel(f"{kernel}_forward"):
-        attn_fwd, attn_bwd = flash_attention_times_s(hw, kernel=kernel, micro_batch=micro_batch, seq_len=seq_len,
-                                                     num_heads=model.num_heads // tp, head_dim=model.head_dim)
+    if cp > 1 and ring_size > 1 and not engine.fused_ring_blocks:
+        # Written out in fp32 whatever the training precision (the log-sum-exp merge needs it).
+        attn_fwd, attn_bwd = ring_blocks_times_s(model, hw, micro_batch=micro_batch, seq_len=seq_len, tp=tp, cp=cp,
+                                                 ring_size=ring_size, dtype="fp32")
+        kernel = "blocks"
     else:
-        attn_fwd = sum(gemm_time_s(hw, g, dtype=attn_dtype) for g in gemms["attention"])
-        attn_bwd = sum(gemm_time_s(hw, g2, dtype=attn_dtype) for g in gemms["attention"] for g2 in g.backward())
-        if kernel != "materialized":
-            attn_fwd *= FUSED_CAUSAL_FRACTION
-            attn_bwd = FUSED_BACKWARD_RATIO * attn_fwd
-    hidden_bytes, score_bytes = _elementwise_bytes(model, micro_batch=micro_batch, seq_len=seq_len, tp=tp,
-                                                   sequence_parallel=sequence_parallel, precision=precision,
-                                                   engine=engine, materialized=kernel == "materialized")
+        # A fused ring runs each step's kernels on half-chunks of seq_len / (2 cp) keys (Transformer Engine).
+        attn_fwd, attn_bwd = _core_times_s(model, hw, kernel=kernel, micro_batch=micro_batch, seq_len=seq_len,
+                                           tp=tp, dtype=attn_dtype,
+                                           key_block=seq_len // (2 * cp) if ring_size > 1 else None)
+        attn_fwd, attn_bwd = attn_fwd / cp, attn_bwd / cp
+    hidden_bytes, materialized_bytes = _elementwise_bytes(model, micro_batch=micro_batch, seq_len=local, tp=tp,
+                                                          sequence_parallel=sequence_parallel, precision=precision,
+                                                          engine=engine, materialized=kernel == "materialized")
+    # The materialised square is the whole sequence's, over this rank's 1/cp of the heads.
+    score_bytes = materialized_bytes * cp
     if precision == "fp8":
         # Each fp8 GEMM input is quantised first (read bf16, write fp8: 3 bytes an element) and its amax
         # taken; the GEMMs' activations and, per micro-batch, the layer's weights.
@@ -365,6 +379,49 @@ def layer_compute_times(model: ModelSpec, hw: Hardware, *, micro_batch: int, seq
         forward_s=dense_fwd + attn_fwd + elem_fwd + softmax_fwd,
         backward_s=dense_bwd + attn_bwd + 2 * elem_fwd + 2 * softmax_fwd,
         attention_core_forward_s=attn_fwd + softmax_fwd)
+
+
+def _core_times_s(model: ModelSpec, hw: Hardware, *, kernel: str, micro_batch: int, seq_len: int,
+                  tp: int, dtype: str, key_block: int | None = None) -> tuple[float, float]:
+    """(forward, backward) seconds of the attention core over `seq_len` for one TP rank's heads."""
+    if kernel != "materialized" and hw.has_kernel(f"{kernel}_forward"):
+        return flash_attention_times_s(hw, kernel=kernel, micro_batch=micro_batch, seq_len=seq_len,
+                                       num_heads=model.num_heads // tp, head_dim=model.head_dim, key_block=key_block)
+    attention = layer_gemms(model, micro_batch=micro_batch, seq_len=seq_len, tp=tp)["attention"]
+    attn_fwd = sum(gemm_time_s(hw, g, dtype=dtype) for g in attention)
+    attn_bwd = sum(gemm_time_s(hw, g2, dtype=dtype) for g in attention for g2 in g.backward())
+    if kernel != "materialized":
+        attn_fwd *= FUSED_CAUSAL_FRACTION
+        attn_bwd = FUSED_BACKWARD_RATIO * attn_fwd
+    return attn_fwd, attn_bwd
+
+
+# This engine's ring blocks (runners/context_parallel.py) in fp32: forward scale, mask, log-sum-exp and
+# exp pass over each score (20 bytes); backward rebuilds the probabilities and forms dS (40 bytes).
+RING_SCORE_BYTES_FWD = 20
+RING_SCORE_BYTES_BWD = 40
+
+
+def ring_blocks_times_s(model: ModelSpec, hw: Hardware, *, micro_batch: int, seq_len: int, tp: int, cp: int,
+                        ring_size: int, dtype: str) -> tuple[float, float]:
+    """(forward, backward) seconds of this engine's written-out ring attention on one rank.
+
+    Each ring rank holds s_r = seq_len / ring_size tokens (after the all-to-all part) for
+    num_heads / (tp x cp / ring_size) heads; step 0 computes its full s_r x s_r square under the causal
+    mask, each of the ring_size - 1 other steps half of one, so a rank computes (ring_size + 1) / 2 squares:
+    two GEMMs forward (Q K^T, P V), five backward (the scores again, dV, dP, dQ, dK), each at the square's
+    shape. The fp32 scores pass through memory on top (RING_SCORE_BYTES_*, forward and backward)."""
+    s_r = seq_len // ring_size
+    heads = micro_batch * model.num_heads // (tp * cp // ring_size)
+    squares = (ring_size + 1) / 2
+    d = model.head_dim
+    qk, pv = Gemm(s_r, s_r, d, heads), Gemm(s_r, d, s_r, heads)
+    forward = squares * (gemm_time_s(hw, qk, dtype=dtype) + gemm_time_s(hw, pv, dtype=dtype))
+    backward = squares * (2 * gemm_time_s(hw, qk, dtype=dtype) + 3 * gemm_time_s(hw, pv, dtype=dtype))
+    scores = squares * heads * s_r * s_r
+    forward += memory_time_s(hw, scores * RING_SCORE_BYTES_FWD, num_kernels=4 * ring_size)
+    backward += memory_time_s(hw, scores * RING_SCORE_BYTES_BWD, num_kernels=8 * ring_size)
+    return forward, backward
 
 
 @dataclass(frozen=True)

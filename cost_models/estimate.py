@@ -40,7 +40,8 @@ import math
 from dataclasses import dataclass, field
 
 from cost_models.comm import collective_time_s as _collective_time_s
-from cost_models.compute import (_elementwise_kernels, activation_bytes_per_element, contended, end_compute_times,
+from cost_models.context import context_comm
+from cost_models.compute import (FUSED_BACKWARD_RATIO, _elementwise_kernels, activation_bytes_per_element, contended, end_compute_times,
                                  fused_attention, layer_compute_times, layer_gemms, memory_time_s,
                                  model_flops_per_step)
 from cost_models.memory import (ALLOCATOR_FRAGMENTATION, CPU_FRAMEWORK_RESERVE_BYTES, end_activation_bytes, gpu_runtime_bytes,
@@ -202,8 +203,11 @@ class LayerCosts:
     last_extra_forward_s: float = 0.0
     first_extra_tp_comm_s: float = 0.0
     last_extra_tp_comm_s: float = 0.0
-    tp_comm_s: dict[str, float] = field(default_factory=dict)
+    tp_comm_s: dict[str, float] = field(default_factory=dict)  # exposed in-layer communication: TP and CP
+    cp_comm_s: dict[str, float] = field(default_factory=dict)  # the CP part of it (cost_models/context.py)
     recompute_time_s: dict[str, float] = field(default_factory=dict)
+    # The largest transient of this engine's ring: one step's fp32 scores and probabilities.
+    cp_working_bytes: float = 0.0
     # Speed of the layer's forward / backward compute while a collective holds some of the GPU's SMs, over
     # its speed on the whole device (compute.contended); 1 on CPUs.
     overlap_efficiency_forward: float = 1.0
@@ -232,12 +236,20 @@ def layer_costs(plan, *, model, cluster, job, engine: str = "ours") -> LayerCost
     """Per-layer time and memory of `plan` as `engine` runs it (see LayerCosts); estimate() prices chunks
     as sums of these."""
     eng = engine_model(engine)
-    hw, b, s, tp, sp = cluster.hardware, plan.micro_batch, job.seq_len, plan.tp, plan.sequence_parallel
+    hw, b, tp, sp, cp = cluster.hardware, plan.micro_batch, plan.tp, plan.sequence_parallel, plan.cp
+    if cp > 1 and not eng.context_parallel:
+        raise PlannerError(f"engine {engine} has no context parallelism (cp {cp}); price it as ours, megatron or "
+                           f"torchtitan")
+    a2a, ring = plan.cp_split(ranks_per_node=cluster.devices_per_node)
+    # Under CP every token-wise tensor holds this rank's seq_len / cp tokens (runners/context_parallel.py).
+    s = job.seq_len // cp
     dims = dict(micro_batch=b, seq_len=s, tp=tp, sequence_parallel=sp, precision=job.precision)
-    times = layer_compute_times(model, hw, **dims, engine=eng)
+    whole = dict(dims, seq_len=job.seq_len, engine=eng, cp=cp, ring_size=ring)
+    times = layer_compute_times(model, hw, **whole)
     ends = end_compute_times(model, hw, **dims)
-    slow = layer_compute_times(model, contended(hw), **dims, engine=eng)
+    slow = layer_compute_times(model, contended(hw), **whole)
     share_f, share_b = times.forward_s / slow.forward_s, times.backward_s / slow.backward_s
+    core_fwd_s = times.attention_core_forward_s
     times, ends = _with_op_overhead(model, times, ends, op_overhead_s=hw.calibration.get("op_overhead_s", 0.0))
     act_bytes = b * s * model.hidden_size * activation_bytes_per_element(job.precision)
     # Megatron: two all-reduces of the b x s x h activations per layer forward, two backward; with
@@ -251,16 +263,29 @@ def layer_costs(plan, *, model, cluster, job, engine: str = "ours") -> LayerCost
     one_s = exposed * (gather_s + scatter_s if sp else reduce_s)
     embed_comm_s = exposed * (scatter_s if sp else reduce_s)
     tp_fwd_s = 2 * one_s
+    cp_fwd_s, cp_bwd_s = _context_comm_s(plan, cluster, model=model, job=job, core_forward_s=core_fwd_s)
     # Each checkpointed region (the layer under full, the attention core under selective) also pays the
     # calibrated recompute_overhead_s once per micro-batch: torch.utils.checkpoint's saved-tensor hooks,
     # RNG state save/restore and re-entry, on top of the recomputed ops (default 0).
     checkpoint_s = hw.calibration.get("recompute_overhead_s", 0.0)
     recompute_s = {"none": 0.0, "selective": times.attention_core_forward_s + checkpoint_s,
                    "full": times.forward_s + checkpoint_s}
+    # Recomputation repeats the forward's CP communication: the whole layer (full), or the core with its
+    # all-to-all and ring (selective: runners/context_parallel.py runs inside the checkpointed core).
+    cp_comm = {"none": cp_fwd_s + cp_bwd_s, "selective": 2 * cp_fwd_s + cp_bwd_s, "full": 2 * cp_fwd_s + cp_bwd_s}
     tp_comm = {"none": 2 * tp_fwd_s, "selective": 2 * tp_fwd_s, "full": 3 * tp_fwd_s}
+    tp_comm = {p: tp_comm[p] + cp_comm[p] for p in POLICIES}
     time_s = {p: times.forward_s + times.backward_s + recompute_s[p] + tp_comm[p] for p in POLICIES}
-    activation = {p: layer_activation_bytes(model, policy=p, **dims, fused=fused_attention(model, eng, hw))
-                  for p in POLICIES}
+    # This engine's ring keeps no scores (its blocks are transient); a materialised core after the
+    # all-to-all keeps the whole sequence's square for 1/cp of the heads.
+    fused = fused_attention(model, eng, hw) or (cp > 1 and ring > 1)
+    activation = {p: layer_activation_bytes(model, policy=p, **dims, fused=fused) for p in POLICIES}
+    if cp > 1 and not fused:
+        square = _materialized_scores_bytes(model, micro_batch=b, seq_len=job.seq_len, heads_split=tp * cp,
+                                            precision=job.precision, dropout=eng.gpt_dropout)
+        local_square = _materialized_scores_bytes(model, micro_batch=b, seq_len=s, heads_split=tp,
+                                                  precision=job.precision, dropout=eng.gpt_dropout)
+        activation = {p: v + (square - local_square if p == "none" else 0.0) for p, v in activation.items()}
     shards = dict(param_shard=plan.param_shard, grad_shard=plan.grad_shard, optim_shard=plan.optim_shard,
                   precision=job.precision, reduce_fp32=plan.reduce_fp32)
     state = model_state_bytes(layer_params_per_device(model, tp=tp), **shards)
@@ -276,12 +301,41 @@ def layer_costs(plan, *, model, cluster, job, engine: str = "ours") -> LayerCost
         last_extra_bytes=model_state_bytes(last_params, **shards).total_bytes
         + logits_bytes(model, micro_batch=b, seq_len=s, tp=tp),
         first_extra_activation_bytes=first_act, last_extra_activation_bytes=last_act,
-        forward_time_s={p: times.forward_s + tp_fwd_s for p in POLICIES},
+        forward_time_s={p: times.forward_s + tp_fwd_s + cp_fwd_s for p in POLICIES},
         first_extra_forward_s=ends.embed_forward_s + embed_comm_s,
         last_extra_forward_s=ends.head_forward_s + (exposed * gather_s if sp else 0.0),
         first_extra_tp_comm_s=embed_comm_s, last_extra_tp_comm_s=one_s,
-        tp_comm_s=tp_comm, recompute_time_s=recompute_s,
+        tp_comm_s=tp_comm, cp_comm_s=cp_comm, recompute_time_s=recompute_s,
+        cp_working_bytes=_ring_working_bytes(model, plan=plan, seq_len=job.seq_len, ring=ring, eng=eng),
         overlap_efficiency_forward=share_f, overlap_efficiency_backward=share_b)
+
+
+def _context_comm_s(plan, cluster, *, model, job, core_forward_s: float) -> tuple[float, float]:
+    """Exposed CP communication of one layer per micro-batch, (forward, backward): the all-to-alls whole,
+    each ring step's message less what its partial attention hides (`_overlap`; cost_models/context.py)."""
+    if plan.cp == 1:
+        return 0.0, 0.0
+    ctx = context_comm(plan, cluster, model=model, job=job, core_forward_s=core_forward_s,
+                       core_backward_s=FUSED_BACKWARD_RATIO * core_forward_s, collective_time_s=collective_time_s)
+    fwd = ctx.a2a_forward_s + sum(_overlap(c, m, cluster) - c for m, c in ctx.ring_forward)
+    bwd = ctx.a2a_backward_s + sum(_overlap(c, m, cluster) - c for m, c in ctx.ring_backward)
+    return fwd, bwd
+
+
+def _materialized_scores_bytes(model, *, micro_batch: int, seq_len: int, heads_split: int, precision: str,
+                               dropout: bool) -> float:
+    p = activation_bytes_per_element(precision)
+    per_score = p + (1 if dropout and model.arch == "gpt2" else 0)
+    return micro_batch * model.num_heads / heads_split * seq_len * seq_len * per_score
+
+
+def _ring_working_bytes(model, *, plan, seq_len: int, ring: int, eng) -> float:
+    """This engine's ring builds one step's fp32 scores and probabilities (step 0's full square of s / r
+    tokens, for num_heads / (tp x cp / r) heads); a fused engine keeps no square."""
+    if ring == 1 or eng.fused_ring_blocks:
+        return 0.0
+    heads = plan.micro_batch * model.num_heads // (plan.tp * plan.cp // ring)
+    return 2 * 4.0 * heads * (seq_len // ring) ** 2
 
 
 @dataclass
@@ -292,7 +346,7 @@ class _ChunkPrice:
     backward_s: float  # the B action
     compute_s: float  # forward + backward compute, no recomputation, no communication
     recompute_s: float
-    tp_comm_s: float
+    tp_comm_s: float  # exposed in-layer communication, TP and CP
     dp_comm_s: float  # DP/ZeRO communication per micro-batch (gathers, reduce-scatters, host copies)
     reduce_s: float  # the step-end reduction of this chunk's gradients
     last_bucket_s: float
@@ -309,6 +363,7 @@ class _ChunkPrice:
     forward_comm_s: float = 0.0  # its parameter gathers, which compete for that window
     backward_compute_s: float = 0.0  # one micro-batch's backward compute (recomputation and TP included)
     comm: _ShardingComm | None = None
+    cp_comm_s: float = 0.0  # the CP part of tp_comm_s
 
 
 @dataclass(frozen=True)
@@ -396,7 +451,7 @@ def _boundary_reduce(plan, cluster, *, grad_bytes: float, reduce_scatter_once: b
     engine that keeps whole gradients until the boundary (reduce_scatter_once: Megatron's distributed
     optimizer) reduce-scatters them there over the grad_shard group instead, then all-reduces the shard
     across the replicas."""
-    dp, s_g, tp = plan.dp, plan.grad_shard, plan.tp
+    dp, s_g, tp = plan.dp_cp, plan.grad_shard, plan.tp  # CP ranks reduce with DP's
     if reduce_scatter_once and s_g > 1:
         rs = collective_time_s(cluster, collective="reduce_scatter", size_bytes=grad_bytes, group_size=s_g, stride=tp)
         rs_last = collective_time_s(cluster, collective="reduce_scatter", size_bytes=min(grad_bytes, plan.bucket_size_bytes),
@@ -421,6 +476,7 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
     total = sum(costs.time_s[p] for p in policies)
     recompute = sum(costs.recompute_time_s[p] for p in policies)
     tp_comm = sum(costs.tp_comm_s[p] for p in policies)
+    cp_comm = sum(costs.cp_comm_s.get(p, 0.0) for p in policies)
     activation = sum(costs.activation_bytes[p] for p in policies)
     layer_params = layer_params_per_device(model, tp=plan.tp)
     num_params = len(layers) * layer_params
@@ -481,7 +537,8 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
                                                      wire_s=gather_wire * comm.bwd_rest_s, efficiency=e_b),
         shift_reduce_s=comm.rs_s + reduce_s, forward_compute_s=forward, forward_comm_s=comm.fwd_first_s + comm.fwd_rest_s,
         backward_compute_s=backward, comm=comm,
-        cache_bytes=cache, host_cache_bytes=layer_bytes * tiers.count("host"), recompute_working_bytes=working)
+        cache_bytes=cache, host_cache_bytes=layer_bytes * tiers.count("host"),
+        recompute_working_bytes=working + costs.cp_working_bytes, cp_comm_s=cp_comm)
 
 
 @functools.lru_cache(maxsize=512)
@@ -537,8 +594,8 @@ def _rank_memory(plan, cluster, *, model, job, chunks: list[_ChunkPrice], rank: 
     gathered = (plan.prefetch_depth + 1) * layer_bytes if plan.param_shard > 1 else 0.0
     # One bucket in flight, never more than the rank's gradients.
     grad_bytes = num_params * state_bytes_per_param(job.precision, reduce_fp32=plan.reduce_fp32)[1]
-    bucket = float(min(plan.bucket_size_bytes, grad_bytes)) if plan.dp > 1 else 0.0
-    logits = (logits_bytes(model, micro_batch=plan.micro_batch, seq_len=job.seq_len, tp=plan.tp)
+    bucket = float(min(plan.bucket_size_bytes, grad_bytes)) if plan.dp_cp > 1 else 0.0
+    logits = (logits_bytes(model, micro_batch=plan.micro_batch, seq_len=job.seq_len // plan.cp, tp=plan.tp)
               if plan.num_chunks - 1 in mine else 0.0)
     working = max(chunks[c].recompute_working_bytes for c in mine)
     hw = cluster.hardware
@@ -548,7 +605,8 @@ def _rank_memory(plan, cluster, *, model, job, chunks: list[_ChunkPrice], rank: 
     elif hw.device_type == "cuda":
         # The process groups a rank joins: the world, DP, TP, PP and, with HSDP-style sharding inside DP,
         # the shard and replica groups.
-        groups = 1 + (plan.dp > 1) + (plan.tp > 1) + (plan.pp > 1) + 2 * (1 < plan.param_shard < plan.dp)
+        groups = (1 + (plan.dp_cp > 1) + (plan.tp > 1) + (plan.pp > 1) + 2 * (1 < plan.param_shard < plan.dp_cp)
+                  + 2 * (plan.cp > 1))  # CP: its all-to-all and ring groups
         reserve = gpu_runtime_bytes(num_communicators=groups, transient_bytes=activations + buffers)
     else:
         reserve = CPU_FRAMEWORK_RESERVE_BYTES
@@ -579,12 +637,14 @@ def _chunk_prices(plan, costs: LayerCosts, cluster, *, model, job, eng=None) -> 
 
 
 def _p2p_time_s(plan, cluster, *, model, job) -> float:
-    """One activation (b x s x h, sequence-sharded under SP) between adjacent stages, dp x tp ranks apart."""
+    """One activation (b x s / cp x h, sequence-sharded under SP) between adjacent stages, dp x cp x tp ranks
+    apart."""
     if plan.pp == 1:
         return 0.0
-    size = plan.micro_batch * job.seq_len * model.hidden_size * activation_bytes_per_element(job.precision)
+    size = plan.micro_batch * (job.seq_len // plan.cp) * model.hidden_size * activation_bytes_per_element(job.precision)
     size /= plan.tp if plan.sequence_parallel else 1
-    return collective_time_s(cluster, collective="p2p", size_bytes=size, group_size=2, stride=plan.dp * plan.tp)
+    return collective_time_s(cluster, collective="p2p", size_bytes=size, group_size=2,
+                             stride=plan.dp_cp * plan.tp)
 
 
 def _redistribute_s(plan, cluster, *, num_params: float, param_bytes: int, first_chunk: _ChunkPrice) -> tuple[float, float]:
@@ -641,7 +701,8 @@ def _time_breakdown(plan, *, chunks: list[_ChunkPrice], pipe, tails, post_total_
     optimizer_s, post_s = tails[rank][0], post_total_s[rank]
     num_sends = sum((c < plan.num_chunks - 1) + (c > 0) for c in range(rank, plan.num_chunks, plan.pp))
     return {
-        "compute_s": compute_s, "recompute_s": recompute_s, "tp_comm_s": m * sum(c.tp_comm_s for c in mine),
+        "compute_s": compute_s, "recompute_s": recompute_s,
+        "tp_comm_s": m * sum(c.tp_comm_s - c.cp_comm_s for c in mine), "cp_comm_s": m * sum(c.cp_comm_s for c in mine),
         "pp_comm_s": m * num_sends * p2p_s,
         "dp_comm_s": m * sum(c.dp_comm_s for c in mine) + sum(c.reduce_s for c in mine) + post_s,
         "exposed_comm_s": (pipe.busy_s[rank] - compute_s - recompute_s)

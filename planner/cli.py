@@ -774,7 +774,7 @@ def calibrate_command(
 def explain_command(
     plan_file: Annotated[str, typer.Option("--plan", help="Plan file from `search --out` (needs no other flag), or a bare plan JSON with --model and --hardware.")],
     model: MaybeModelOpt = None, hardware: MaybeHardwareOpt = None,
-    gpus: Annotated[Optional[int], typer.Option("--gpus", help="Devices (default: the plan file's, or the plan's dp x tp x pp).")] = None,
+    gpus: Annotated[Optional[int], typer.Option("--gpus", help="Devices (default: the plan file's, or the plan's dp x cp x tp x pp).")] = None,
     gpus_per_node: GpusPerNodeOpt = None,
     global_batch: Annotated[Optional[int], typer.Option("--global-batch", help="Default: the plan file's, or the plan's.")] = None,
     seq_len: SeqLenOpt = None, precision: PrecisionOpt = None,
@@ -817,7 +817,7 @@ def export_command(
     to: Annotated[str, typer.Option("--to", help="torchtitan, megatron or deepspeed.")],
     engine: Annotated[Optional[str], typer.Option("--engine", help="Price the exported plan as this engine runs it (default: the --to target; ours, megatron, torchtitan or deepspeed).")] = None,
     model: MaybeModelOpt = None, hardware: MaybeHardwareOpt = None,
-    gpus: Annotated[Optional[int], typer.Option("--gpus", help="Devices (default: the plan file's, or the plan's dp x tp x pp).")] = None,
+    gpus: Annotated[Optional[int], typer.Option("--gpus", help="Devices (default: the plan file's, or the plan's dp x cp x tp x pp).")] = None,
     gpus_per_node: GpusPerNodeOpt = None,
     global_batch: Annotated[Optional[int], typer.Option("--global-batch", help="Default: the plan file's, or the plan's.")] = None,
     seq_len: SeqLenOpt = None, precision: PrecisionOpt = None,

@@ -54,7 +54,7 @@ def lanes_of(ex) -> list[str]:
     present = {"tp": plan.tp > 1,
                "gather": any(c.gather_forward_first_s + c.gather_forward_rest_s > 0 for c in chunks)
                or any(post > 1e-3 * ex.estimate.step_time_s for _, post in ex.tails_s),
-               "reduce": plan.dp > 1,
+               "reduce": plan.dp_cp > 1,
                "p2p": plan.num_chunks > 1}
     return [k for k in LANE_KINDS if present[k]]
 

@@ -117,14 +117,18 @@ def plan_from_options(options: dict[str, Any], problem: Problem) -> Plan:
         if spec.name in values:
             values[spec.name] = cli_value(spec, values[spec.name])
     n = problem.cluster.num_devices
-    tp, pp = values.setdefault("tp", 1), values.setdefault("pp", 1)
-    if tp < 1 or pp < 1:
-        raise PlannerError(f"--tp and --pp must be at least 1, got tp={tp}, pp={pp}")
-    if "dp" not in values and n % (tp * pp):
-        raise PlannerError(f"tp x pp = {tp * pp} does not divide the {n} devices")
-    dp = values.setdefault("dp", n // (tp * pp))
-    if dp * tp * pp != n:  # before the batch arithmetic, whose message would hide the real mismatch
-        raise PlannerError(f"dp x tp x pp = {dp} x {tp} x {pp} = {dp * tp * pp}, but the cluster has {n} devices")
+    tp, pp, cp = values.setdefault("tp", 1), values.setdefault("pp", 1), values.setdefault("cp", 1)
+    if tp < 1 or pp < 1 or cp < 1:
+        raise PlannerError(f"--tp, --pp and --cp must be at least 1, got tp={tp}, pp={pp}, cp={cp}")
+    if "dp" not in values and n % (tp * pp * cp):
+        raise PlannerError(f"cp x tp x pp = {cp * tp * pp} does not divide the {n} devices")
+    dp = values.setdefault("dp", n // (tp * pp * cp))
+    if dp * cp * tp * pp != n:  # before the batch arithmetic, whose message would hide the real mismatch
+        names, values = ("dp", "cp", "tp", "pp"), (dp, cp, tp, pp)
+        if cp == 1:
+            names, values = ("dp", "tp", "pp"), (dp, tp, pp)
+        raise PlannerError(f"{' x '.join(names)} = {' x '.join(map(str, values))} = {dp * cp * tp * pp}, but the "
+                           f"cluster has {n} devices")
     micro_batch = values.setdefault("micro_batch", 1)
     if dp < 1 or micro_batch < 1:
         raise PlannerError(f"--dp and --micro-batch must be at least 1, got dp={dp}, micro_batch={micro_batch}")
@@ -132,7 +136,7 @@ def plan_from_options(options: dict[str, Any], problem: Problem) -> Plan:
     if zero is not None:
         if any(name in values for name in shard_names):
             raise PlannerError("give either --zero or --param-shard/--grad-shard/--optim-shard, not both")
-        values.update(zip(shard_names, zero_degrees(zero, dp)))
+        values.update(zip(shard_names, zero_degrees(zero, dp * cp)))  # CP ranks reduce with DP's
     values.setdefault("schedule", "interleaved-1f1b" if values.get("virtual_stages", 1) > 1 else "1f1b")
     values.setdefault("num_micro_batches", micro_batches_for(global_batch=problem.job.global_batch, dp=dp,
                                                              micro_batch=micro_batch))

@@ -63,7 +63,7 @@ def plan_from_trial(trial, base: Plan, problem: Problem) -> Plan:
     m = per_replica // micro_batch
     if base.schedule == "interleaved-1f1b" and m % base.pp:
         raise optuna.TrialPruned(f"{m} micro-batches do not divide by pp {base.pp}")
-    points = sharding_points(base.dp, tp=base.tp, devices_per_node=problem.cluster.devices_per_node)
+    points = sharding_points(base.dp_cp, tp=base.tp, devices_per_node=problem.cluster.devices_per_node)
     shards = points[trial.suggest_categorical("sharding", list(points))]
     ranges = base.chunk_layer_ranges(problem.model.num_layers)
     stage_rc = [trial.suggest_categorical(f"recompute_stage_{r}", list(RECOMPUTE)) for r in range(base.pp)]
@@ -92,7 +92,7 @@ def _per_layer(per_stage: list, ranges: list[range], pp: int) -> tuple:
 
 def base_params(plan: Plan, problem: Problem) -> dict:
     """The trial parameters that reproduce `plan` (to seed a new study with the search's winner)."""
-    points = sharding_points(plan.dp, tp=plan.tp, devices_per_node=problem.cluster.devices_per_node)
+    points = sharding_points(plan.dp_cp, tp=plan.tp, devices_per_node=problem.cluster.devices_per_node)
     params: dict = {"micro_batch": plan.micro_batch}
     name = next((k for k, v in points.items() if v == plan.shard_degrees), None)
     if name is None:

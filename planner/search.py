@@ -5,8 +5,8 @@
     from planner.search import search, SearchOptions
     result = search(problem, options=SearchOptions(top_k=5))
 
-Branch and bound over the plan space. A *slot* fixes the degrees (dp, tp, pp), virtual stages, schedule,
-micro-batch, recomputation and sequence parallelism; its *variants* add the DP sharding point (every
+Branch and bound over the plan space. A *slot* fixes the degrees (dp, tp, pp, and cp with its kind),
+virtual stages, schedule, micro-batch, recomputation and sequence parallelism; its *variants* add the DP sharding point (every
 Lins point `lins_points`: ZeRO-0..3, HSDP and the mixes such as parameters and gradients inside a node with
 optimizer states over all of DP), commshift and a uniform MAZ3 cache tier. Every slot gets a step-time lower bound from the per-layer
 costs alone (the pipeline's compute critical path, no communication or bubble beyond it), and every
@@ -79,8 +79,12 @@ class SearchOptions:
     exhaustive: bool = False
     # Called with the number of plans priced so far (for a progress display).
     on_progress: Callable[[int], None] | None = None
-    # Only plans with these (dp, tp, pp), e.g. to choose the sharding, schedule and knobs of a fixed layout.
-    degrees: tuple[int, int, int] | None = None
+    # Only plans with these (dp, tp, pp) (cp 1) or (dp, cp, tp, pp), e.g. to choose the sharding, schedule and
+    # knobs of a fixed layout.
+    degrees: tuple[int, ...] | None = None
+    # Context parallelism is tried where every CP rank keeps at least this many tokens: below it a ring
+    # step's attention is too short to hide its K/V, and the search would only price plans that lose.
+    min_tokens_per_cp_rank: int = 4096
 
     def __post_init__(self) -> None:
         if self.top_k < 1 or self.max_virtual_stages < 1 or self.ilp_candidates < 0:
@@ -124,9 +128,12 @@ class Slot:
     num_micro_batches: int
     recompute: str
     sequence_parallel: bool
+    cp: int = 1
+    cp_kind: str = "ring"
 
     def plan(self, *, shards: tuple[int, int, int] = (1, 1, 1), cache: str = "none", commshift: bool = False) -> Plan:
-        return Plan(dp=self.dp, tp=self.tp, pp=self.pp, virtual_stages=self.virtual_stages,
+        return Plan(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, cp_kind=self.cp_kind,
+                    virtual_stages=self.virtual_stages,
                     micro_batch=self.micro_batch, num_micro_batches=self.num_micro_batches,
                     schedule=self.schedule, recompute=self.recompute, sequence_parallel=self.sequence_parallel,
                     param_shard=shards[0], grad_shard=shards[1], optim_shard=shards[2], param_cache=cache,
@@ -173,19 +180,51 @@ def schedule_options(*, pp: int, num_micro_batches: int, num_layers: int, max_v:
     return out
 
 
+def context_options(problem: Problem, *, min_tokens_per_rank: int = 4096) -> list[tuple[int, int, int, int, str]]:
+    """Valid (dp, cp, tp, pp, cp kind) with cp > 1: the sequence splits into 2 x cp chunks of which each rank
+    keeps at least `min_tokens_per_rank` tokens, dp divides the global batch, TP as in degree_options; every
+    kind whose head split the model allows (all-to-all: heads and K/V heads per TP rank divisible by cp;
+    hierarchical only where it is neither of the others, an all-to-all part strictly inside the CP group)."""
+    model, job, n = problem.model, problem.job, problem.cluster.num_devices
+    per_node = problem.cluster.devices_per_node
+    out = []
+    for tp in divisors(per_node):
+        if n % tp or any(x % tp for x in (model.num_heads, model.num_kv_heads, model.ffn_hidden_size)):
+            continue
+        heads = (model.num_heads // tp, model.num_kv_heads // tp)
+        for cp in divisors(n // tp)[1:]:
+            if job.seq_len % (2 * cp) or job.seq_len // cp < min_tokens_per_rank:
+                continue
+            for pp in divisors(n // (tp * cp)):
+                dp = n // (tp * cp * pp)
+                if pp > model.num_layers or job.global_batch % dp:
+                    continue
+                kinds = ["ring"]
+                if all(h % cp == 0 for h in heads):
+                    kinds.append("all-to-all")
+                inside = Plan(cp=cp, tp=tp, cp_kind="hierarchical").cp_split(ranks_per_node=per_node)[0]
+                if 1 < inside < cp and all(h % inside == 0 for h in heads):
+                    kinds.append("hierarchical")
+                out.extend((dp, cp, tp, pp, kind) for kind in kinds)
+    return out
+
+
 def enumerate_slots(problem: Problem, options: SearchOptions) -> Iterator[Slot]:
     model, job = problem.model, problem.job
-    for dp, tp, pp in degree_options(problem):
-        if options.degrees is not None and (dp, tp, pp) != tuple(options.degrees):
+    layouts = [(dp, 1, tp, pp, "ring") for dp, tp, pp in degree_options(problem)]
+    layouts += context_options(problem, min_tokens_per_rank=options.min_tokens_per_cp_rank)
+    for dp, cp, tp, pp, kind in layouts:
+        if options.degrees is not None and options.degrees not in ((dp, tp, pp) if cp == 1 else (), (dp, cp, tp, pp)):
             continue
         per_replica = job.global_batch // dp
+        local_seq = job.seq_len // cp
         for mb in divisors(per_replica):
             m = per_replica // mb
             for schedule, v in schedule_options(pp=pp, num_micro_batches=m, num_layers=model.num_layers,
                                                 max_v=options.max_virtual_stages):
                 for rc in options.recompute:
-                    for sp in ((False, True) if tp > 1 and job.seq_len % tp == 0 else (False,)):
-                        yield Slot(dp, tp, pp, v, schedule, mb, m, rc, sp)
+                    for sp in ((False, True) if tp > 1 and local_seq % tp == 0 else (False,)):
+                        yield Slot(dp, tp, pp, v, schedule, mb, m, rc, sp, cp, kind)
 
 
 def _fills_nodes(degree: int, *, dp: int, dp_per_node: int) -> bool:
@@ -215,11 +254,11 @@ def sharding_variants(slot: Slot, *, devices_per_node: int) -> list[tuple[tuple[
     """(shard degrees, cache tier, commshift) for one slot: every Lins point (`lins_points`), each
     uniform MAZ3 cache tier on the points with one sharding group (s_p = s_g = s_os > 1; the ILP then
     mixes tiers per layer for the best plans of any point), commshift where pp > 1 and dp > 1."""
-    dp = slot.dp
+    dp = slot.dp * slot.cp  # CP ranks shard and reduce gradients with DP's (runners/mesh.py)
     if dp == 1:
         return [((1, 1, 1), "none", False)]
     dp_per_node = max(1, min(dp, devices_per_node // slot.tp))
-    shifts = (False, True) if slot.pp > 1 else (False,)
+    shifts = (False, True) if slot.pp > 1 and slot.dp * slot.cp > 1 else (False,)
     out = []
     for shards in lins_points(dp, dp_per_node=dp_per_node):
         # Uniform tiers on the points where parameters, gradients and states share one group (ZeRO-3,
@@ -335,7 +374,7 @@ class _Pricer:
 
     def __init__(self, problem: Problem, cost: CostModel, on_progress: Callable[[int], None] | None) -> None:
         self.problem, self.cost, self.on_progress = problem, cost, on_progress
-        self.layer_cache: dict[tuple[int, bool, int], object] = {}
+        self.layer_cache: dict[tuple, object] = {}
         self.num_evaluated = 0
 
     def _kwargs(self) -> dict:
@@ -346,7 +385,7 @@ class _Pricer:
         # Per-layer time and activations depend on the layer's shape on one device (tp, sequence
         # parallelism, micro-batch), not on how many replicas or stages there are; unsharded states give
         # the smallest per-layer time, so the bound stays a lower bound for every sharding variant.
-        key = (slot.tp, slot.sequence_parallel, slot.micro_batch)
+        key = (slot.tp, slot.sequence_parallel, slot.micro_batch, slot.cp, slot.cp_kind)
         if key not in self.layer_cache:
             self.layer_cache[key] = self.cost.layer_costs(slot.plan(), **self._kwargs())
         return self.layer_cache[key]
@@ -506,7 +545,7 @@ def format_bytes(num_bytes: float) -> str:
 SAME_PLAN_TOLERANCE = 0.01
 # The knobs that make a plan's layout: its degrees and how the batch is split. Plans that share them differ
 # in refinements (recomputation, sharding point, MAZ3 tiers, unequal stages, commshift, buckets, prefetch).
-_LAYOUT = ("dp", "tp", "pp", "virtual_stages", "schedule", "micro_batch", "num_micro_batches", "sequence_parallel")
+_LAYOUT = ("dp", "cp", "cp_kind", "tp", "pp", "virtual_stages", "schedule", "micro_batch", "num_micro_batches", "sequence_parallel")
 
 
 @dataclass(frozen=True)

@@ -164,7 +164,7 @@ def candidate_plans(problem: Problem, *, top_k: int, spread: bool = True, max_pl
                 plan = plan_from_options(flags, problem)
         except (PlannerError, ValueError):
             continue
-        if plan.commshift and not (plan.pp > 1 and plan.dp > 1):
+        if plan.commshift and not (plan.pp > 1 and plan.dp_cp > 1):
             continue
         if plan in seen or (problem.model.tied_embeddings and plan.pp > 1):
             continue

@@ -318,12 +318,12 @@ def save_pieces(trainer, *, plan: Plan) -> dict[str, list[tuple[Piece, torch.Ten
     """This rank's owned boxes of the master weights and Adam moments, as tensors to write."""
     mesh = trainer.mesh
     out: dict[str, list[tuple[Piece, torch.Tensor]]] = {}
-    if not _writes_params(plan=plan, dp_rank=mesh.dp_rank):
+    if not _writes_params(plan=plan, dp_rank=mesh.shard_rank):
         return out
     from runners.transformer import LMHead
 
     state = trainer.engine.local_state(copy=False)  # the live shards: each piece is copied to host once
-    for i, layout in enumerate(unit_layouts(trainer.chunks, plan=plan, dp_rank=mesh.dp_rank)):
+    for i, layout in enumerate(unit_layouts(trainer.chunks, plan=plan, dp_rank=mesh.shard_rank)):
         start, stop = layout.optim_range
         assert state[f"unit{i}.master"].numel() == stop - start, "checkpoint layout disagrees with the engine's shards"
         if isinstance(layout.module, LMHead) and trainer.cfg.model.tied_embeddings:
@@ -441,7 +441,7 @@ def load_pieces(trainer, *, plan: Plan):
     mesh = trainer.mesh
     wanted: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
     buffers = []
-    for layout in unit_layouts(trainer.chunks, plan=plan, dp_rank=mesh.dp_rank):
+    for layout in unit_layouts(trainer.chunks, plan=plan, dp_rank=mesh.shard_rank):
         bufs = {"model": torch.zeros(layout.param_range[1] - layout.param_range[0]),
                 "exp_avg": torch.zeros(layout.optim_range[1] - layout.optim_range[0]),
                 "exp_avg_sq": torch.zeros(layout.optim_range[1] - layout.optim_range[0])}

@@ -3,7 +3,7 @@ type and per link class (intra-node, inter-node) and the time spent waiting are 
 
 Byte convention (what one rank puts on the wire under a ring algorithm, the volume the cost model
 prices): all-gather and reduce-scatter (n - 1)/n x the unsharded size, all-reduce 2(n - 1)/n x size,
-broadcast and point-to-point x size. The volume is split between link classes by the ring's edges: of
+broadcast and point-to-point x size, all-to-all (n - 1)/n x size (the part that leaves the rank). The volume is split between link classes by the ring's edges: of
 the n edges of a ring over the group's ranks in order, those that join ranks on different (emulated)
 nodes carry inter-node traffic. "host_device" counts bytes copied between device and host memory (the
 MAZ3 host tier, runners/sharding/), in either direction; they use no network link, so they are in
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "p2p", "host_device")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all", "p2p", "host_device")
 
 # Newer torch names them *_single and deprecates the *_tensor / *_into_tensor spellings.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -127,6 +127,26 @@ class Comm:
             return None
         self._count("broadcast", tensor.numel() * tensor.element_size(), ranks)
         return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, group):
+        """Chunk i (along dim 0) of `input` to group rank i; chunk i of `output` from group rank i."""
+        ranks = self._group_ranks(group)
+        n = len(ranks)
+        if n == 1:
+            output.copy_(input)
+            return
+        self._count("all_to_all", (n - 1) / n * input.numel() * input.element_size(), ranks)
+        dist.all_to_all_single(output, input, group=group)
+
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, *, dst: int, src: int, group, tag: int = 0) -> list:
+        """Send `send` to `dst` and receive `recv` from `src` at once (a ring step); returns the works.
+        Under NCCL the two are one group of operations, so ranks that send to each other cannot
+        deadlock on a stream that waits for its send before posting its receive."""
+        if dist.get_backend(group) == "nccl":
+            self._count("p2p", send.numel() * send.element_size(), (dist.get_rank(), dst))
+            return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, dst, group),
+                                           dist.P2POp(dist.irecv, recv, src, group)])
+        return [self.irecv(recv, src=src, group=group, tag=tag), self.isend(send, dst=dst, group=group, tag=tag)]
 
     # `tag` tells messages between one pair of ranks apart on gloo; NCCL ignores it and matches by order.
     def isend(self, tensor: torch.Tensor, *, dst: int, group=None, tag: int = 0):

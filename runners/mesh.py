@@ -1,16 +1,24 @@
 """The device mesh: one process's coordinates and process groups under a plan.
 
-Ranks follow Megatron-LM's order, tensor parallel innermost, then data parallel, then pipeline:
-rank = (pp_rank * dp + dp_rank) * tp + tp_rank (Narayanan et al., SC'21, and specs/cluster.py), so a
-TP group is `tp` consecutive ranks and stays inside a node whenever tp <= ranks_per_node.
+Ranks follow Megatron-LM's order, tensor parallel innermost, then context parallel, data parallel and
+pipeline: rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank (Narayanan et al., SC'21;
+Megatron-LM's and torchtitan's tp-cp-dp-pp order), so a TP group is `tp` consecutive ranks and stays
+inside a node whenever tp <= ranks_per_node, and a CP group fills the rest of the node before DP does.
 
-The data-parallel sharding groups (runners/sharding/) are built from *consecutive* DP positions, so a
-group fills a node before it spans nodes. For DP position q and degrees s_p | s_g | s_os | dp:
+CP ranks hold the same parameters, so the sharding engine treats the dp x cp ranks of one (pp, tp)
+position as its data-parallel ranks (Megatron's data-parallel group with CP): its position is
+q = dp_rank * cp + cp_rank (`shard_rank`), and every group below is over those dp x cp positions; the
+formula above is then rank = (pp_rank * dp_cp + q) * tp + tp_rank.
+
+The data-parallel sharding groups (runners/sharding/) are built from *consecutive* positions, so a
+group fills a node before it spans nodes. For position q and degrees s_p | s_g | s_os | dp x cp:
 - param group: the s_p positions that together hold a unit's parameters (all-gather before use);
 - grad group: the s_g positions that reduce-scatter a unit's gradient;
 - grad replica group: the dp / s_g positions holding the same gradient shard (boundary all-reduce);
 - redistribute group: the s_os / s_p positions inside my optimizer group that share my parameter shard
   (all-gather of updated optimizer shards after the step).
+- cp groups (cp > 1): the cp ranks of one (pp, dp, tp) position; `cp_a2a` its parts that exchange heads
+  by all-to-all and `cp_ring` those that pass K/V around a ring (Plan.cp_split; runners/context_parallel.py).
 - param intra group (only when the plan has a MAZ3 "secondary" tier): the ranks of my param group inside
   my node (ZeRO++ hpZ's secondary partition, Wang et al. 2023), for the backward gather of cached layers.
 """
@@ -35,6 +43,8 @@ class Mesh:
     dp_rank: int
     tp_rank: int
     pp_rank: int
+    cp: int
+    cp_rank: int
     shard_degrees: tuple[int, int, int]
     tp_ranks: tuple[int, ...]
     dp_ranks: tuple[int, ...]
@@ -44,6 +54,9 @@ class Mesh:
     grad_replica_ranks: tuple[int, ...]
     redistribute_ranks: tuple[int, ...]
     param_intra_ranks: tuple[int, ...] = ()
+    cp_ranks: tuple[int, ...] = ()
+    cp_a2a_ranks: tuple[int, ...] = ()
+    cp_ring_ranks: tuple[int, ...] = ()
     # Process groups (torch.distributed handles) keyed like the rank tuples above.
     groups: dict[str, object] = field(default_factory=dict, repr=False)
 
@@ -77,8 +90,13 @@ class Mesh:
             raise PlannerError("the mesh has no intra-node parameter groups: the plan has no secondary param_cache tier")
         return self.groups["param_intra"]
 
-    def global_rank(self, *, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
-        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+    @property
+    def shard_rank(self) -> int:
+        """This rank's position among the dp x cp ranks that reduce and shard gradients together."""
+        return self.dp_rank * self.cp + self.cp_rank
+
+    def global_rank(self, *, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
+        return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
 
 
 def _dp_groups(*, dp: int, s_p: int, s_g: int, s_os: int) -> dict[str, list[tuple[int, ...]]]:
@@ -91,31 +109,50 @@ def _dp_groups(*, dp: int, s_p: int, s_g: int, s_os: int) -> dict[str, list[tupl
     return kinds
 
 
-def mesh_groups(plan) -> list[tuple[str, tuple[int, ...]]]:
+def mesh_groups(plan, *, ranks_per_node: int = 1) -> list[tuple[str, tuple[int, ...]]]:
     """Every process group of `plan` as (kind, global ranks), in the one order all ranks create them.
 
-    Kinds: tp, pp, dp, param, grad, grad_replica, redistribute (see the module docstring); each kind's
-    groups partition the world.
+    Kinds: tp, pp, dp, param, grad, grad_replica, redistribute, and with cp > 1 cp, cp_a2a, cp_ring (see
+    the module docstring; `ranks_per_node` places the hierarchical kind's all-to-all part); each kind's
+    groups partition the world. The sharding kinds (dp, param, ...) span the dp x cp positions.
     """
-    dp, tp, pp = plan.dp, plan.tp, plan.pp
+    n, tp, pp = plan.dp_cp, plan.tp, plan.pp
     s_p, s_g, s_os = plan.shard_degrees
 
     def to_global(p: int, q: int, t: int) -> int:
-        return (p * dp + q) * tp + t
+        return (p * n + q) * tp + t
 
     groups: list[tuple[str, tuple[int, ...]]] = []
     for p in range(pp):
-        for q in range(dp):
+        for q in range(n):
             groups.append(("tp", tuple(to_global(p, q, t) for t in range(tp))))
-    for q in range(dp):
+    for q in range(n):
         for t in range(tp):
             groups.append(("pp", tuple(to_global(p, q, t) for p in range(pp))))
-    for kind, position_lists in _dp_groups(dp=dp, s_p=s_p, s_g=s_g, s_os=s_os).items():
+    for kind, position_lists in _dp_groups(dp=n, s_p=s_p, s_g=s_g, s_os=s_os).items():
         for p in range(pp):
             for t in range(tp):
                 for positions in position_lists:
                     groups.append((kind, tuple(to_global(p, q, t) for q in positions)))
+    if plan.cp > 1:
+        groups += _cp_groups(plan, to_global=to_global, ranks_per_node=ranks_per_node)
     return groups
+
+
+def _cp_groups(plan, *, to_global, ranks_per_node: int) -> list[tuple[str, tuple[int, ...]]]:
+    """The CP groups of every (pp, dp, tp) position: the whole group, its all-to-all parts (consecutive CP
+    ranks, inside a node) and its rings (CP ranks a2a apart), c = ring index x a2a size + a2a index."""
+    cp = plan.cp
+    a2a, ring = plan.cp_split(ranks_per_node=max(1, ranks_per_node))
+    out: list[tuple[str, tuple[int, ...]]] = []
+    for p in range(plan.pp):
+        for d in range(plan.dp):
+            for t in range(plan.tp):
+                rank_of = [to_global(p, d * cp + c, t) for c in range(cp)]
+                out.append(("cp", tuple(rank_of)))
+                out += [("cp_a2a", tuple(rank_of[j * a2a + u] for u in range(a2a))) for j in range(ring)]
+                out += [("cp_ring", tuple(rank_of[j * a2a + u] for j in range(ring))) for u in range(a2a)]
+    return out
 
 
 def param_intra_groups(plan, *, ranks_per_node: int) -> list[tuple[int, ...]]:
@@ -123,7 +160,7 @@ def param_intra_groups(plan, *, ranks_per_node: int) -> list[tuple[int, ...]]:
 
     The MAZ3 secondary tier keeps a 1/len(part) slice per rank, so every part must be equally large."""
     parts: list[tuple[int, ...]] = []
-    for kind, ranks in mesh_groups(plan):
+    for kind, ranks in mesh_groups(plan, ranks_per_node=ranks_per_node):
         if kind != "param":
             continue
         by_node: dict[int, list[int]] = {}
@@ -142,14 +179,14 @@ def param_intra_groups(plan, *, ranks_per_node: int) -> list[tuple[int, ...]]:
 # ranks: the parameter all-gathers of the next units and the gradient reduce-scatters of the last ones
 # (FSDP2 issues them from separate all-gather and reduce-scatter streams). Kinds of one stream that span
 # the same ranks share a group (their collectives are ordered anyway).
-STREAM_OF_KIND = {"tp": "tp", "pp": "pp", "param": "gather", "param_intra": "gather", "redistribute": "gather",
+STREAM_OF_KIND = {"tp": "tp", "pp": "pp", "cp": "cp", "cp_a2a": "cp", "cp_ring": "cp", "param": "gather", "param_intra": "gather", "redistribute": "gather",
                   "dp": "reduce", "grad": "reduce", "grad_replica": "reduce"}
 
 
 def group_keys(plan, *, ranks_per_node: int) -> list[tuple[str, str, tuple[int, ...]]]:
     """(kind, stream, ranks) of every group `plan` needs, in the one order all ranks create them; the
     distinct (stream, ranks) pairs are the process groups."""
-    kinds = list(mesh_groups(plan))
+    kinds = list(mesh_groups(plan, ranks_per_node=max(1, ranks_per_node)))
     if _uses_secondary(plan):
         kinds += [("param_intra", ranks) for ranks in param_intra_groups(plan, ranks_per_node=max(1, ranks_per_node))]
     return [(kind, STREAM_OF_KIND[kind], ranks) for kind, ranks in kinds]
@@ -172,9 +209,8 @@ def build_mesh(plan, *, ranks_per_node: int, timeout=None) -> Mesh:
     """
     world_size, rank = dist.get_world_size(), dist.get_rank()
     if plan.world_size != world_size:
-        raise PlannerError(f"plan needs dp x tp x pp = {plan.dp} x {plan.tp} x {plan.pp} = {plan.world_size} "
-                           f"processes, but the job has {world_size}")
-    dp, tp = plan.dp, plan.tp
+        raise PlannerError(f"plan needs {plan.degrees_text()} processes, but the job has {world_size}")
+    dp, tp, cp = plan.dp, plan.tp, plan.cp
     handles: dict[tuple[str, tuple[int, ...]], object] = {}
     mine: dict[str, tuple[str, tuple[int, ...]]] = {}
     for kind, stream, ranks in group_keys(plan, ranks_per_node=ranks_per_node):
@@ -184,9 +220,12 @@ def build_mesh(plan, *, ranks_per_node: int, timeout=None) -> Mesh:
             mine[kind] = (stream, ranks)
     return Mesh(
         rank=rank, world_size=world_size, ranks_per_node=max(1, ranks_per_node), dp=dp, tp=tp, pp=plan.pp,
-        dp_rank=(rank // tp) % dp, tp_rank=rank % tp, pp_rank=rank // (tp * dp), shard_degrees=plan.shard_degrees,
+        dp_rank=(rank // (tp * cp)) % dp, tp_rank=rank % tp, pp_rank=rank // (tp * cp * dp), cp=cp,
+        cp_rank=(rank // tp) % cp, shard_degrees=plan.shard_degrees,
         tp_ranks=mine["tp"][1], dp_ranks=mine["dp"][1], pp_ranks=mine["pp"][1], param_ranks=mine["param"][1],
         grad_ranks=mine["grad"][1], grad_replica_ranks=mine["grad_replica"][1],
         redistribute_ranks=mine["redistribute"][1], param_intra_ranks=mine.get("param_intra", (None, ()))[1],
+        cp_ranks=mine.get("cp", (None, (rank,)))[1], cp_a2a_ranks=mine.get("cp_a2a", (None, (rank,)))[1],
+        cp_ring_ranks=mine.get("cp_ring", (None, (rank,)))[1],
         groups={kind: handles[key] for kind, key in mine.items()},
     )

@@ -116,6 +116,10 @@ def torch_strategy(plan) -> str:
     if plan.param_cache != "none":
         raise PlannerError(f"--engine torch has no MAZ3 parameter cache (param_cache {show_value(plan.param_cache)}); "
                            "use param_cache none")
+    if plan.cp > 1:
+        # torch's context_parallel() (torch.distributed.tensor.experimental) runs its ring only on CUDA's
+        # flash / efficient SDPA kernels, and this engine's checks run on gloo CPU ranks.
+        raise PlannerError(f"--engine torch does not run context parallelism (cp {plan.cp}) yet; use --engine ours")
     if plan.commshift:
         raise PlannerError("--engine torch has no commshift (torch's schedules reduce gradients outside the "
                            "pipeline); drop commshift")

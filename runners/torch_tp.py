@@ -68,13 +68,14 @@ class TorchAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return out.permute(2, 0, 1, 3).flatten(2)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+        """`rope`: the block's runners.transformer.Rope (None for learned positions)."""
         s, b, d = x.shape[0], x.shape[1], self.head_dim
         q = self.wq(x).view(s, b, -1, d)
         k = self.wk(x).view(s, b, -1, d)
         v = self.wv(x).view(s, b, -1, d)
         if rope is not None:
-            cos, sin = (t[:s] for t in rope)
+            cos, sin = rope.tables(s, x.dtype)
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         ctx = checkpoint(self._core, q, k, v, use_reentrant=False) if self.selective else self._core(q, k, v)
         return self.wo(ctx)

@@ -54,6 +54,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, *, device: torch.device) -> None:
         from runners import mutations
         from runners.comm import Comm
+        from runners.context_parallel import CPContext
         from runners.mesh import build_mesh
         from runners.sharding import ShardedDataParallel
         from runners.sharding.loss_scale import DynamicLossScale
@@ -73,8 +74,9 @@ class Trainer:
         # on the embedding's rank shares its weight (one copy, as Megatron and the cost model hold it)
         # where that weight is never sharded away between the two uses (param_shard 1).
         share_tied = self.plan.pp == 1 and self.plan.param_shard == 1
+        self.cp = CPContext.from_mesh(self.mesh, comm=self.comm)
         self.chunk_ids, self.chunks = build_local_chunks(cfg, pp_rank=self.mesh.pp_rank, tp=tp, device=device,
-                                                         deferred=True, share_tied=share_tied)
+                                                         deferred=True, share_tied=share_tied, cp=self.cp)
         self.names = canonical_names(self.chunks, self.chunk_ids)
         dtype = compute_dtype(cfg.job.precision)
         # fp16 gradients of a loss averaged over the global batch's tokens underflow: scale the loss.
@@ -110,11 +112,13 @@ class Trainer:
         group = None
         if self.plan.pp > 1:
             for dp_rank in range(self.plan.dp):
-                for tp_rank in range(self.plan.tp):
-                    ends = [self.mesh.global_rank(pp_rank=p, dp_rank=dp_rank, tp_rank=tp_rank) for p in (0, self.plan.pp - 1)]
-                    handle = dist.new_group(ends, timeout=datetime.timedelta(seconds=self.cfg.timeout_s))
-                    if self.mesh.rank in ends:
-                        group = handle
+                for cp_rank in range(self.plan.cp):
+                    for tp_rank in range(self.plan.tp):
+                        ends = [self.mesh.global_rank(pp_rank=p, dp_rank=dp_rank, tp_rank=tp_rank, cp_rank=cp_rank)
+                                for p in (0, self.plan.pp - 1)]
+                        handle = dist.new_group(ends, timeout=datetime.timedelta(seconds=self.cfg.timeout_s))
+                        if self.mesh.rank in ends:
+                            group = handle
         return units, group
 
     def _sum_tied_grads(self) -> None:
@@ -142,7 +146,7 @@ class Trainer:
         # rank derives the order of its peers' messages from the whole table.
         table = rank_actions(schedule=self.plan.schedule, pp=self.plan.pp, virtual_stages=self.plan.virtual_stages,
                              num_micro_batches=self.plan.num_micro_batches)
-        seq = self.cfg.job.seq_len // (self.plan.tp if self.plan.sequence_parallel else 1)
+        seq = self.cfg.job.seq_len // self.plan.cp // (self.plan.tp if self.plan.sequence_parallel else 1)
         return run_pipeline(actions=table[self.mesh.pp_rank], schedule_table=table,
                             chunks=dict(zip(self.chunk_ids, self.chunks)), micro_batches=micro_batches,
                             pp_ranks=self.mesh.pp_ranks, num_chunks=self.plan.num_chunks, comm=self.comm,
@@ -211,6 +215,8 @@ def timed_step(trainer, sequences: torch.Tensor, *, device: torch.device, barrie
     plan = trainer.plan
     micro_batches = rank_micro_batches(sequences, dp=plan.dp, dp_rank=trainer.mesh.dp_rank,
                                        micro_batch=plan.micro_batch, device=device)
+    if plan.cp > 1:  # this CP rank's two chunks of every sequence, inputs and targets alike
+        micro_batches = [(trainer.cp.local_tokens(x), trainer.cp.local_tokens(y)) for x, y in micro_batches]
     if barrier:  # start every rank together, so the slowest rank's time is the step's own
         dist.barrier()
     if device.type == "cuda":
@@ -316,7 +322,7 @@ def run_task(spec: dict) -> RunMetrics | dict | None:
     world = int(os.environ.get("WORLD_SIZE", 1))
     for cfg in cfgs:
         if world != cfg.plan.world_size:
-            raise PlannerError(f"the plan needs dp x tp x pp = {cfg.plan.world_size} processes, but {world} were launched")
+            raise PlannerError(f"the plan needs {cfg.plan.degrees_text()} processes, but {world} were launched")
         check_plan(cfg.plan, model=cfg.model, num_devices=world, job=cfg.job)
     device, backend = pick_device()
     init_distributed(backend, timeout_s=max(c.timeout_s for c in cfgs))

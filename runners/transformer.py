@@ -6,9 +6,10 @@ granularity of data-parallel flat-parameter sharding. Units hold only this rank'
 of each weight, but every weight is drawn in full from a generator seeded by (seed, parameter name) and
 then sliced, so every plan starts from exactly the same model as one process.
 
-Activations are [seq, batch, hidden] (sequence-sharded under sequence parallelism). The head returns the
-micro-batch's summed cross entropy times `loss_scale` (1 / tokens in the global batch), so gradients
-summed over micro-batches and data-parallel ranks are those of the global mean loss.
+Activations are [seq, batch, hidden] (sequence-sharded under sequence parallelism; this CP rank's two
+chunks under context parallelism, runners/context_parallel.py). The head returns the micro-batch's summed
+cross entropy times `loss_scale` (1 / tokens in the global batch), so gradients summed over micro-batches
+and data-parallel (and context-parallel) ranks are those of the global mean loss.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from specs.model import ModelSpec
+from runners.context_parallel import CPContext, context_attention
 from runners.tensor_parallel import (TPContext, cross_entropy_sum, enter_tp_region, exit_tp_region,
                                      sequence_parallel_param)
 
@@ -169,12 +171,39 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+class Rope(nn.Module):
+    """RoPE tables for the positions a rank holds (0..s-1, or its CP chunks), computed on use and kept for
+    the last shape: a table for the model's whole context (131072 positions) would cost more than the
+    layer's activations."""
+
+    def __init__(self, spec: ModelSpec, *, cp: CPContext) -> None:
+        super().__init__()
+        d = spec.head_dim
+        self.cp = cp
+        self.register_buffer("inv_freq", 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)),
+                             persistent=False)
+        self._cached: tuple | None = None
+
+    def tables(self, num_local: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [s, 1, 1, d/2] of this rank's `num_local` tokens."""
+        key = (num_local, dtype, self.inv_freq.device)
+        if self._cached is None or self._cached[0] != key:
+            device = self.inv_freq.device
+            positions = (self.cp.positions(num_local, device) if self.cp.size > 1
+                         else torch.arange(num_local, device=device))
+            angles = torch.outer(positions.to(torch.float32), self.inv_freq)[:, None, None, :]
+            self._cached = (key, (angles.cos().to(dtype), angles.sin().to(dtype)))
+        return self._cached[1]
+
+
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, *, name: str, seed: int, tp: TPContext, selective: bool) -> None:
+    def __init__(self, spec: ModelSpec, *, name: str, seed: int, tp: TPContext, selective: bool,
+                 cp: CPContext | None = None) -> None:
         super().__init__()
         h, kv = spec.hidden_size, spec.kv_dim
         out_std = INIT_STD / math.sqrt(2 * spec.num_layers)
         self.tp, self.spec, self.selective = tp, spec, selective
+        self.cp = cp or CPContext()
         self.local_heads, self.local_kv_heads = spec.num_heads // tp.size, spec.num_kv_heads // tp.size
         self.wq = _param((h, h), name=f"{name}.wq", seed=seed, std=INIT_STD, tp=tp, split_dim=0)
         self.wk = _param((kv, h), name=f"{name}.wk", seed=seed, std=INIT_STD, tp=tp, split_dim=0)
@@ -189,6 +218,8 @@ class Attention(nn.Module):
             self.bq = self.bk = self.bv = self.bo = None
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.cp.size > 1:
+            return context_attention(q, k, v, self.cp).flatten(2)
         # [s, b, heads, d] -> [b, heads, s, d]; GQA repeats each KV head over its query heads.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         rep = self.local_heads // self.local_kv_heads
@@ -197,14 +228,14 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return out.permute(2, 0, 1, 3).flatten(2)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope | None) -> torch.Tensor:
         x = enter_tp_region(x, self.tp)
         s, b, d = x.shape[0], x.shape[1], self.spec.head_dim
         q = F.linear(x, self.wq, self.bq).view(s, b, self.local_heads, d)
         k = F.linear(x, self.wk, self.bk).view(s, b, self.local_kv_heads, d)
         v = F.linear(x, self.wv, self.bv).view(s, b, self.local_kv_heads, d)
         if rope is not None:
-            cos, sin = (t[:s] for t in rope)
+            cos, sin = rope.tables(s, x.dtype)
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         # Selective recomputation (Korthikanti et al. 2022): drop the attention core's activations
         # (scores, softmax) and recompute them in backward; keep the GEMM inputs.
@@ -241,26 +272,20 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """One transformer layer (pre-norm), with its recomputation policy: none, selective or full."""
 
-    def __init__(self, spec: ModelSpec, *, index: int, seed: int, tp: TPContext, recompute: str) -> None:
+    def __init__(self, spec: ModelSpec, *, index: int, seed: int, tp: TPContext, recompute: str,
+                 cp: CPContext | None = None) -> None:
         super().__init__()
         name = f"layers.{index}"
+        cp = cp or CPContext()
         self.layer_index, self.recompute = index, recompute  # layer_index: the plan's per-layer knobs (MAZ3 tier)
         self.norm1 = Norm(spec, name=f"{name}.norm1", tp=tp)
-        self.attn = Attention(spec, name=f"{name}.attn", seed=seed, tp=tp, selective=recompute == "selective")
+        self.attn = Attention(spec, name=f"{name}.attn", seed=seed, tp=tp, selective=recompute == "selective", cp=cp)
         self.norm2 = Norm(spec, name=f"{name}.norm2", tp=tp)
         self.mlp = MLP(spec, name=f"{name}.mlp", seed=seed, tp=tp)
-        self.rope = spec.arch == "llama"
-        if self.rope:
-            d = spec.head_dim
-            inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-            angles = torch.outer(torch.arange(spec.max_seq_len, dtype=torch.float32), inv_freq)
-            # [s, 1, 1, d/2]: broadcast over batch and heads.
-            self.register_buffer("cos", angles.cos()[:, None, None, :], persistent=False)
-            self.register_buffer("sin", angles.sin()[:, None, None, :], persistent=False)
+        self.rope = Rope(spec, cp=cp) if spec.arch == "llama" else None
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        rope = (self.cos.to(x.dtype), self.sin.to(x.dtype)) if self.rope else None
-        x = x + self.attn(self.norm1(x), rope)
+        x = x + self.attn(self.norm1(x), self.rope)
         return x + self.mlp(self.norm2(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -297,15 +322,20 @@ class Embedding(nn.Module):
 class Positions(nn.Module):
     """Learned position embedding (gpt2), replicated over TP; this rank's sequence slice under SP."""
 
-    def __init__(self, spec: ModelSpec, *, seed: int, tp: TPContext) -> None:
+    def __init__(self, spec: ModelSpec, *, seed: int, tp: TPContext, cp: CPContext | None = None) -> None:
         super().__init__()
-        self.tp = tp
+        self.tp, self.cp = tp, cp or CPContext()
         self.weight = _param((spec.max_seq_len, spec.hidden_size), name="embed.pos", seed=seed, std=INIT_STD, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s_local = x.shape[0]
         start = self.tp.rank * s_local if self.tp.sequence_parallel else 0
-        return x + sequence_parallel_param(self.weight, self.tp)[start:start + s_local].unsqueeze(1)
+        weight = sequence_parallel_param(self.weight, self.tp)
+        if self.cp.size > 1:  # this CP rank's chunks, then this TP rank's slice of them under SP
+            tp_size = self.tp.size if self.tp.sequence_parallel else 1
+            rows = self.cp.positions(s_local * tp_size, x.device)[start:start + s_local]
+            return x + weight[rows].unsqueeze(1)
+        return x + weight[start:start + s_local].unsqueeze(1)
 
 
 class LMHead(nn.Module):
@@ -340,19 +370,21 @@ class Chunk(nn.Module):
 
 
 def build_chunk(spec: ModelSpec, *, layers: range, first: bool, last: bool, seed: int, tp: TPContext,
-                recompute: list[str] | str, loss_scale: float, share_tied: bool = False) -> Chunk:
+                recompute: list[str] | str, loss_scale: float, share_tied: bool = False,
+                cp: CPContext | None = None) -> Chunk:
     """One pipeline chunk: the embedding if `first`, blocks `layers`, the final norm and head if `last`.
 
     `recompute` is one policy or a list indexed by global layer number. `share_tied` makes a tied
-    head use the embedding's very Parameter (the one-process reference); engines keep two copies."""
+    head use the embedding's very Parameter (the one-process reference); engines keep two copies. `cp`:
+    this rank's context-parallel group (default: none)."""
     units: list[nn.Module] = []
     if first:
         units.append(Embedding(spec, seed=seed, tp=tp))
         if spec.learned_positions:
-            units.append(Positions(spec, seed=seed, tp=tp))
+            units.append(Positions(spec, seed=seed, tp=tp, cp=cp))
     for i in layers:
         policy = recompute if isinstance(recompute, str) else recompute[i]
-        units.append(Block(spec, index=i, seed=seed, tp=tp, recompute=policy))
+        units.append(Block(spec, index=i, seed=seed, tp=tp, recompute=policy, cp=cp))
     if last:
         units.append(Norm(spec, name="final_norm", tp=tp))
         head = LMHead(spec, seed=seed, tp=tp, loss_scale=loss_scale)
@@ -370,19 +402,29 @@ def check_tp_shapes(spec: ModelSpec, tp_size: int) -> None:
             raise ValueError(f"tp {tp_size} does not divide the model's {name} {value}")
 
 
+def check_cp_heads(spec: ModelSpec, *, tp_size: int, a2a_size: int) -> None:
+    """Raise ValueError if the CP all-to-all cannot split this rank's heads and K/V heads (whole GQA groups)."""
+    for name, value in (("num_heads", spec.num_heads), ("num_kv_heads", spec.num_kv_heads)):
+        if (value // tp_size) % a2a_size:
+            raise ValueError(f"context-parallel all-to-all over {a2a_size} ranks does not divide the model's "
+                             f"{value // tp_size} {name} per TP rank; use cp_kind ring")
+
+
 def compute_dtype(precision: str) -> torch.dtype:
     """The torch dtype of a job's compute precision."""
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
 def build_local_chunks(cfg, *, pp_rank: int, tp: TPContext, device: torch.device, deferred: bool = False,
-                       share_tied: bool = False) -> tuple[list[int], list[Chunk]]:
+                       share_tied: bool = False, cp: CPContext | None = None) -> tuple[list[int], list[Chunk]]:
     """The chunks pipeline rank `pp_rank` holds under a RunConfig's plan, in local order (chunk c = j * pp +
     pp_rank), with the loss scaled to the global batch's mean. `deferred`: parameters without storage
     (`deferred_init`; the engine draws its shards), buffers on `device`. `share_tied`: a tied head whose
     chunk also holds the embedding uses its very Parameter (build_chunk)."""
     plan, spec = cfg.plan, cfg.model
     check_tp_shapes(spec, plan.tp)
+    if cp is not None and cp.a2a_size > 1:
+        check_cp_heads(spec, tp_size=plan.tp, a2a_size=cp.a2a_size)
     ranges = plan.chunk_layer_ranges(spec.num_layers)
     recompute = list(plan.recompute_layers) if plan.recompute_layers is not None else plan.recompute
     loss_scale = 1.0 / (cfg.job.global_batch * cfg.job.seq_len)
@@ -391,7 +433,7 @@ def build_local_chunks(cfg, *, pp_rank: int, tp: TPContext, device: torch.device
     for c in chunk_ids:
         with deferred_init() if deferred else contextlib.nullcontext():
             chunk = build_chunk(spec, layers=ranges[c], first=c == 0, last=c == plan.num_chunks - 1, seed=cfg.seed,
-                                tp=tp, recompute=recompute, loss_scale=loss_scale, share_tied=share_tied)
+                                tp=tp, recompute=recompute, loss_scale=loss_scale, share_tied=share_tied, cp=cp)
         chunks.append(_buffers_to(chunk, device) if deferred else chunk.to(device))
     return chunk_ids, chunks
 

@@ -159,6 +159,10 @@ PRESETS: dict[str, ModelSpec] = {
         _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192, False),
         _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, False),
         _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192, False),
+        # Llama 3.1: Llama 3's shapes with the 131072-token context its config.json allows (rope scaling).
+        # The engine and the exports use unscaled RoPE (ModelSpec.rope_theta); the cost is the same.
+        _llama("llama3.1-8b", 32, 4096, 32, 8, 14336, 128256, 131072, False),
+        _llama("llama3.1-70b", 80, 8192, 64, 8, 28672, 128256, 131072, False),
     )
 }
 

@@ -5,13 +5,19 @@ cluster and job (`check_plan`). JSON round-trips it exactly (`to_dict` / `from_d
 
 Data-parallel sharding is three degrees over the DP group (Lins' s_p, s_g, s_os): parameters are sharded
 over groups of `param_shard` DP ranks, gradients over `grad_shard`, optimizer states over `optim_shard`,
-each dividing the next and `dp`. The ZeRO stages are named points: ZeRO-0 (1, 1, 1), ZeRO-1 (1, 1, dp),
-ZeRO-2 (1, dp, dp), ZeRO-3 (dp, dp, dp); HSDP/MiCS is (g, g, g) with g inside a node.
+each dividing the next and the gradient-reduction group. The ZeRO stages are named points: ZeRO-0 (1, 1, 1),
+ZeRO-1 (1, 1, dp), ZeRO-2 (1, dp, dp), ZeRO-3 (dp, dp, dp); HSDP/MiCS is (g, g, g) with g inside a node.
+
+Context parallelism (cp > 1) splits every sequence over cp ranks that hold the same parameters, so their
+gradients are reduced together with DP's, as Megatron-LM's data-parallel-with-CP group does: the
+gradient-reduction (and sharding) group is dp x cp ranks (`dp_cp`), and "dp" in the ZeRO points above
+reads dp x cp. The mesh orders ranks TP innermost, then CP, DP, PP (Megatron-LM, torchtitan).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -25,6 +31,11 @@ RECOMPUTE = ("none", "selective", "full")
 # kept as an intra-node secondary shard, or dropped (plain ZeRO-3: gathered again in backward).
 CACHE_TIERS = ("none", "device", "host", "secondary")
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+# How attention is computed over a sequence split across cp ranks: K/V passed around a ring of
+# point-to-point sends (Liu et al., ring attention; Megatron's p2p), heads exchanged by all-to-all so
+# each rank attends over the whole sequence for cp-th of the heads (DeepSpeed Ulysses; Megatron's a2a),
+# or both: all-to-all among the CP ranks inside a node and a ring across nodes (Megatron's a2a+p2p).
+CP_KINDS = ("ring", "all-to-all", "hierarchical")
 
 
 def zero_degrees(level: int, dp: int) -> tuple[int, int, int]:
@@ -51,6 +62,13 @@ class Plan:
                    minimum=1, exports={"megatron": CUSTOM, "torchtitan": CUSTOM, "deepspeed": CUSTOM})
     pp: int = knob(1, help="Pipeline-parallel degree.", minimum=1,
                    exports={"megatron": CUSTOM, "torchtitan": CUSTOM, "deepspeed": CUSTOM})
+    cp: int = knob(1, help="Context-parallel degree: each sequence split over cp ranks (two mirrored chunks "
+                   "each, for a balanced causal split).", minimum=1,
+                   exports={"megatron": CUSTOM, "torchtitan": CUSTOM, "deepspeed": CUSTOM})
+    cp_kind: str = knob("ring", help="How attention crosses the CP ranks: ring (K/V by point-to-point), "
+                        "all-to-all (heads, Ulysses), hierarchical (all-to-all inside a node, ring across).",
+                        choices=CP_KINDS, applies=lambda plan: plan.cp > 1, needs="context parallelism (cp > 1)",
+                        exports={"megatron": CUSTOM, "torchtitan": ("ring",)})  # searched with cp (planner/search.py)
     virtual_stages: int = knob(1, help="Model chunks per pipeline rank (interleaved 1F1B).", minimum=1,
                                exports={"megatron": CUSTOM, "torchtitan": CUSTOM, "deepspeed": CUSTOM})
     micro_batch: int = knob(1, help="Sequences per micro-batch.", minimum=1,
@@ -85,7 +103,7 @@ class Plan:
                                tune=tuple(range(MAX_PREFETCH_DEPTH + 1)), exports={"deepspeed": CUSTOM})
     bucket_size_bytes: int = knob(DEFAULT_BUCKET_BYTES, help="Gradient bucket size.", minimum=1,
                                   flag="--bucket-size-mb", cli_unit=MIB, cli_help_unit="MiB",
-                                  applies=lambda plan: plan.dp > 1, needs="data parallelism (dp > 1)",
+                                  applies=lambda plan: plan.dp_cp > 1, needs="data parallelism (dp x cp > 1)",
                                   tune=tuple(mb * MIB for mb in BUCKET_MB_CHOICES),
                                   exports={"megatron": CUSTOM, "deepspeed": CUSTOM})
     # MAZ3: one tier for every layer or one per layer.
@@ -95,8 +113,8 @@ class Plan:
         choices=CACHE_TIERS, exports={"torchtitan": ("device",), "deepspeed": ("secondary",)})
     # Commshift: issue the DP gradient reduction after the stage's last input-gradient send.
     commshift: bool = knob(False, help="Move the DP gradient reduction of a stage's last micro-batch behind its "
-                           "last input-gradient send (Commshift).", applies=lambda plan: plan.pp > 1 and plan.dp > 1,
-                           needs="both pipeline (pp > 1) and data parallelism (dp > 1)", tune=(False, True))
+                           "last input-gradient send (Commshift).", applies=lambda plan: plan.pp > 1 and plan.dp_cp > 1,
+                           needs="both pipeline (pp > 1) and data parallelism (dp x cp > 1)", tune=(False, True))
     # Under bf16/fp16: gradients accumulated over micro-batches and reduced over DP in fp32 (torch FSDP's
     # reduce_dtype=float32, Megatron's --accumulate-allreduce-grads-in-fp32) instead of the compute dtype
     # (ZeRO's 2-byte gradients): 4 bytes per gradient element held and sent. No effect under fp32.
@@ -138,9 +156,10 @@ class Plan:
     def _check_sharding(self) -> None:
         chain = (("param_shard", self.param_shard), ("grad_shard", self.grad_shard),
                  ("optim_shard", self.optim_shard))
+        group = "dp" if self.cp == 1 else f"dp x cp = {self.dp_cp}"
         for name, degree in chain:
-            if self.dp % degree:
-                raise ValueError(f"{name} {degree} does not divide dp {self.dp}")
+            if self.dp_cp % degree:
+                raise ValueError(f"{name} {degree} does not divide {group}")
         if self.grad_shard % self.param_shard or self.optim_shard % self.grad_shard:
             raise ValueError("sharding degrees must nest: param_shard divides grad_shard divides optim_shard, "
                              f"got ({self.param_shard}, {self.grad_shard}, {self.optim_shard})")
@@ -148,7 +167,29 @@ class Plan:
     # --- derived quantities --------------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks that hold the same parameters and reduce (and shard) gradients together: dp x cp."""
+        return self.dp * self.cp
+
+    def cp_split(self, *, ranks_per_node: int) -> tuple[int, int]:
+        """(all-to-all size, ring size) of the CP group, their product cp: ring (1, cp), all-to-all (cp, 1),
+        hierarchical the CP ranks inside a node exchange heads and the node groups form a ring (CP ranks
+        sit tp apart, so a node of `ranks_per_node` holds gcd(cp, ranks_per_node // tp) of them)."""
+        if self.cp_kind == "ring":
+            return 1, self.cp
+        if self.cp_kind == "all-to-all":
+            return self.cp, 1
+        inside = math.gcd(self.cp, max(1, ranks_per_node // self.tp))
+        return inside, self.cp // inside
+
+    def degrees_text(self) -> str:
+        """'dp x tp x pp = 2 x 2 x 1' (with cp where it is > 1), for messages."""
+        names = ("dp", "cp", "tp", "pp") if self.cp > 1 else ("dp", "tp", "pp")
+        return (" x ".join(names) + " = " + " x ".join(str(getattr(self, n)) for n in names)
+                + f" = {self.world_size}")
 
     @property
     def num_chunks(self) -> int:
@@ -167,7 +208,7 @@ class Plan:
     def zero_level(self) -> int | None:
         """The ZeRO stage this sharding is, or None for other points (HSDP, Lins mixes)."""
         for level in (0, 1, 2, 3):
-            if self.shard_degrees == zero_degrees(level, self.dp):
+            if self.shard_degrees == zero_degrees(level, self.dp_cp):
                 return level
         return None
 
@@ -201,6 +242,8 @@ class Plan:
     def describe(self) -> str:
         """A short one-line name, e.g. 'dp4 tp2 pp2 mb1x8 1f1b rc=full shard=(4,4,4)'."""
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
+        if self.cp > 1:
+            parts.insert(1, f"cp{self.cp}" + {"ring": "", "all-to-all": "-a2a", "hierarchical": "-hier"}[self.cp_kind])
         if self.virtual_stages > 1:
             parts.append(f"v{self.virtual_stages}")
         parts.append(f"mb{self.micro_batch}x{self.num_micro_batches}")
@@ -210,7 +253,7 @@ class Plan:
         if self.sequence_parallel:
             parts.append("sp")
         level = self.zero_level
-        parts.append(f"zero{level}" if level is not None and self.dp > 1 else
+        parts.append(f"zero{level}" if level is not None and self.dp_cp > 1 else
                      f"shard=({self.param_shard},{self.grad_shard},{self.optim_shard})" if level is None else "")
         if self.param_cache != "none":
             parts.append(f"cache={self.param_cache if isinstance(self.param_cache, str) else 'per-layer'}")
@@ -238,8 +281,7 @@ PLAN_KNOBS = knob_fields(Plan)
 def check_plan(plan: Plan, *, model, num_devices: int, job) -> None:
     """Raise PlannerError if `plan` cannot train `model` on `num_devices` devices with `job`'s batch."""
     if plan.world_size != num_devices:
-        raise PlannerError(f"dp x tp x pp = {plan.dp} x {plan.tp} x {plan.pp} = {plan.world_size}, "
-                           f"but the cluster has {num_devices} devices")
+        raise PlannerError(f"{plan.degrees_text()}, but the cluster has {num_devices} devices")
     for name, value in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads),
                         ("ffn_hidden_size", model.ffn_hidden_size)):
         if value % plan.tp:
@@ -254,12 +296,48 @@ def check_plan(plan: Plan, *, model, num_devices: int, job) -> None:
                            f"{plan.num_micro_batches} = {plan.global_batch}, but the global batch is {job.global_batch}")
     if plan.sequence_parallel and job.seq_len % plan.tp:
         raise PlannerError(f"sequence parallel needs tp {plan.tp} to divide seq_len {job.seq_len}")
-    if model.learned_positions and job.seq_len > model.max_seq_len:
-        raise PlannerError(f"seq_len {job.seq_len} exceeds the model's {model.max_seq_len} learned positions")
+    check_seq_len(model, seq_len=job.seq_len)
+    check_context_parallel(plan, model=model, seq_len=job.seq_len)
     for name, per_layer in (("recompute_layers", plan.recompute_layers),
                             ("param_cache", None if isinstance(plan.param_cache, str) else plan.param_cache)):
         if per_layer is not None and len(per_layer) != model.num_layers:
             raise PlannerError(f"{name} has {len(per_layer)} entries, but the model has {model.num_layers} layers")
+
+
+def check_seq_len(model, *, seq_len: int) -> None:
+    """A sequence longer than the model's positions is refused: learned positions have no row for it, and a
+    RoPE model was trained only that far unless its config extends it (rope scaling, as Llama 3.1's
+    config.json does with max_position_embeddings 131072)."""
+    if seq_len <= model.max_seq_len:
+        return
+    what = "learned positions" if model.learned_positions else "positions (max_position_embeddings)"
+    hint = "" if model.learned_positions else (
+        "; use a model whose config allows it (rope scaling), e.g. the llama3.1-8b / llama3.1-70b presets "
+        "or a config.json with a larger max_position_embeddings")
+    raise PlannerError(f"seq_len {seq_len} exceeds {model.name}'s {model.max_seq_len} {what}{hint}")
+
+
+def check_context_parallel(plan: Plan, *, model, seq_len: int, ranks_per_node: int | None = None) -> None:
+    """One clear line for a CP degree the model or sequence cannot take (see Plan.cp_split for the kinds;
+    the hierarchical kind's head check needs the node size, `ranks_per_node`, and is skipped without it)."""
+    if plan.cp == 1:
+        return
+    if seq_len % (2 * plan.cp):
+        raise PlannerError(f"cp {plan.cp} needs seq_len {seq_len} divisible by 2 x cp = {2 * plan.cp} (each rank "
+                           f"holds two mirrored chunks for a balanced causal split)")
+    if plan.sequence_parallel and (seq_len // plan.cp) % plan.tp:
+        raise PlannerError(f"sequence parallel needs tp {plan.tp} to divide the {seq_len // plan.cp} tokens "
+                           f"per CP rank (seq_len {seq_len} / cp {plan.cp})")
+    if plan.cp_kind == "all-to-all" or (plan.cp_kind == "hierarchical" and ranks_per_node is not None):
+        # The all-to-all part hands each of its ranks a slice of the heads; with GQA of the K/V heads too,
+        # so each rank keeps whole query groups (no K/V head is split or repeated).
+        inside = plan.cp_split(ranks_per_node=ranks_per_node or 1)[0]
+        for name, value in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads)):
+            per_tp = value // plan.tp
+            if per_tp % inside:
+                raise PlannerError(f"cp_kind {plan.cp_kind} exchanges heads over {inside} CP ranks, which do not "
+                                   f"divide the {per_tp} {name} per TP rank ({name} {value} / tp {plan.tp}); "
+                                   f"use cp_kind ring")
 
 
 def micro_batches_for(*, global_batch: int, dp: int, micro_batch: int) -> int:

@@ -13,6 +13,7 @@ from specs.errors import PlannerError
 from specs.hardware import resolve_hardware
 from specs.job import Job
 from specs.model import ModelSpec, resolve_model
+from specs.plan import check_seq_len
 
 
 @dataclass(frozen=True)
@@ -47,4 +48,5 @@ def make_problem(*, model: str, hardware: str, gpus: int, gpus_per_node: int | N
                   memory_headroom=memory_headroom)
     except ValueError as exc:
         raise PlannerError(str(exc)) from None
+    check_seq_len(spec, seq_len=job.seq_len)
     return Problem(model=spec, cluster=cluster, job=job)

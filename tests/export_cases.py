@@ -1,7 +1,8 @@
 """A dozen plans every exporter is tested on (tests/unit/test_export.py, and through the targets' own
 config code in tests/integration/test_exports_accepted.py): dense 8B to 405B, pipelines with equal,
 unequal and interleaved stages, DDP, ZeRO-1/2/3 and HSDP, TP with and without SP, recomputation, a Lins
-mix, MAZ3 tiers and commshift, a tied-embedding model and a GPT-3 model."""
+mix, MAZ3 tiers and commshift, a tied-embedding model, a GPT-3 model, and long-context plans with ring,
+all-to-all and hierarchical context parallelism (which DeepSpeed's config cannot express)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ class ExportCase:
         values = dict(self.plan)
         zero = values.pop("zero", None)
         if zero is not None:
-            values.update(zip(("param_shard", "grad_shard", "optim_shard"), zero_degrees(zero, values["dp"])))
+            degree = values["dp"] * values.get("cp", 1)  # CP ranks shard with DP's
+            values.update(zip(("param_shard", "grad_shard", "optim_shard"), zero_degrees(zero, degree)))
         return Plan(**values)
 
 
@@ -69,4 +71,13 @@ CASES = (
     ExportCase("gpt3-175b-pp8", "gpt3-175b", 512, 512, 2048,
                dict(dp=8, tp=8, pp=8, micro_batch=1, num_micro_batches=64, sequence_parallel=True, zero=1,
                     recompute="full", schedule="gpipe"), hardware="a100", refused_by=("torchtitan",)),
+    ExportCase("8b-128k-tp8-cp8-ring", "llama3.1-8b", 64, 8, 131072,
+               dict(dp=1, tp=8, cp=8, micro_batch=1, num_micro_batches=8, sequence_parallel=True, zero=3,
+                    recompute="full"), refused_by=("deepspeed",)),
+    ExportCase("8b-32k-tp4-cp2-a2a", "llama3.1-8b", 16, 8, 32768,
+               dict(dp=2, tp=4, cp=2, cp_kind="all-to-all", micro_batch=1, num_micro_batches=4,
+                    sequence_parallel=True, zero=1, recompute="selective"), refused_by=("deepspeed",)),
+    ExportCase("70b-64k-tp4-cp4-hierarchical", "llama3.1-70b", 64, 16, 65536,
+               dict(dp=4, tp=4, cp=4, cp_kind="hierarchical", micro_batch=1, num_micro_batches=4,
+                    sequence_parallel=True, zero=3, recompute="full"), refused_by=("deepspeed",)),
 )

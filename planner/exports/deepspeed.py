@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 
 from specs.plan import Plan, zero_degrees
-from planner.exports.common import (Export, ExportContext, cover_sharding, dp_ranks_per_node, knob_table_gaps,
+from planner.exports.common import (Export, ExportContext, Refused, cover_sharding, dp_ranks_per_node, knob_table_gaps,
                                     launch_header, refuse, sharding_name, uniform_recompute)
 
 VERSION = "DeepSpeed 0.19.8 (PyPI, 2026-10)"
@@ -26,6 +26,8 @@ VERSION = "DeepSpeed 0.19.8 (PyPI, 2026-10)"
 
 def export_deepspeed(plan: Plan, ctx: ExportContext) -> Export:
     problem = ctx.problem
+    if plan.cp > 1:
+        _refuse_context_parallel(plan, ctx)
     if plan.pp > 1 and plan.grad_shard > 1:
         zero1 = plan.replace(**dict(zip(("param_shard", "grad_shard", "optim_shard"), zero_degrees(1, plan.dp))),
                              param_cache="none")
@@ -44,6 +46,26 @@ def export_deepspeed(plan: Plan, ctx: ExportContext) -> Export:
                      "DeepSpeed shards the HF model's linear layers itself")
     return Export(target="deepspeed", version=VERSION, files=files, main="ds_config.json", expressed=expressed,
                   cannot_express=tuple(lines), notes=tuple(notes), settings={"ds_config": config})
+
+
+def _refuse_context_parallel(plan: Plan, ctx: ExportContext) -> None:
+    """DeepSpeed's context parallelism is Ulysses (all-to-all) sequence parallelism, set up by the training
+    script (deepspeed.runtime.sequence_parallel's mpu, UlyssesSPAttentionHF), not by ds_config.json, whose
+    sequence_parallel_size only rescales its batch arithmetic; and it has no ring. So an exported config
+    cannot express cp: refuse, naming the plan with the CP ranks turned into DP ranks where the batch allows."""
+    why = (f"cp {plan.cp}: DeepSpeed's config has no context parallelism (its Ulysses sequence parallelism is set "
+           f"up in the training script); export to megatron or torchtitan")
+    dp = plan.dp * plan.cp
+    global_batch = ctx.problem.job.global_batch
+    if global_batch % dp == 0:
+        per_rank = global_batch // dp
+        micro_batch = plan.micro_batch if per_rank % plan.micro_batch == 0 else 1
+        closest = plan.replace(cp=1, cp_kind="ring", dp=dp, micro_batch=micro_batch,
+                               num_micro_batches=per_rank // micro_batch,
+                               **dict(zip(("param_shard", "grad_shard", "optim_shard"), plan.shard_degrees)))
+        raise refuse("deepspeed", VERSION, why, express(closest, ctx.problem.model.num_layers,
+                                                        ctx.problem.job.precision)[0], ctx)
+    raise Refused(f"{VERSION} would reject this plan ({why})")
 
 
 def express(plan: Plan, num_layers: int, precision: str) -> tuple[Plan, list[str]]:

@@ -8,7 +8,9 @@ present in core_v0.16.1 (tests/fixtures/megatron/flags_*.json); the rules are pl
   --rotary-base 500000, RMSNorm, --swiglu, --disable-bias-linear; --norm-epsilon; dropout 0 (the engine
   has none); --untie-embeddings-and-output-weights for untied models; the vocabulary as
   NullTokenizer + --vocab-size over mock data, padded only as far as Megatron must (TP).
-- Plan: --tensor-model-parallel-size, --sequence-parallel, --pipeline-model-parallel-size with
+- Plan: --tensor-model-parallel-size, --context-parallel-size with --cp-comm-type (ring p2p, all-to-all
+  a2a, hierarchical a2a+p2p with --hierarchical-context-parallel-sizes "a2a ring", Megatron's inner-first
+  order as the plan's mesh), --sequence-parallel, --pipeline-model-parallel-size with
   --pipeline-model-parallel-layout (every stage split, equal, unequal or interleaved, exactly), the
   micro and global batch, recomputation (full: uniform, one layer per checkpoint; selective: the
   attention core), sharding (ZeRO-1 the distributed optimizer, over groups of g with
@@ -58,7 +60,7 @@ def export_megatron(plan: Plan, ctx: ExportContext) -> Export:
 
 def _sharding(plan: Plan) -> tuple[tuple[int, int, int], list[str]]:
     """The Megatron point for the plan's sharding (module docstring), and a line when it differs."""
-    dp = plan.dp
+    dp = plan.dp_cp  # Megatron's data-parallel group with CP: gradients and optimizer shards over dp x cp
     points = [(1, 1, 1), (1, dp, dp), (dp, dp, dp)] + [(1, 1, g) for g in range(2, dp + 1) if dp % g == 0]
     chosen = cover_sharding(plan, points)
     if chosen == plan.shard_degrees:
@@ -102,6 +104,7 @@ def _arguments(plan: Plan, ctx: ExportContext) -> dict:
     args.update({"--tokenizer-type": "NullTokenizer", "--vocab-size": model.vocab_size,
                  "--make-vocab-size-divisible-by": vocab_divisor(model.vocab_size, plan.tp), "--mock-data": True})
     args.update({"--tensor-model-parallel-size": plan.tp, "--pipeline-model-parallel-size": plan.pp})
+    args.update(_context_arguments(plan, ctx))
     if plan.sequence_parallel:
         args["--sequence-parallel"] = True
     if plan.pp > 1:
@@ -124,8 +127,24 @@ def _arguments(plan: Plan, ctx: ExportContext) -> dict:
     return args
 
 
+def _context_arguments(plan: Plan, ctx: ExportContext) -> dict:
+    """--context-parallel-size and --cp-comm-type; the hierarchical kind with its (all-to-all, ring) sizes
+    as the plan's cluster places them (Plan.cp_split)."""
+    if plan.cp == 1:
+        return {}
+    args: dict = {"--context-parallel-size": plan.cp}
+    if plan.cp_kind == "ring":
+        args["--cp-comm-type"] = "p2p"
+    elif plan.cp_kind == "all-to-all":
+        args["--cp-comm-type"] = "a2a"
+    else:
+        a2a, ring = plan.cp_split(ranks_per_node=ctx.problem.cluster.devices_per_node)
+        args.update({"--cp-comm-type": "a2a+p2p", "--hierarchical-context-parallel-sizes": f"{a2a} {ring}"})
+    return args
+
+
 def _sharding_arguments(plan: Plan, job) -> dict:
-    dp, (s_p, s_g, s_os) = plan.dp, plan.shard_degrees
+    dp, (s_p, s_g, s_os) = plan.dp_cp, plan.shard_degrees
     args: dict = {}
     if s_g > 1:
         args.update({"--use-megatron-fsdp": True,
@@ -164,7 +183,7 @@ def _environment(plan: Plan, args: dict) -> dict:
     """What Megatron asserts of CUDA_DEVICE_MAX_CONNECTIONS (megatron_rules; the value "" means unset)."""
     if "--use-megatron-fsdp" in args:
         return {"CUDA_DEVICE_MAX_CONNECTIONS": ""}
-    if plan.tp > 1:
+    if plan.tp > 1 or plan.cp > 1:
         return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     return {}
 
@@ -177,7 +196,7 @@ def _launch_script(plan: Plan, ctx: ExportContext, args: dict, env: dict) -> str
         if value == "":
             lines.append(f"unset {name}  # Megatron-FSDP asserts it is not 1")
         else:
-            lines.append(f"export {name}={value}  # Megatron asserts it with tensor parallelism before Blackwell")
+            lines.append(f"export {name}={value}  # Megatron asserts it with tensor or context parallelism before Blackwell")
     parts = [f"torchrun --nproc-per-node {cluster.devices_per_node} --nnodes {cluster.num_nodes} "
              f'--node-rank "${{NODE_RANK:-0}}" --master-addr "${{MASTER_ADDR:-localhost}}" '
              f'--master-port "${{MASTER_PORT:-6000}}"', "pretrain_gpt.py"]

@@ -12,7 +12,9 @@ torchtitan's public helpers with the plan's model's shape) and every plan knob t
   enable_sequence_parallel, pipeline_parallel_degree, pipeline_parallel_schedule (GPipe, 1F1B,
   Interleaved1F1B), pipeline_parallel_microbatch_size and module_fqns_per_model_part (the plan's exact
   chunks: torchtitan's layers_per_stage counts the embedding and the head as layers, so it cannot say
-  "40 layers per stage"), context and expert parallel degrees 1;
+  "40 layers per stage"), context_parallel_degree (torch's ring attention; FSDP shards over
+  data_parallel_shard_degree x cp, as the plan shards over dp x cp, so the shard group is a multiple of cp)
+  with the "ptrr" load balancer its FlexAttention masks need, expert parallel degree 1;
 - training: local_batch_size, global_batch_size (gradient accumulation), seq_len, mixed precision,
   disable_cuda_graphs (required with pipeline parallelism);
 - activation_checkpoint: None, SelectiveAC (per-op) or FullAC; the optimizer: Adam as the job's.
@@ -92,8 +94,9 @@ def _scaled_shards(plan: Plan, dp: int) -> dict:
 def _sharding(plan: Plan, cache) -> tuple[dict, list[str]]:
     """torchtitan's FSDP2/HSDP shards parameters, gradients and optimizer states over one axis together:
     the plan's point, or the covering one (each at least as sharded), with the device tier for "never"."""
-    dp, mine = plan.dp, plan.shard_degrees
-    points = [(g, g, g) for g in range(1, dp + 1) if dp % g == 0]
+    # torchtitan's FSDP mesh dimension is data_parallel_shard x cp (CP inner, as the plan's positions).
+    dp, mine = plan.dp_cp, plan.shard_degrees
+    points = [(g, g, g) for g in range(1, dp + 1) if dp % g == 0 and g % plan.cp == 0]
     chosen = cover_sharding(plan, points)
     changes = dict(zip(("param_shard", "grad_shard", "optim_shard"), chosen))
     if chosen == mine:
@@ -117,11 +120,15 @@ def _settings(plan: Plan, ctx: ExportContext) -> dict:
     """torchtitan's own field values (config sections -> field -> value) for the plan."""
     model, job = ctx.problem.model, ctx.problem.job
     g = plan.param_shard
-    parallelism: dict = {"data_parallel_replicate_degree": plan.dp // g, "data_parallel_shard_degree": g,
+    parallelism: dict = {"data_parallel_replicate_degree": plan.dp_cp // g, "data_parallel_shard_degree": g // plan.cp,
                          "fsdp_reshard_after_forward": "never" if plan.param_cache == "device" else "always",
                          "tensor_parallel_degree": plan.tp, "enable_sequence_parallel": plan.sequence_parallel,
-                         "pipeline_parallel_degree": plan.pp, "context_parallel_degree": 1,
+                         "pipeline_parallel_degree": plan.pp, "context_parallel_degree": plan.cp,
                          "expert_parallel_degree": 1}
+    if plan.cp > 1:
+        # FlexAttention's block masks are sharded only by the per-token round-robin balancer, which balances
+        # the causal work as the plan's head-tail chunks do.
+        parallelism["context_parallel_load_balancer"] = "ptrr"
     training: dict = {"global_batch_size": job.global_batch, "seq_len": job.seq_len,
                       "mixed_precision_param": "float32" if job.precision == "fp32" else "bfloat16",
                       "mixed_precision_reduce": "float32"}

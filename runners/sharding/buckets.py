@@ -246,7 +246,7 @@ class GradientReducer:
 
     def _boundary_group(self):
         s_g = self.degrees[1]
-        return (self.mesh.dp_group, self.plan.dp) if s_g == 1 else (self.mesh.grad_replica_group, self.plan.dp // s_g)
+        return (self.mesh.dp_group, self.plan.dp_cp) if s_g == 1 else (self.mesh.grad_replica_group, self.plan.dp_cp // s_g)
 
     def _pump(self) -> None:
         """Move ready units from the boundary queue into the all-reduce bucket, flushing when due."""

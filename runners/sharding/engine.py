@@ -114,7 +114,7 @@ class ShardedDataParallel:
                 # Only transformer blocks carry a layer index; the plan's MAZ3 tiers are per layer.
                 layer = getattr(module, "layer_index", None)
                 tier = self.plan.layer_cache(layer) if layer is not None else "none"
-                units.append(FlatUnit(module, params, chunk=v, position=len(units), q=self.mesh.dp_rank,
+                units.append(FlatUnit(module, params, chunk=v, position=len(units), q=self.mesh.shard_rank,
                                       degrees=self.degrees, dtype=dtype, tier=tier, grad_dtype=grad_dtype,
                                       device=self.device))
             self.units_by_chunk.append(units)

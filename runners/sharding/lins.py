@@ -37,7 +37,7 @@ class Redistributor:
         k = s_os // s_p
         if k == 1:
             return
-        q = self.mesh.dp_rank
+        q = self.mesh.shard_rank
         base = q - q % s_os + q % s_p
         subs = [shard_chunks(base + j * s_p, degrees=self.degrees)[2] % k for j in range(k)]
         buckets, current, current_bytes = [], [], 0

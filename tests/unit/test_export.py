@@ -74,7 +74,9 @@ def _flag_value_ok(spec: dict, value) -> bool:
     if spec["choices"] is not None and str(value) not in spec["choices"]:
         return False
     kind = {"int": int, "float": float}.get(spec["type"], str)
-    kind(value)
+    # A list flag (nargs '+') takes its values space-separated, as the launch script writes them.
+    for item in str(value).split() if spec["nargs"] == "+" else [value]:
+        kind(item)
     return True
 
 

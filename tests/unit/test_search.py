@@ -87,7 +87,8 @@ def fake_cost_model(seed: int) -> CostModel:
 
 def small_problem(*, num_devices: int = 8, per_node: int = 4, memory_bytes: int = 64 * GIB,
                   global_batch: int = 16, layers: int = 8, seq_len: int = 128) -> Problem:
-    model = with_overrides(PRESETS["tiny"], num_layers=layers)
+    # A RoPE model: a longer context (the sequence must fit it) changes no parameter.
+    model = with_overrides(PRESETS["tiny"], num_layers=layers, max_seq_len=max(128, seq_len))
     hw = dataclasses.replace(HW["cpu"], memory_bytes=memory_bytes)
     return Problem(model=model, cluster=Cluster(num_devices // per_node, per_node, hw),
                    job=Job(global_batch=global_batch, seq_len=seq_len, precision="bf16"))

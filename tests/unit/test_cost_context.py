@@ -1,0 +1,118 @@
+"""Context parallelism in the cost model: attention work split 1/cp by the balanced causal layout,
+activations divided by cp, the all-to-all and ring volumes by hand (GQA's K/V heads), and the ring's
+messages against the partial attention they hide behind."""
+
+import dataclasses
+
+import pytest
+
+from cost_models.comm import flat_collective_time_s
+from cost_models.compute import flash_attention_times_s, layer_compute_times, ring_blocks_times_s
+from cost_models.context import context_comm, ring_steps
+from cost_models.engines import ENGINES
+from cost_models.estimate import collective_time_s, estimate, layer_costs
+from specs.cluster import Cluster
+from specs.errors import PlannerError
+from specs.hardware import PRESETS as HW
+from specs.hardware import LinkSpec
+from specs.job import Job
+from specs.model import PRESETS
+from specs.plan import Plan
+
+H100 = dataclasses.replace(HW["h100"], intra_node=LinkSpec(400e9, 5e-6), inter_node=LinkSpec(50e9, 1e-5))
+NODES = Cluster(num_nodes=8, devices_per_node=8, hardware=H100)
+MODEL = PRESETS["llama3.1-8b"]  # 32 heads, 8 K/V heads of 128
+
+
+def test_ring_steps_hide_each_message_behind_its_partial_attention():
+    # r = 4: the core splits into r + 1 = 5 half-squares; step 0 computes two of them, the others one each.
+    assert ring_steps(4, send_s=1.0, core_s=5.0, gradients=False) == ((1.0, 2.0), (1.0, 1.0), (1.0, 1.0), (0.0, 1.0))
+    # Backward: K/V and their gradients every step; the last gradient message has nothing to hide behind.
+    assert ring_steps(4, send_s=1.0, core_s=5.0, gradients=True) == \
+        ((2.0, 2.0), (2.0, 1.0), (2.0, 1.0), (0.0, 1.0), (1.0, 0.0))
+
+
+def test_all_to_all_and_ring_volumes_by_hand():
+    job = Job(global_batch=8, seq_len=65536, precision="bf16")
+    b, s, d, p = 1, 65536, 128, 2
+    # All-to-all over cp 4 with tp 2: q and the output (32 / 2 heads), k and v (8 / 2 K/V heads), s / 4 tokens.
+    a2a = Plan(dp=4, tp=2, cp=4, cp_kind="all-to-all", num_micro_batches=2)
+    ctx = context_comm(a2a, NODES, model=MODEL, job=job, core_forward_s=1.0, core_backward_s=2.5,
+                       collective_time_s=collective_time_s)
+    q, kv = b * s // 4 * 16 * d * p, b * s // 4 * 4 * d * p
+    assert ctx.a2a_bytes == pytest.approx(2 * (2 * q + 2 * kv) * 3 / 4)
+    expected = sum(collective_time_s(NODES, collective="all_to_all", size_bytes=x, group_size=4, stride=2)
+                   for x in (q, q, kv, kv))
+    assert ctx.a2a_forward_s == pytest.approx(expected) and ctx.ring_bytes == 0
+    # Ring over cp 8 with tp 8: one node per CP rank, K and V of s / 8 tokens and 8 / 8 K/V heads per message,
+    # r - 1 forward, r - 1 + r backward.
+    ring = Plan(dp=1, tp=8, cp=8, num_micro_batches=8)
+    ctx = context_comm(ring, NODES, model=MODEL, job=job, core_forward_s=1.0, core_backward_s=2.5,
+                       collective_time_s=collective_time_s)
+    message = 2 * b * (s // 8) * 1 * d * p
+    assert ctx.ring_bytes == pytest.approx((7 + 7 + 8) * message)
+    send_s = flat_collective_time_s(H100, collective="p2p", size_bytes=message, group_size=2, link="inter_node")
+    assert ctx.ring_forward[0] == pytest.approx((send_s, 2 / 9))
+    assert ctx.a2a_bytes == 0
+
+
+def test_gqa_sends_only_the_kv_heads():
+    job = Job(global_batch=8, seq_len=32768, precision="bf16")
+    plan = Plan(dp=1, tp=8, cp=8, num_micro_batches=8)
+    mha = dataclasses.replace(MODEL, num_kv_heads=32)
+    volume = {m.num_kv_heads: context_comm(plan, NODES, model=m, job=job, core_forward_s=1.0, core_backward_s=2.5,
+                                           collective_time_s=collective_time_s).ring_bytes for m in (MODEL, mha)}
+    assert volume[32] == pytest.approx(4 * volume[8])
+
+
+def test_attention_work_and_tokens_split_by_cp():
+    # Megatron's flash kernels: the layer at cp 2 over 2S tokens is the layer over S tokens, with the
+    # attention core of 2S tokens halved in place of the core of S tokens.
+    eng, S = ENGINES["megatron"], 16384
+    kw = dict(micro_batch=1, tp=8, sequence_parallel=True, precision="bf16", engine=eng)
+    split = layer_compute_times(MODEL, H100, seq_len=2 * S, cp=2, ring_size=2, **kw)
+    plain = layer_compute_times(MODEL, H100, seq_len=S, **kw)
+    # Each ring step's kernels see half-chunks of 2S / (2 x 2) = S / 2 keys, which set their efficiency.
+    ring_core = flash_attention_times_s(H100, kernel="flash3", micro_batch=1, seq_len=2 * S, num_heads=4,
+                                        head_dim=128, key_block=S // 2)
+    core = flash_attention_times_s(H100, kernel="flash3", micro_batch=1, seq_len=S, num_heads=4, head_dim=128)
+    assert split.forward_s - plain.forward_s == pytest.approx(ring_core[0] / 2 - core[0], rel=1e-9)
+    assert split.backward_s - plain.backward_s == pytest.approx(ring_core[1] / 2 - core[1], rel=1e-9)
+    # The balanced split gives each rank half the causal pairs of the whole sequence: twice a plain S core,
+    # a little slower for the shorter kernels.
+    assert 2 * core[0] < ring_core[0] / 2 < 2.05 * core[0]
+
+
+def test_our_ring_blocks_compute_r_plus_one_half_squares_in_fp32():
+    hw = HW["cpu"]
+    fwd, _ = ring_blocks_times_s(MODEL, hw, micro_batch=1, seq_len=8192, tp=1, cp=4, ring_size=4, dtype="fp32")
+    one, _ = ring_blocks_times_s(MODEL, hw, micro_batch=1, seq_len=8192 // 4 * 1, tp=1, cp=1, ring_size=1,
+                                 dtype="fp32")
+    # (4 + 1) / 2 squares of 2048 tokens against one square (ring_size 1) of 2048 tokens.
+    assert fwd == pytest.approx(2.5 * one, rel=1e-6)
+
+
+def test_activations_fall_as_one_over_cp():
+    job = Job(global_batch=8, seq_len=65536, precision="bf16")
+    short = Job(global_batch=8, seq_len=65536 // 4, precision="bf16")
+    cluster = Cluster(num_nodes=4, devices_per_node=8, hardware=H100)
+    with_cp = layer_costs(Plan(dp=2, tp=4, cp=4, num_micro_batches=4), model=MODEL, cluster=cluster, job=job,
+                          engine="megatron")
+    without = layer_costs(Plan(dp=8, tp=4, num_micro_batches=1), model=MODEL, cluster=cluster, job=short,
+                          engine="megatron")
+    for policy in ("none", "selective", "full"):
+        assert with_cp.activation_bytes[policy] == pytest.approx(without.activation_bytes[policy])
+
+
+def test_cp_ranks_reduce_gradients_with_dp_and_engines_without_cp_refuse_it():
+    job = Job(global_batch=8, seq_len=65536, precision="bf16")
+    cluster = Cluster(num_nodes=4, devices_per_node=8, hardware=H100)
+    plan = Plan(dp=2, tp=4, cp=4, num_micro_batches=4)
+    est = estimate(plan, model=MODEL, cluster=cluster, job=job, engine="megatron")
+    assert est.breakdown["cp_comm_s"] > 0 and est.breakdown["dp_comm_s"] > 0
+    no_cp = estimate(plan.replace(dp=8, cp=1, num_micro_batches=1), model=MODEL, cluster=cluster,
+                     job=Job(global_batch=8, seq_len=65536, precision="bf16"), engine="megatron")
+    # The same 8 replicas reduce the same gradients either way.
+    assert est.breakdown["dp_comm_s"] == pytest.approx(no_cp.breakdown["dp_comm_s"], rel=0.05)
+    with pytest.raises(PlannerError, match="no context parallelism"):
+        estimate(plan, model=MODEL, cluster=cluster, job=job, engine="deepspeed")
