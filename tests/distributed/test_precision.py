@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import gc
-from pathlib import Path
 
 import pytest
 import torch
