@@ -541,7 +541,7 @@ def profile(
 
     from planner.machine import cached_profile_path, default_nproc
 
-    nproc = nproc or default_nproc()
+    nproc = default_nproc() if nproc is None else nproc
     if out is None:
         # One host's processes: the cache entry every command prices with by default; else a file.
         one_host = not cluster and gpus_per_node in (None, nproc)

@@ -62,7 +62,7 @@ class TuneSettings:
     def __post_init__(self) -> None:
         from planner.machine import default_nproc
 
-        object.__setattr__(self, "nproc", self.nproc or default_nproc())
+        object.__setattr__(self, "nproc", default_nproc() if self.nproc is None else self.nproc)
         if self.nproc < 2:
             raise PlannerError(f"--nproc must be at least 2 (the profile measures collectives), got {self.nproc}")
         if self.steps < 2:

@@ -101,7 +101,7 @@ class ValidateSettings:
     def __post_init__(self) -> None:
         from planner.machine import default_nproc, local_hardware, local_precision
 
-        object.__setattr__(self, "nproc", self.nproc or default_nproc())
+        object.__setattr__(self, "nproc", default_nproc() if self.nproc is None else self.nproc)
         if self.hardware is None and self.cluster is not None:
             # The emulated nodes share this host: its profile for that many processes, whose links are
             # loopback ones; `planner profile --cluster` measures the shaped inter-node link too.

@@ -7,6 +7,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
+from specs.job import GPU_MEMORY_HEADROOM
 from specs.errors import PlannerError
 
 from planner.cli import app
@@ -121,7 +122,8 @@ def test_a_plan_file_needs_no_other_flag_and_refuses_contradicting_ones(tmp_path
     assert json.loads(searched.stdout)["engine"] == "megatron" and json.loads(plan.read_text())["engine"] == "megatron"
     explained = invoke("explain", "--plan", str(plan), "--png", str(tmp_path / "x.png"), "--format", "json")
     assert explained.exit_code == 0, explained.output
-    assert json.loads(explained.stdout)["estimate"]["memory_limit_bytes"] == 80 * 2**30  # h100, not the cpu preset
+    # h100 (not the cpu preset) less the memory headroom every GPU plan keeps.
+    assert json.loads(explained.stdout)["estimate"]["memory_limit_bytes"] == int(80 * 2**30 * (1 - GPU_MEMORY_HEADROOM))
     exported = invoke("export", "--plan", str(plan), "--to", "megatron")
     assert exported.exit_code == 0, exported.output
     assert "pretrain_gpt.py" in exported.stdout and "--num-layers 80" in exported.stdout
