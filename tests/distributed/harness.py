@@ -123,13 +123,22 @@ def cached_matrix_results(matrix: dict[int, list], config_fn):
     return result
 
 
+# Parameters whose gradient is zero in exact arithmetic: GPT-2's attention key bias adds q.b_k to every
+# score of a query, which softmax ignores. Adam turns their rounding-noise gradients into steps of full
+# size and either sign, so where they end up is rounding, not the plan (two runs of one plan differ by
+# about the distance each moved); the 8-step check leaves them out. test_gradients.py checks that their
+# gradients are noise-sized (NORM_FLOOR) and the HF reference that they are (test_hf_reference.py).
+ROUNDING_ONLY_SUFFIXES = ("attn.bk",)
+
+
 def parameter_errors(cfg: RunConfig, params: dict[str, torch.Tensor], ref_params: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Per tensor, ||p - p_ref|| / ||p_ref - p_0||: the error against the distance the reference moved."""
+    """Per tensor, ||p - p_ref|| / ||p_ref - p_0||: the error against the distance the reference moved
+    (ROUNDING_ONLY_SUFFIXES left out)."""
     from runners.reference import initial_parameters
 
     start = initial_parameters(cfg)
     return {name: ((params[name] - ref).norm() / (ref - start[name]).norm().clamp_min(1e-30)).item()
-            for name, ref in ref_params.items()}
+            for name, ref in ref_params.items() if not name.endswith(ROUNDING_ONLY_SUFFIXES)}
 
 
 def check_against_reference(cfg: RunConfig, metrics, params: dict[str, torch.Tensor]) -> None:
