@@ -67,13 +67,15 @@ def test_validate_then_calibrate_then_explain(tmp_path):
                                  "--metrics-out", str(metrics), "--format", "json"])
     assert result.exit_code == 0, result.output
     step_png = tmp_path / "step.png"
-    result = runner.invoke(app, ["explain", "--plan", str(metrics), "--hardware", str(calibrated), "--seq-len", "64",
-                                 "--measured", str(metrics), "--png", str(step_png)])
+    # The metrics file holds a bare plan: the model comes from its flag (a plan file from search carries it).
+    result = runner.invoke(app, ["explain", "--plan", str(metrics), "--model", "tiny", "--hardware", str(calibrated),
+                                 "--seq-len", "64", "--measured", str(metrics), "--png", str(step_png)])
     assert result.exit_code == 0, result.output
     assert "measured step" in result.output and "pipeline rank 1" in result.output
     assert step_png.read_bytes()[:4] == b"\x89PNG"
     # The same metrics against another plan are refused by field.
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"dp": 2, "num_micro_batches": 2}))
-    result = runner.invoke(app, ["explain", "--plan", str(other), "--seq-len", "64", "--measured", str(metrics)])
+    result = runner.invoke(app, ["explain", "--plan", str(other), "--model", "tiny", "--hardware", str(calibrated),
+                                 "--seq-len", "64", "--measured", str(metrics)])
     assert result.exit_code == 2 and "is for another plan" in result.output
