@@ -123,22 +123,22 @@ def cached_matrix_results(matrix: dict[int, list], config_fn):
     return result
 
 
-# A tensor whose reference moved less per element than this share of the model's most-moved tensor (GPT-2's
-# key bias: its gradient is zero in exact arithmetic, so Adam moves it by rounding noise only) is measured
-# against that floor instead of its own noise-driven travel.
-TRAVEL_FLOOR = 0.1
+# Parameters whose gradient is zero in exact arithmetic: GPT-2's attention key bias adds q.b_k to every
+# score of a query, which softmax ignores. Adam turns their rounding-noise gradients into steps of full
+# size and either sign, so where they end up is rounding, not the plan (two runs of one plan differ by
+# about the distance each moved); the 8-step check leaves them out. test_gradients.py checks that their
+# gradients are noise-sized (NORM_FLOOR) and the HF reference that they are (test_hf_reference.py).
+ROUNDING_ONLY_SUFFIXES = ("attn.bk",)
 
 
 def parameter_errors(cfg: RunConfig, params: dict[str, torch.Tensor], ref_params: dict[str, torch.Tensor]) -> dict[str, float]:
     """Per tensor, ||p - p_ref|| / ||p_ref - p_0||: the error against the distance the reference moved
-    (per element at least TRAVEL_FLOOR of the most-moved tensor's)."""
+    (ROUNDING_ONLY_SUFFIXES left out)."""
     from runners.reference import initial_parameters
 
     start = initial_parameters(cfg)
-    rms = {name: ((ref - start[name]).norm() / ref.numel() ** 0.5).item() for name, ref in ref_params.items()}
-    floor = TRAVEL_FLOOR * max(rms.values())
-    return {name: ((params[name] - ref).norm() / (ref.numel() ** 0.5 * max(rms[name], floor, 1e-30))).item()
-            for name, ref in ref_params.items()}
+    return {name: ((params[name] - ref).norm() / (ref - start[name]).norm().clamp_min(1e-30)).item()
+            for name, ref in ref_params.items() if not name.endswith(ROUNDING_ONLY_SUFFIXES)}
 
 
 def check_against_reference(cfg: RunConfig, metrics, params: dict[str, torch.Tensor]) -> None:

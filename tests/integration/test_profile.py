@@ -131,7 +131,7 @@ def test_failed_rank_is_named_and_nothing_is_left_running(tmp_path: Path, monkey
 @pytest.mark.parametrize("args,message", [
     (["--sizes", "1x,2k"], "bad message size '1x'"),
     (["--sizes", "4k"], "at least two positive message sizes"),
-    (["--nproc", "0"], "--nproc must be at least 1"),
+    (["--nproc", "0"], "--nproc must be at least 1"),  # one process profiles a GPU (no collectives)
     (["--collectives", "all_reduce,gossip"], "unknown collective 'gossip'"),
     (["--nproc", "3", "--gpus-per-node", "2"], "not a multiple of --gpus-per-node"),
 ])
