@@ -58,8 +58,10 @@ def test_validate_then_calibrate_then_explain(tmp_path):
     assert hw.calibrated_from_runs == len(fit["fit_labels"])
 
     # A preset cannot be overwritten in place.
-    result = runner.invoke(app, ["calibrate", "--measurements", str(report_path)])
+    result = runner.invoke(app, ["calibrate", "--measurements", str(report_path), "--hardware", "cpu"])
     assert result.exit_code == 2 and "is a preset; give --out" in result.output
+    # The report was priced on this machine's cached profile (the default), which calibrate writes into.
+    assert report["hardware"].endswith("-n2.json") and resolve_hardware(report["hardware"]).measured_processes == 2
 
     # Explain a plan that ran, with its measured metrics beside the prediction.
     metrics = tmp_path / "m.json"
