@@ -875,7 +875,7 @@ def export_command(
 def tune_command(
     model: ModelOpt = "tiny",
     nproc: Annotated[Optional[int], typer.Option("--nproc", help="Local processes to profile and train on (default: " + NPROC_DEFAULT + ").")] = None,
-    global_batch: GlobalBatchOpt = 16,
+    global_batch: GlobalBatchOpt = 8,
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")] = 64,
     precision: PrecisionOpt = None,
     steps: Annotated[int, typer.Option("--steps", help="Steps to train the best plan.")] = 8,
