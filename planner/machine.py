@@ -20,7 +20,7 @@ import socket
 from pathlib import Path
 from typing import Callable
 
-from profilers.profile import num_cores
+from runners.launch import num_cores
 from specs.errors import PlannerError
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -29,7 +28,7 @@ from profilers.comm import CommSpec, plan_groups
 from profilers.compute import ComputeResult, measure_compute
 from profilers.fit import GemmFit, bus_factor, fit_gemm, fit_latency_bandwidth
 from profilers.memory import MemoryResult, measure_memory
-from runners.launch import Where, run_workers
+from runners.launch import Where, num_cores, run_workers
 from specs.errors import PlannerError
 from specs.hardware import (COLLECTIVES, NCCL_CTAS, PRESETS, CollectiveFit, GemmPoint, Hardware, LayerProbePoint,
                             LinkSpec, preset_for_device)
@@ -204,14 +203,6 @@ def efficiency_fields(fit: GemmFit, *, datasheet_peak: dict[str, float] | None) 
             efficiency = min(1.0, asym[ref] / datasheet_peak[ref])
             return {d: (datasheet_peak[d] if d == ref else a / efficiency) for d, a in asym.items()}, efficiency
     return dict(asym), 1.0
-
-
-def num_cores() -> int:
-    """The cores this process may run on (its affinity mask, as torch's thread pool sees them)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def build_hardware(*, device: torch.device, compute: ComputeResult, memory: MemoryResult,

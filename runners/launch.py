@@ -80,10 +80,19 @@ class Where:
 
 
 # --- the environment policy -------------------------------------------------------------------------
+def num_cores() -> int:
+    """The cores this process may run on (its affinity mask, as torch's thread pool sees them): what the
+    workers of one host share, and what a profile records it was measured on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def worker_env(*, procs_on_host: int) -> dict[str, str]:
     """What every worker needs: its share of the host's cores, unbuffered output, this checkout importable.
     An OMP_NUM_THREADS the user set is kept."""
-    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // procs_on_host)),
+    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(max(1, num_cores() // procs_on_host)),
             "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": os.pathsep.join(filter(None, [CHECKOUT, os.environ.get("PYTHONPATH")]))}
 

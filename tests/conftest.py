@@ -15,7 +15,7 @@ def seed_profile_cache(directory: Path, *, counts=range(1, 9)) -> None:
     """Write a stand-in profile (the cpu preset, marked as measured here with that many processes) for
     each process count into `directory`, where planner.machine looks for this host's profiles."""
     from planner.machine import cached_profile_path
-    from profilers.profile import num_cores
+    from runners.launch import num_cores
     from specs.hardware import PRESETS
 
     for n in counts:

@@ -13,7 +13,7 @@ from planner.cli import app
 from planner.search import SearchOptions, search
 from planner.tune import CALIBRATION_PARAMETERS, TuneSettings, cached_profile_path, ensure_profile
 from planner.validate import ValidateSettings
-from profilers.profile import num_cores
+from runners.launch import num_cores
 from runners.config import RunConfig
 from runners.reference import train_reference
 from specs.hardware import resolve_hardware

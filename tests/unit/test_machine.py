@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from planner import machine
-from profilers.profile import num_cores
+from runners.launch import num_cores
 from specs.errors import PlannerError
 from specs.hardware import PRESETS, resolve_hardware
 
