@@ -20,6 +20,9 @@ many micro-batches' activations chunk c holds at its peak under the schedule.
 
 from __future__ import annotations
 
+import functools
+import os
+import sys
 from dataclasses import dataclass
 
 from specs.errors import PlannerError
@@ -28,19 +31,45 @@ POLICIES = ("none", "selective", "full")
 
 
 def _solve(problem, *, time_limit_s: float | None = None) -> None:
-    """Solve with the bundled CBC, quietly; raise PlannerError unless a solution was found.
+    """Solve quietly with HiGHS in this process (highspy), or PuLP's bundled CBC where highspy is
+    missing; raise PlannerError unless a solution was found.
 
-    Without a time limit the optimum is proven. With one (the search's use: min-max programs over many
-    near-symmetric chunks can take CBC minutes to close the last gap) the best solution found in time
-    is accepted; the caller re-prices it with the full cost model anyway.
+    These programs are small (tens of integers): CBC solves each in milliseconds but is a separate
+    process, whose start-up (~0.2 s) was most of a 1024-GPU search's time; HiGHS through its Python
+    binding has none. Without a time limit the optimum is proven. With one (the search's use: min-max
+    programs over many near-symmetric chunks can take minutes to close the last gap) the best solution
+    found in time is accepted; the caller re-prices it with the full cost model anyway.
     """
     import pulp
 
-    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=1e-5 if time_limit_s else None)
+    gap = 1e-5 if time_limit_s else None
+    solver = pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=gap)
+    if solver.available():
+        _silence_highs_banner()
+    else:
+        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=gap)
     problem.solve(solver)
     if problem.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         status = pulp.LpStatus[problem.status].lower()
         raise PlannerError(f"ILP {problem.name}: {status} (no placement fits the memory cap in time)")
+
+
+@functools.cache
+def _silence_highs_banner() -> None:
+    """HiGHS writes its copyright banner to the process's stdout (C++, not Python's sys.stdout) the first
+    time a solver is made, whatever its options; that would corrupt `--format json`. Make that first
+    one here with file descriptor 1 pointed at /dev/null."""
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 1)
+            highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _value(var) -> float:
