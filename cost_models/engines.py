@@ -73,8 +73,12 @@ ENGINES: dict[str, EngineModel] = {e.name: e for e in (
                 "attention, DeepSpeed's pipeline engine reducing gradients after the pipeline drains",
                 attention="materialized", fused_elementwise=True, tp_comm_hidden=0.0, reduce_fp32=True,
                 main_grads_fp32=True, reduce_after_pipeline=True, reduce_scatter_once=True, context_parallel=False),
+    # torchtitan calls SDPA, whose default on Hopper is its FlashAttention-2 kernel: PyTorch made the
+    # cuDNN backend opt-in after 2.5 (pytorch/pytorch#138522, #138649; default SDPA measured at 329 TFLOP/s
+    # against cuDNN's 631 on H100, #142132), and torchtitan asks for cuDNN only on Blackwell
+    # (pytorch/torchtitan#1196, 2025-05).
     EngineModel("torchtitan", "torchtitan (FSDP2, eager, SDPA attention, fp32 gradient reduction)",
-                attention="flash3", fused_elementwise=False, tp_comm_hidden=0.0, reduce_fp32=True,
+                attention="flash2", fused_elementwise=False, tp_comm_hidden=0.0, reduce_fp32=True,
                 main_grads_fp32=False, reduce_beside_sends=True),
     EngineModel("fsdp", "PyTorch FSDP1 with FlashAttention-2 (llm-foundry / Composer), eager elementwise",
                 attention="flash2", fused_elementwise=False, tp_comm_hidden=0.0, reduce_fp32=False,

@@ -172,11 +172,34 @@ def _shards(sharding: str, dp: int, engine: str) -> tuple[int, int, int]:
     return zero_degrees(0, dp)
 
 
+# The CSV's cp_comm_type (Megatron-LM's --cp-comm-type names) and the plan's cp_kind. Megatron's
+# "allgather" (K/V all-gathered once, then local attention) has no kind of its own here: not priced.
+CP_KIND_OF = {"": "ring", "p2p": "ring", "ring": "ring", "a2a": "all-to-all", "all-to-all": "all-to-all",
+              "a2a+p2p": "hierarchical", "hierarchical": "hierarchical"}
+# Sources that print a local batch (sequences per data-parallel rank per step) instead of a global one:
+# torchtitan's `training.local_batch_size`, micro-batched into pipeline micro-batches of 1 sequence
+# (its default pipeline micro-batch size).
+LOCAL_BATCH_OF = {"torchtitan_bench_h100_2412": {"Llama 3.1 8B": 1, "Llama 3.1 405B": 8}}
+
+
+def _batch(row: dict, *, dp: int, pp: int) -> tuple[int, int]:
+    """(micro-batch, global batch) in sequences, from the row or its source's local-batch convention."""
+    local = LOCAL_BATCH_OF.get(row.get("source_id", ""), {}).get(row.get("model_name", ""))
+    if local is not None and not (row.get("global_batch") or "").strip():
+        micro_batch = _int(row, "micro_batch", 1 if pp > 1 else local)
+        return micro_batch, local * dp
+    micro_batch = _int(row, "micro_batch", 1)
+    return micro_batch, _int(row, "global_batch", micro_batch * dp)
+
+
 def _plan(row: dict, engine: str) -> Plan:
     tp, pp, dp = _int(row, "tp", 1), _int(row, "pp", 1), _int(row, "dp")
+    cp = _int(row, "cp", 1)
+    comm_type = (row.get("cp_comm_type") or "").strip().lower()
+    if comm_type not in CP_KIND_OF:
+        raise PlannerError(f"cp_comm_type {comm_type!r} is not priced; priced: p2p, a2a, a2a+p2p")
     vp = _int(row, "virtual_stages", 1)
-    micro_batch = _int(row, "micro_batch", 1)
-    global_batch = _int(row, "global_batch", micro_batch * dp)
+    micro_batch, global_batch = _batch(row, dp=dp, pp=pp)
     if global_batch % (dp * micro_batch):
         raise PlannerError(f"global batch {global_batch} is not a multiple of dp x micro-batch {dp} x {micro_batch}")
     # Megatron-based engines turn sequence parallelism on with TP (NeMo's and the README's runs say so).
@@ -184,8 +207,8 @@ def _plan(row: dict, engine: str) -> Plan:
     sequence_parallel = tp > 1 and (sp == "true" or (sp == "" and engine == "megatron"))
     recompute = (row.get("recompute") or "").strip().lower() or "none"
     recompute = recompute if recompute in ("none", "selective", "full") else "full"
-    s_p, s_g, s_os = _shards(row.get("sharding", ""), dp, engine)
-    return Plan(dp=dp, tp=tp, pp=pp, virtual_stages=vp, micro_batch=micro_batch,
+    s_p, s_g, s_os = _shards(row.get("sharding", ""), dp * cp, engine)
+    return Plan(dp=dp, cp=cp, cp_kind=CP_KIND_OF[comm_type], tp=tp, pp=pp, virtual_stages=vp, micro_batch=micro_batch,
                 num_micro_batches=global_batch // (dp * micro_batch),
                 schedule="interleaved-1f1b" if vp > 1 else "1f1b", recompute=recompute,
                 sequence_parallel=sequence_parallel, param_shard=s_p, grad_shard=s_g, optim_shard=s_os)

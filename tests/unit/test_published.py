@@ -248,3 +248,34 @@ def test_h100_power_capped_rows_are_kept_out_with_a_reason():
     assert excluded and all(r["exclusion_reason"].strip() for r in excluded)
     assert not any(r["use"] == "yes" and "500W" in r["notes"].replace(" ", "") and r["hardware"] == "h100-sxm"
                    for r in rows)
+
+
+def test_long_context_rows_are_priced_with_their_context_parallel_layout():
+    from planner.published import PUBLISHED_DIR
+
+    runs, skipped = load_published(PUBLISHED_DIR / "long_context_runs.csv")
+    with_cp = [r for r in runs if r.plan.cp > 1]
+    assert with_cp and all(r.plan.world_size == r.cluster.num_devices for r in runs)
+    # NeMo's Llama 3 70B row: TP4 PP4 CP2 on 64 GPUs, so DP2; the distributed optimizer shards over dp x cp.
+    row = next(r for r in with_cp if r.model.name == "LLAMA3-70B")
+    assert (row.plan.dp, row.plan.cp, row.plan.tp, row.plan.pp) == (2, 2, 4, 4)
+    assert row.plan.optim_shard == 4 and row.plan.cp_kind == "ring"
+    assert all(line.startswith("row ") for line in skipped)
+
+
+def test_a_local_batch_source_multiplies_by_the_data_parallel_ranks():
+    from planner.published import _batch
+
+    row = {"source_id": "torchtitan_bench_h100_2412", "model_name": "Llama 3.1 405B", "global_batch": "",
+           "micro_batch": ""}
+    assert _batch(row, dp=4, pp=8) == (1, 32)  # local batch 8 per DP rank, in pipeline micro-batches of 1
+    row = {**row, "model_name": "Llama 3.1 8B"}
+    assert _batch(row, dp=2, pp=1) == (1, 2)
+
+
+def test_an_unpriced_cp_comm_type_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "runs.csv"
+    path.write_text(RUNS_HEADER.strip() + ",cp,cp_comm_type\n"
+                    "llama3-8b,8,8,megatron,1,1,4,1,8,8192,,none,bf16,1.0,,2,allgather\n")
+    with pytest.raises(PlannerError, match="cp_comm_type 'allgather'"):
+        load_published(path, hardware=HW["h100"], strict=True)
