@@ -21,7 +21,8 @@ class EngineModel:
     name: str
     description: str
     # The attention core: "flash3" (FlashAttention-3 / cuDNN fused attention on Hopper, FlashAttention-2
-    # elsewhere), "flash2" (FlashAttention-2 everywhere), "materialized" (scores, softmax and dropout
+    # elsewhere), "flash2" (FlashAttention-2 everywhere), "flash1" (FlashAttention-1 or its Triton
+    # implementation: llm-foundry's runs before 2024), "materialized" (scores, softmax and dropout
     # in HBM), or "by-arch" (this project's engine on CPU: llama fused, gpt2 materialised).
     attention: str
     # Megatron's fused kernels: LayerNorm/RMSNorm, bias-GeLU / SwiGLU, bias-dropout-add, RoPE in one pass
@@ -89,9 +90,12 @@ if tuple(ENGINES) != ENGINE_NAMES:  # the names are declared once, in specs (a p
     raise RuntimeError(f"cost_models.engines prices {tuple(ENGINES)} but specs.planfile names {ENGINE_NAMES}")
 
 
-def engine_model(name: str) -> EngineModel:
+def engine_model(name: str | EngineModel) -> EngineModel:
+    """The engine called `name`; an EngineModel is taken as it is (a variant, e.g. an older kernel)."""
     from specs.errors import PlannerError
 
+    if isinstance(name, EngineModel):
+        return name
     if name not in ENGINES:
         raise PlannerError(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")
     return ENGINES[name]

@@ -262,7 +262,7 @@ def _runs_rows(runs, hardware: Hardware) -> list[ValidationRow]:
     for run in runs:
         hw = dataclasses.replace(hardware, inter_node=run.cluster.hardware.inter_node)
         est = estimate(run.plan, model=run.model, cluster=dataclasses.replace(run.cluster, hardware=hw),
-                       job=run.job, engine=run.engine)
+                       job=run.job, engine=run.priced_engine)
         peak = run.measured_peak_memory_bytes
         rows.append(ValidationRow(
             label=run.label, source=run.engine, plan=run.plan, status="ok", error=None,
@@ -281,7 +281,7 @@ def _fit_runs_reserve(runs, hardware: Hardware) -> float | None:
             continue
         hw = dataclasses.replace(hardware, inter_node=run.cluster.hardware.inter_node)
         est = estimate(run.plan, model=run.model, cluster=dataclasses.replace(run.cluster, hardware=hw),
-                       job=run.job, engine=run.engine)
+                       job=run.job, engine=run.priced_engine)
         gaps.append(run.measured_peak_memory_bytes - est.peak_memory_bytes)
         reserves.append(est.breakdown["framework_reserve_bytes"])
     if not gaps:

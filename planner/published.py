@@ -40,7 +40,7 @@ from specs.hardware import PRESETS as HARDWARE, LinkSpec
 from specs.job import Job
 from specs.model import ModelSpec
 from specs.plan import Plan, check_plan, zero_degrees
-from cost_models.engines import ENGINES
+from cost_models.engines import ENGINES, EngineModel
 
 PUBLISHED_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "published"
 DEFAULT_CSV = PUBLISHED_DIR / "dense_runs.csv"
@@ -72,6 +72,17 @@ class PublishedRun:
     engine: str
     measured_step_time_s: float
     measured_peak_memory_bytes: float | None = None
+    # The attention kernel the run used where the source's software version fixes it (the CSV's
+    # attention_kernel: llm-foundry's tables before 2024 ran FlashAttention-1's Triton kernel); empty: the
+    # engine's own.
+    attention_kernel: str = ""
+
+    @property
+    def priced_engine(self) -> str | EngineModel:
+        """The engine as this run ran it: its name, or a variant with the run's attention kernel."""
+        if not self.attention_kernel:
+            return self.engine
+        return dataclasses.replace(ENGINES[self.engine], attention=self.attention_kernel)
 
 
 @dataclass(frozen=True)
@@ -176,6 +187,8 @@ def _shards(sharding: str, dp: int, engine: str) -> tuple[int, int, int]:
 # "allgather" (K/V all-gathered once, then local attention) has no kind of its own here: not priced.
 CP_KIND_OF = {"": "ring", "p2p": "ring", "ring": "ring", "a2a": "all-to-all", "all-to-all": "all-to-all",
               "a2a+p2p": "hierarchical", "hierarchical": "hierarchical"}
+# A row's attention_kernel column (empty: the engine's own kernel).
+ATTENTION_KERNELS = ("", "flash1", "flash2", "flash3", "materialized")
 # Sources that print a local batch (sequences per data-parallel rank per step) instead of a global one:
 # torchtitan's `training.local_batch_size`, micro-batched into pipeline micro-batches of 1 sequence
 # (its default pipeline micro-batch size).
@@ -252,9 +265,13 @@ def _run(row: dict, *, hardware=None) -> PublishedRun:
     group = f"{model.name} on {cluster.num_devices} x {label_hw} ({source})"
     label = f"{model.name} {cluster.num_devices}x{label_hw} {plan.describe()}"
     peak = (row.get("peak_memory_gib") or "").strip()
+    kernel = (row.get("attention_kernel") or "").strip()
+    if kernel not in ATTENTION_KERNELS:
+        raise PlannerError(f"attention_kernel {kernel!r} is not priced; priced: {', '.join(ATTENTION_KERNELS[1:])}")
     return PublishedRun(source_id=source, label=label, group=group, hardware=label_hw, model=model,
                         cluster=cluster, job=job, plan=plan, engine=engine, measured_step_time_s=measured,
-                        measured_peak_memory_bytes=float(peak) * 1024**3 if peak else None)
+                        measured_peak_memory_bytes=float(peak) * 1024**3 if peak else None,
+                        attention_kernel=kernel)
 
 
 def load_published(path: str | Path = DEFAULT_CSV, *, hardware=None,
@@ -300,7 +317,7 @@ def price(run: PublishedRun, *, hardware=None, calibration: dict[str, float] | N
     if calibration:
         hw = dataclasses.replace(hw, calibration={**hw.calibration, **calibration})
     cluster = dataclasses.replace(run.cluster, hardware=hw)
-    return estimate(run.plan, model=run.model, cluster=cluster, job=run.job, engine=run.engine).step_time_s
+    return estimate(run.plan, model=run.model, cluster=cluster, job=run.job, engine=run.priced_engine).step_time_s
 
 
 def _groups(rows: list[PublishedRow]) -> dict[str, list[PublishedRow]]:

@@ -125,8 +125,8 @@ class Hardware:
     measured_processes: int = 0
     measured_cores: int = 0
     # Measured efficiencies (fraction of the dtype's peak) of kernels that are not plain GEMMs, by name:
-    # flash2_forward/backward (FlashAttention-2), flash3_forward/backward (FlashAttention-3 / cuDNN fused
-    # attention, Hopper only), fp8_gemm (the largest-GEMM rate in fp8, whose peak is peak_flops_per_s["fp8"]).
+    # flash1_forward/backward (FlashAttention-1 class), flash2_forward/backward (FlashAttention-2),
+    # flash3_forward/backward (FlashAttention-3 / cuDNN fused attention, Hopper only), fp8_gemm (the largest-GEMM rate in fp8, whose peak is peak_flops_per_s["fp8"]).
     # Absent: the kernel is priced as its GEMMs at gemm_max_efficiency (CPU profiles).
     kernel_efficiency: dict[str, float] = field(default_factory=dict)
     # GPUs: streaming multiprocessors and the output tile (rows, columns) of the library's large-GEMM kernel;
@@ -256,9 +256,28 @@ def _gpu(name: str, device_name: str, *, bf16: float, fp32: float, mem: int, mem
 #   on H100 holds 24 (NVIDIA developer forum, "Compute-Communication Overlap Causes Severe GEMM Performance
 #   Degradation because of Tail Effect", 2025: a one-wave 132-block GEMM nearly doubles in time beside it).
 #   The compute under a collective runs on the other SMs, its waves re-quantized (cost_models/compute.py).
+# - FlashAttention-1 class (flash-attn 1.0.x, and the Triton implementation of it that MPT / llm-foundry ran by
+#   default until 2024): forward + backward, causal, head dim 128, at 16k keys, from the flash-attention
+#   repository's own benchmark figures: assets/flash2_a100_fwd_bwd_benchmark.png panel d (FlashAttention 83 and
+#   FlashAttention Triton 80 TFLOP/s, so 0.261 of the A100's 312; FlashAttention-2 189) and
+#   assets/flash2_h100_fwd_bwd_benchmark.png panel d (137 of 989: 0.139; FlashAttention-2 328). Split into
+#   forward and backward as FlashAttention-2's rates are; the short-key fall-off is the shared one (2k keys:
+#   68-69 and 108 TFLOP/s in the same figures).
 NCCL_CTAS = 24
-_AMPERE = {"flash2_forward": 0.62, "flash2_backward": 0.50}
-_HOPPER = {"flash2_forward": 0.35, "flash2_backward": 0.30, "flash3_forward": 0.62, "flash3_backward": 0.47}
+
+
+def _with_flash1(kernels: dict[str, float], *, fwd_bwd_efficiency: float) -> dict[str, float]:
+    """`kernels` plus flash1_forward/backward: FlashAttention-2's forward and backward rates scaled so
+    that forward + backward (1 + 2.5 passes) runs at `fwd_bwd_efficiency` of peak."""
+    combined = 3.5 / (1 / kernels["flash2_forward"] + 2.5 / kernels["flash2_backward"])
+    scale = fwd_bwd_efficiency / combined
+    return {**kernels, "flash1_forward": kernels["flash2_forward"] * scale,
+            "flash1_backward": kernels["flash2_backward"] * scale}
+
+
+_AMPERE = _with_flash1({"flash2_forward": 0.62, "flash2_backward": 0.50}, fwd_bwd_efficiency=0.261)
+_HOPPER = _with_flash1({"flash2_forward": 0.35, "flash2_backward": 0.30, "flash3_forward": 0.62, "flash3_backward": 0.47},
+                       fwd_bwd_efficiency=0.139)
 
 
 PRESETS: dict[str, Hardware] = {
