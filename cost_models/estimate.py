@@ -279,7 +279,8 @@ def layer_costs(plan, *, model, cluster, job, engine: str = "ours") -> LayerCost
     # This engine's ring keeps no scores (its blocks are transient); a materialised core after the
     # all-to-all keeps the whole sequence's square for 1/cp of the heads.
     fused = fused_attention(model, eng, hw) or (cp > 1 and ring > 1)
-    activation = {p: layer_activation_bytes(model, policy=p, **dims, fused=fused) for p in POLICIES}
+    activation = {p: layer_activation_bytes(model, policy=p, **dims, fused=fused, fused_elementwise=eng.fused_elementwise,
+                                            dropout=eng.gpt_dropout) for p in POLICIES}
     if cp > 1 and not fused:
         square = _materialized_scores_bytes(model, micro_batch=b, seq_len=job.seq_len, heads_split=tp * cp,
                                             precision=job.precision, dropout=eng.gpt_dropout)

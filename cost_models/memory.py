@@ -11,9 +11,10 @@ Activations (Korthikanti et al., "Reducing Activation Recomputation in Large Tra
 2022): a GPT layer saves s b h (34 + 5 a s / h) bytes in 16-bit, which is the sum of the tensors the
 backward pass needs (`_saved_tensors` lists them); TP divides what lives between the column- and
 row-parallel GEMMs (10 + 24/t), sequence parallelism the rest (34/t); selective recomputation drops the
-attention core (the 5 a s / h term); full recomputation keeps only the layer input. For llama the same
-method is applied to the tensors our engine's layer saves (`_saved_tensors_fused`: fp32 RMSNorm, fused
-attention without an s x s tensor, GQA key/value heads, SwiGLU's gate/up/product, no dropout).
+attention core (the 5 a s / h term); full recomputation keeps only the layer input. A flash kernel keeps
+no s x s tensor, only its log-sum-exp. For llama the same method is applied to the tensors the layer saves
+as the engine runs it (`_saved_tensors_llama`: eager fp32 RMSNorm, repeated GQA key/value heads and SwiGLU's
+gate/up/product in this engine and torchtitan; Transformer Engine's fused kernels in Megatron-LM).
 """
 
 from __future__ import annotations
@@ -97,74 +98,92 @@ def end_params_per_device(model: ModelSpec, *, tp: int, pp: int) -> tuple[float,
 
 
 def _saved_tensors(model: ModelSpec, *, micro_batch: int, seq_len: int, precision: str,
-                   fused: bool | None = None) -> dict[str, tuple[float, str]]:
+                   fused: bool | None = None, fused_elementwise: bool = False,
+                   dropout: bool = True) -> dict[str, tuple[float, str]]:
     """Bytes each saved tensor of one layer takes (all TP ranks together), with how it is split:
     'replicated' (lives outside the TP region: split only by sequence parallelism), 'tp' (split by TP),
-    'core' (attention core, split by TP, dropped by selective recomputation)."""
-    if fused if fused is not None else fused_attention(model):
-        return _saved_tensors_fused(model, micro_batch=micro_batch, seq_len=seq_len, precision=precision)
+    'core' (attention core, split by TP, dropped by selective recomputation). `fused`: a flash kernel
+    (default: as this engine runs the arch); `fused_elementwise`: Megatron-style fused norm, activation and
+    attention kernels (engines.EngineModel); `dropout`: GPT's dropouts run (and keep their masks)."""
+    fused = fused if fused is not None else fused_attention(model)
+    if fused and model.arch == "llama":
+        return _saved_tensors_llama(model, micro_batch=micro_batch, seq_len=seq_len, precision=precision,
+                                    fused_elementwise=fused_elementwise)
     p, h, f, kv = activation_bytes_per_element(precision), model.hidden_size, model.ffn_hidden_size, model.kv_dim
     sbh = seq_len * micro_batch * h
     tokens = seq_len * micro_batch
     scores = model.num_heads * seq_len * seq_len * micro_batch
+    mask = 1 if dropout else 0
     # Megatron GPT (Korthikanti et al. Section 4.1): LayerNorm inputs, GEMM inputs, the softmax output,
-    # the attention dropout's mask and output, GELU's input, and the two residual dropout masks.
+    # the attention dropout's mask and output, GELU's input, and the two residual dropout masks. A flash
+    # kernel keeps no s x s tensor: only its fp32 log-sum-exp per head and token (its output is the output
+    # projection's input, already counted).
+    core = ({"attention_lse": (4 * model.num_heads * tokens, "core")} if fused else {
+        "softmax_output": (p * scores, "core"),
+        "attention_dropout_mask": (mask * scores, "core"),
+        "attention_dropout_output": (mask * p * scores, "core")})
     return {
         "norm1_input": (p * sbh, "replicated"),
         "qkv_input": (p * sbh, "replicated"),
         "query_key": (p * tokens * (h + kv), "tp"),
         "value": (p * tokens * kv, "tp"),
-        "softmax_output": (p * scores, "core"),
-        "attention_dropout_mask": (scores, "core"),
-        "attention_dropout_output": (p * scores, "core"),
+        **core,
         "out_proj_input": (p * sbh, "tp"),
-        "attn_residual_dropout_mask": (sbh, "replicated"),
+        "attn_residual_dropout_mask": (mask * sbh, "replicated"),
         "norm2_input": (p * sbh, "replicated"),
         "mlp_input": (p * sbh, "replicated"),
         "mlp_intermediates": ((4 if model.gated_mlp else 2) * p * tokens * f, "tp"),
-        "mlp_residual_dropout_mask": (sbh, "replicated"),
+        "mlp_residual_dropout_mask": (mask * sbh, "replicated"),
     }
 
 
-def _saved_tensors_fused(model: ModelSpec, *, micro_batch: int, seq_len: int, precision: str) -> dict[str, tuple[float, str]]:
-    """The llama layer as our engine runs it (runners/transformer.py), tensor by tensor:
+def _saved_tensors_llama(model: ModelSpec, *, micro_batch: int, seq_len: int, precision: str,
+                         fused_elementwise: bool) -> dict[str, tuple[float, str]]:
+    """The llama layer with a flash attention kernel, tensor by tensor.
 
-    RMSNorm computes in fp32 (keeps the fp32 input and the normalised value before the weight);
-    fused attention (scaled_dot_product_attention) keeps q, the key/value heads repeated to every query
-    head (GQA), its output and the fp32 log-sum-exp per head and token, and no s x s tensor; the output
-    projection keeps its (re-laid-out) input; SwiGLU keeps gate, silu(gate), up and their product.
-    Selective recomputation checkpoints the attention core, keeping only its inputs q, k, v (k and v
-    at the KV width). No dropout.
+    Eager (this engine, runners/transformer.py; torchtitan): RMSNorm computes in fp32 (keeps the fp32
+    input and the normalised value before the weight); scaled_dot_product_attention keeps q, the
+    key/value heads repeated to every query head (GQA), its output and the fp32 log-sum-exp per head and
+    token, and no s x s tensor; the output projection keeps its (re-laid-out) input; SwiGLU keeps gate,
+    silu(gate), up and their product. Fused (Megatron-LM with Transformer Engine): the norm keeps its
+    16-bit input and an fp32 inverse RMS per token, the fused attention reads the KV heads as they are
+    and its output is the projection's input (the log-sum-exp beside it), and the fused SwiGLU keeps its
+    input (gate and up) and its product. Selective recomputation checkpoints the attention core, keeping
+    only its inputs q, k, v (k and v at the KV width). No dropout.
     """
     p, h, f, kv = activation_bytes_per_element(precision), model.hidden_size, model.ffn_hidden_size, model.kv_dim
     tokens = seq_len * micro_batch
     sbh = tokens * h
+    lse = 4 * model.num_heads * tokens
+    if fused_elementwise:
+        norm, core, mlp = p * sbh + 4 * tokens, lse, 3 * p * tokens * f
+    else:
+        # Repeated key/value heads beyond the KV width, the attention output, the log-sum-exp.
+        norm, core, mlp = (4 + p) * sbh, p * tokens * (2 * (h - kv) + h) + lse, 4 * p * tokens * f
     return {
-        "norm1_fp32_input": (4 * sbh, "replicated"),
-        "norm1_normalised": (p * sbh, "replicated"),
+        "norm1": (norm, "replicated"),
         "qkv_input": (p * sbh, "replicated"),
         "query_key_value": (p * tokens * (h + 2 * kv), "tp"),
         "out_proj_input": (p * sbh, "tp"),
-        # Repeated key/value heads beyond the KV width, the attention output, the log-sum-exp.
-        "attention_core": (p * tokens * (2 * (h - kv) + h) + 4 * model.num_heads * tokens, "core"),
-        "norm2_fp32_input": (4 * sbh, "replicated"),
-        "norm2_normalised": (p * sbh, "replicated"),
+        "attention_core": (core, "core"),
+        "norm2": (norm, "replicated"),
         "mlp_input": (p * sbh, "replicated"),
-        "mlp_intermediates": (4 * p * tokens * f, "tp"),
+        "mlp_intermediates": (mlp, "tp"),
     }
 
 
 def layer_activation_bytes(model: ModelSpec, *, policy: str, micro_batch: int, seq_len: int, tp: int,
-                           sequence_parallel: bool, precision: str, fused: bool | None = None) -> float:
+                           sequence_parallel: bool, precision: str, fused: bool | None = None,
+                           fused_elementwise: bool = False, dropout: bool = True) -> float:
     """Bytes one layer keeps per micro-batch in flight on one device under recomputation `policy`;
-    `fused`: whether the attention core is a flash kernel (default: as this engine runs the arch)."""
+    `fused`, `fused_elementwise`, `dropout`: how the engine runs the layer (`_saved_tensors`)."""
     p = activation_bytes_per_element(precision)
     if policy == "full":
         # Only the layer input (the residual stream), itself sequence-sharded under SP.
         return p * seq_len * micro_batch * model.hidden_size / (tp if sequence_parallel else 1)
     total = 0.0
     for size, split in _saved_tensors(model, micro_batch=micro_batch, seq_len=seq_len, precision=precision,
-                                      fused=fused).values():
+                                      fused=fused, fused_elementwise=fused_elementwise, dropout=dropout).values():
         if split == "core" and policy == "selective":
             continue
         total += size / tp if (split != "replicated" or sequence_parallel) else size

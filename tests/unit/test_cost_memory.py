@@ -89,6 +89,33 @@ def test_llama_activations_by_hand():
     assert layer_activation_bytes(PRESETS["tiny"], policy="full", **kw) == 2 * 4 * 64
 
 
+def test_llama_activations_under_fused_kernels_by_hand():
+    # tiny as above, but as Transformer Engine runs it: each norm keeps its 16-bit input 2*4*64 and an
+    # fp32 inverse RMS per token 4*4; the core keeps only the log-sum-exp 4*8*4 (the KV heads are read
+    # as they are, the output is the projection's input); the fused SwiGLU keeps gate+up and the
+    # product, 3 x 2*4*176.
+    norms = 2 * (512 + 16)
+    gemm_inputs = 2 * 512
+    qkv_out = 512 + 2 * 256 + 512
+    core = 128
+    mlp = 3 * 2 * 4 * 176
+    kw = dict(micro_batch=1, seq_len=4, tp=1, sequence_parallel=False, precision="bf16", fused=True,
+              fused_elementwise=True)
+    assert layer_activation_bytes(PRESETS["tiny"], policy="none", **kw) == norms + gemm_inputs + qkv_out + core + mlp
+    assert layer_activation_bytes(PRESETS["tiny"], policy="selective", **kw) == norms + gemm_inputs + qkv_out + mlp
+
+
+def test_gpt_under_a_flash_kernel_keeps_no_square_and_no_masks_without_dropout():
+    model = PRESETS["gpt3-175b"]
+    s, b, h, a = 2048, 1, model.hidden_size, model.num_heads
+    sbh = s * b * h
+    kw = dict(micro_batch=b, seq_len=s, tp=1, precision="bf16", sequence_parallel=False, fused=True)
+    # Korthikanti's 34 s b h less the three s x s tensors, plus the fp32 log-sum-exp 4 a s b.
+    assert layer_activation_bytes(model, policy="none", **kw) == 34 * sbh + 4 * a * s * b
+    # Without dropout its two residual masks (1 byte each) go too.
+    assert layer_activation_bytes(model, policy="none", dropout=False, **kw) == 32 * sbh + 4 * a * s * b
+
+
 def test_more_recomputation_keeps_less():
     model = PRESETS["llama3-70b"]
     kw = dict(micro_batch=1, seq_len=4096, tp=8, sequence_parallel=True, precision="bf16")

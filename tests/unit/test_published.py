@@ -279,3 +279,22 @@ def test_an_unpriced_cp_comm_type_is_refused_in_one_line(tmp_path):
                     "llama3-8b,8,8,megatron,1,1,4,1,8,8192,,none,bf16,1.0,,2,allgather\n")
     with pytest.raises(PlannerError, match="cp_comm_type 'allgather'"):
         load_published(path, hardware=HW["h100"], strict=True)
+
+
+@pytest.mark.parametrize("name", ["dense_runs.csv", "long_context_runs.csv"])
+def test_every_published_run_that_states_its_recomputation_fits_the_memory_it_ran_in(name):
+    """A run that ran fit its GPUs: the memory model (as its engine keeps activations: flash kernels keep
+    no s x s tensor, fused kernels keep 16-bit norm inputs) must not say otherwise. Sources that do not
+    state the recomputation are left out (their plan's recompute is a guess)."""
+    import csv
+
+    from planner.published import PUBLISHED_DIR
+
+    path = PUBLISHED_DIR / name
+    rows = list(csv.DictReader(line for line in path.read_text().splitlines() if not line.startswith("#")))
+    unstated = {r["source_id"] for r in rows if not r["recompute"].strip()}
+    runs = [r for r in load_published(path)[0] if r.source_id not in unstated]
+    assert len(runs) >= 40
+    for run in runs:
+        e = estimate(run.plan, model=run.model, cluster=run.cluster, job=run.job, engine=run.priced_engine)
+        assert e.peak_memory_bytes <= run.cluster.hardware.memory_bytes, (run.label, e.peak_memory_bytes / 2**30)
