@@ -148,26 +148,30 @@ def _saved_tensors_llama(model: ModelSpec, *, micro_batch: int, seq_len: int, pr
     silu(gate), up and their product. Fused (Megatron-LM with Transformer Engine): the norm keeps its
     16-bit input and an fp32 inverse RMS per token, the fused attention reads the KV heads as they are
     and its output is the projection's input (the log-sum-exp beside it), and the fused SwiGLU keeps its
-    input (gate and up) and its product. Selective recomputation checkpoints the attention core, keeping
+    input (gate and up) and its product; in fp8 every linear keeps its input as the fp8 cast it multiplied. Selective recomputation checkpoints the attention core, keeping
     only its inputs q, k, v (k and v at the KV width). No dropout.
     """
     p, h, f, kv = activation_bytes_per_element(precision), model.hidden_size, model.ffn_hidden_size, model.kv_dim
     tokens = seq_len * micro_batch
     sbh = tokens * h
     lse = 4 * model.num_heads * tokens
+    # Transformer Engine's fp8 linears keep their input for the weight gradient as the fp8 cast (1 byte);
+    # the projection after attention then keeps that cast beside the kernel's 16-bit output.
+    gemm_in = 1 if fused_elementwise and precision == "fp8" else p
+    proj_in = p * sbh + (sbh if gemm_in < p else 0)
     if fused_elementwise:
-        norm, core, mlp = p * sbh + 4 * tokens, lse, 3 * p * tokens * f
+        norm, core, mlp = p * sbh + 4 * tokens, lse, (2 * p + gemm_in) * tokens * f
     else:
         # Repeated key/value heads beyond the KV width, the attention output, the log-sum-exp.
         norm, core, mlp = (4 + p) * sbh, p * tokens * (2 * (h - kv) + h) + lse, 4 * p * tokens * f
     return {
         "norm1": (norm, "replicated"),
-        "qkv_input": (p * sbh, "replicated"),
+        "qkv_input": (gemm_in * sbh, "replicated"),
         "query_key_value": (p * tokens * (h + 2 * kv), "tp"),
-        "out_proj_input": (p * sbh, "tp"),
+        "out_proj_input": (proj_in, "tp"),
         "attention_core": (core, "core"),
         "norm2": (norm, "replicated"),
-        "mlp_input": (p * sbh, "replicated"),
+        "mlp_input": (gemm_in * sbh, "replicated"),
         "mlp_intermediates": (mlp, "tp"),
     }
 

@@ -105,6 +105,16 @@ def test_llama_activations_under_fused_kernels_by_hand():
     assert layer_activation_bytes(PRESETS["tiny"], policy="selective", **kw) == norms + gemm_inputs + qkv_out + mlp
 
 
+def test_transformer_engine_fp8_linears_keep_their_inputs_as_fp8():
+    # tiny as above under fp8: the qkv, MLP-in and MLP-out GEMM inputs in 1 byte, the projection after
+    # attention keeps its fp8 cast beside the kernel's 16-bit output.
+    kw = dict(micro_batch=1, seq_len=4, tp=1, sequence_parallel=False, fused=True, fused_elementwise=True)
+    bf16 = layer_activation_bytes(PRESETS["tiny"], policy="none", precision="bf16", **kw)
+    fp8 = layer_activation_bytes(PRESETS["tiny"], policy="none", precision="fp8", **kw)
+    tokens, h, f = 4, 64, 176
+    assert bf16 - fp8 == 2 * tokens * h * (2 - 1) + tokens * f * (2 - 1) - tokens * h
+
+
 def test_gpt_under_a_flash_kernel_keeps_no_square_and_no_masks_without_dropout():
     model = PRESETS["gpt3-175b"]
     s, b, h, a = 2048, 1, model.hidden_size, model.num_heads
