@@ -191,6 +191,9 @@ def run(
     resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Continue from the newest checkpoint in --checkpoint-dir (any plan may have saved it).")] = False,
     max_restarts: Annotated[int, typer.Option("--max-restarts", help="torchrun restarts after a failure; each resumes from the newest checkpoint.")] = 0,
     timeout: Annotated[Optional[float], typer.Option("--timeout", help="Seconds a collective may wait for a peer before the run fails (default: derived from the plan's predicted step time).")] = None,
+    elastic: Annotated[Optional[str], typer.Option("--elastic", help="MIN:MAX nodes: when a node is lost or comes back, re-plan for the processes left (the search's best plan for each world size, same global batch) and resume from the newest checkpoint (torchrun's c10d rendezvous; needs --checkpoint-dir and --max-restarts).")] = None,
+    cluster: Annotated[bool, typer.Option("--cluster", help="Run across the emulated cluster's nodes (`planner cluster up`), one torchrun per node.")] = False,
+    cluster_prefix: Annotated[str, typer.Option("--cluster-prefix", help="Name prefix of the emulated cluster.")] = "planner",
     fmt: FormatOpt = OutputFormat.table,
     plan_options: dict | None = None,
 ) -> None:
@@ -203,6 +206,7 @@ def run(
       planner run --plan local.json                 # a plan file from search --out: no other flag needed
       planner run --nproc 4 --zero 3 --checkpoint-dir ckpt --checkpoint-every 50 --max-restarts 3
       planner run --nproc 4 --tp 2 --checkpoint-dir ckpt --resume   # continue under another plan
+      planner run --cluster --elastic 1:2 --hardware cpu --checkpoint-dir ckpt --checkpoint-every 2 --max-restarts 3
     """
     from specs.jsonio import write_json_atomic
     from planner.run_command import RunRequest, build_run, resolve_request, run_in_this_process, under_torchrun
@@ -212,7 +216,7 @@ def run(
                          node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, gpus_per_node=gpus_per_node,
                          engine=engine, plan_file=plan_file, timeout_s=timeout, checkpoint_dir=checkpoint_dir,
                          checkpoint_every=checkpoint_every, checkpoint_keep=checkpoint_keep, resume=resume,
-                         max_restarts=max_restarts)
+                         max_restarts=max_restarts, cluster=cluster_prefix if cluster else None, elastic=elastic)
     request, planfile = resolve_request(request, plan_options or {})
     cfg = build_run(request, plan_options or {}, planfile=planfile)
     if under_torchrun():
@@ -243,8 +247,14 @@ def _launch_with_progress(cfg, request, *, quiet: bool):
             update("training", record["step"] + 1, cfg.steps,
                    f"loss {record['loss']:.4f}  {record['step_time_s'] * 1e3:.0f} ms/step")
 
+        def on_change(event) -> None:
+            # Printed as it happens (an elastic run's changes), and kept in the metrics' events.
+            lost = f", {event.steps_lost} steps lost" if event.kind == "resumed" else ""
+            err_console.print(f"[{event.time_s:7.1f} s] {event.kind}: world {event.world_size}, step {event.step}"
+                              f"{lost}; {event.detail}", markup=False, highlight=False)
+
         try:
-            return launch(cfg, where=request.where(), on_step=on_step)
+            return launch(cfg, where=request.where(), on_step=on_step, on_change=on_change)
         except RunFailed as exc:
             err_console.print(f"error: {exc}", markup=False, highlight=False)
             raise typer.Exit(1)
