@@ -385,8 +385,8 @@ PAUSE_ENV = "PLANNER_TEST_CHECKPOINT_PAUSE"
 class _Writer(FileSystemWriter):
     """DCP's file writer, with a test hook: PLANNER_TEST_CHECKPOINT_PAUSE=STEP:SECONDS makes every rank
     wait that long after writing its data files of checkpoint STEP and before the collective that
-    finishes the write (rank 0 emits `checkpoint_paused`), so a test can kill a node in the middle of a
-    checkpoint write (first attempt only). Unset (always, outside tests) it is FileSystemWriter."""
+    finishes the write, so a test can kill a node in the middle of a checkpoint write (first attempt
+    only). Unset (always, outside tests) it is FileSystemWriter."""
 
     def __init__(self, *args, step: int, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -399,10 +399,6 @@ class _Writer(FileSystemWriter):
             import time
 
             written.wait()
-            if dist.get_rank() == 0:
-                from runners.launch import emit_event
-
-                emit_event("checkpoint_paused", step=self.step)
             time.sleep(self.pause_s)
         return written
 

@@ -479,7 +479,7 @@ class ElasticNodes:
             code = self._wait()
         except KeyboardInterrupt:
             code = 130
-        self.stop(grace_s=30.0 if code == 0 else 0.0)
+        self.stop(grace_s=10.0 if code == 0 else 0.0)
         return code
 
     def _wait(self) -> int:
@@ -498,9 +498,10 @@ class ElasticNodes:
                 return code
             time.sleep(0.05)
 
-    def stop(self, *, grace_s: float = 30.0) -> None:
-        """After node 0 exits: let the other nodes' agents finish (they end with the run), then stop what
-        is left, in every node's namespace (a cut-off node's processes too)."""
+    def stop(self, *, grace_s: float = 10.0) -> None:
+        """After node 0 exits: let the other nodes' agents finish (the nodes of the last world end with
+        node 0, within a second or two), then stop what is left in every node's namespace (a cut-off
+        node's processes too)."""
         deadline = time.monotonic() + grace_s
         with self.lock:
             procs = list(self.procs.values())

@@ -159,3 +159,55 @@ def test_node_killed_shrinks_then_rejoins_and_grows_like_the_hand_resumed_chain(
     for key in ours:
         assert (ours[key] - theirs[key]).abs().max().item() <= 1e-5, key
     _no_leftovers(cluster, tmp_path / "ckpt")
+
+
+def _run_with_fault(cfg, where, fault, *, at_step: int, env: dict | None = None):
+    from runners.launch import launch
+
+    faults = _Faults(fault, at_step=at_step, rejoin=False)
+    metrics = launch(cfg, where=where, on_step=faults.on_step, on_change=faults.on_change, on_nodes=faults.on_nodes,
+                     env={"OMP_NUM_THREADS": "1", **(env or {})})
+    assert [(e.kind, e.world_size) for e in metrics.events] == [("lost", 4), ("replanned", 2), ("resumed", 2)], \
+        metrics.events
+    assert [s.step for s in metrics.steps] == list(range(cfg.steps)) and metrics.summary.world_size == 2
+    return metrics
+
+
+def test_node_cut_off_is_detected_by_the_timeout_and_the_run_shrinks(cluster, tmp_path):
+    """Node 1's link goes down: nothing closes, so node 0's collectives time out (10 s here), and the run
+    goes on without it, from the newest complete checkpoint."""
+    cfg, where = _elastic_config(tmp_path / "ckpt", steps=30, timeout_s=10.0)
+    metrics = _run_with_fault(cfg, where, lambda nodes, node: nodes.cut_off(node), at_step=7)
+    lost, _, resumed = metrics.events
+    assert "timed out" in lost.detail.lower() or "timeout" in lost.detail.lower(), lost
+    done = resumed.step + resumed.steps_lost
+    assert done > 7 and resumed.step == done // 5 * 5
+    _no_leftovers(cluster, tmp_path / "ckpt")
+
+
+def test_node_killed_in_the_middle_of_a_checkpoint_write_resumes_from_the_one_before(cluster, tmp_path):
+    """Every rank has written its part of checkpoint 10 (the test hook holds them there for 4 s) when
+    node 1 dies: the write never completes, so the run resumes from checkpoint 5 and the half-written
+    folder is removed."""
+    from runners.checkpoint import PAUSE_ENV
+
+    ckpt = tmp_path / "ckpt"
+    cfg, where = _elastic_config(ckpt, steps=30)
+    partial = ckpt / "step-00000010.tmp"
+
+    def kill_mid_write(nodes, node):
+        def watch():
+            import time
+
+            deadline = time.monotonic() + 60
+            while len(list(partial.glob("*.distcp"))) < 4 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            nodes.kill(node)
+
+        threading.Thread(target=watch, daemon=True).start()
+
+    metrics = _run_with_fault(cfg, where, kill_mid_write, at_step=6, env={PAUSE_ENV: "10:4"})
+    resumed = metrics.events[-1]
+    # Steps 5..8 were reported; the 10th step was trained but is reported only after its checkpoint.
+    assert resumed.step == 5 and resumed.steps_lost == 4, metrics.events
+    _no_leftovers(cluster, ckpt)
