@@ -151,6 +151,7 @@ def presets(fmt: FormatOpt = OutputFormat.table) -> None:
 
 
 StepsOpt = Annotated[int, typer.Option("--steps", help="Optimizer steps to train.")]
+MtbfOpt = Annotated[Optional[float], typer.Option("--mtbf", help="The job's mean time between failures, seconds: checkpoint at the interval that loses least expected time (Daly's, from the cost model's price of a checkpoint write on this hardware).")]
 
 
 def _local_hardware(nproc: int, fmt: "OutputFormat") -> str:
@@ -194,6 +195,7 @@ def run(
     elastic: Annotated[Optional[str], typer.Option("--elastic", help="MIN:MAX nodes: when a node is lost or comes back, re-plan for the processes left (the search's best plan for each world size, same global batch) and resume from the newest checkpoint (torchrun's c10d rendezvous; needs --checkpoint-dir and --max-restarts).")] = None,
     cluster: Annotated[bool, typer.Option("--cluster", help="Run across the emulated cluster's nodes (`planner cluster up`), one torchrun per node.")] = False,
     cluster_prefix: Annotated[str, typer.Option("--cluster-prefix", help="Name prefix of the emulated cluster.")] = "planner",
+    mtbf: MtbfOpt = None,
     fmt: FormatOpt = OutputFormat.table,
     plan_options: dict | None = None,
 ) -> None:
@@ -216,9 +218,13 @@ def run(
                          node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, gpus_per_node=gpus_per_node,
                          engine=engine, plan_file=plan_file, timeout_s=timeout, checkpoint_dir=checkpoint_dir,
                          checkpoint_every=checkpoint_every, checkpoint_keep=checkpoint_keep, resume=resume,
-                         max_restarts=max_restarts, cluster=cluster_prefix if cluster else None, elastic=elastic)
+                         max_restarts=max_restarts, cluster=cluster_prefix if cluster else None, elastic=elastic,
+                         mtbf_s=mtbf)
     request, planfile = resolve_request(request, plan_options or {})
     cfg = build_run(request, plan_options or {}, planfile=planfile)
+    if mtbf is not None and fmt is not OutputFormat.json:
+        err_console.print(f"checkpoint every {cfg.checkpoint_every} steps (Daly's interval for an MTBF of {mtbf:g} s)",
+                          markup=False, highlight=False)
     if under_torchrun():
         metrics = run_in_this_process(cfg)
         if os.environ.get("RANK", "0") != "0":
@@ -467,16 +473,21 @@ def estimate_command(
     gpus_per_node: GpusPerNodeOpt = None, seq_len: SeqLenOpt = None, precision: PrecisionOpt = None,
     memory_headroom: HeadroomOpt = None, plan_file: PlanFileOpt = None,
     engine: PriceEngineOpt = "ours",
+    mtbf: MtbfOpt = None,
     fmt: FormatOpt = OutputFormat.table,
     plan_options: dict | None = None,
 ) -> None:
-    """Price one plan: step time, tokens/s, MFU, memory per device, and where the time and memory go.
+    """Price one plan: step time, tokens/s, MFU, memory per device, and where the time and memory go;
+    with --mtbf, the checkpoint interval and the expected goodput under that failure rate.
 
     Examples:
       planner estimate --model gpt3-1.7b --hardware a100 --gpus 32 --global-batch 512 --recompute full
       planner estimate --model llama3-70b --hardware h100 --gpus 64 --global-batch 64 --seq-len 4096 --tp 8 --pp 4 --virtual-stages 2 --zero 1 --sequence-parallel
       planner estimate --plan plan.json --engine megatron --format json      # a plan file from search --out
+      planner estimate --model llama3-70b --hardware h100 --gpus 1024 --global-batch 1024 --tp 8 --pp 4 --mtbf 14400
     """
+    from cost_models.checkpoint import plan_cadence
+
     from cost_models.estimate import estimate
     from planner.inputs import (ProblemFlags, plan_and_problem, plan_from_options, problem_from_flags,
                                 refuse_plan_options_with_file)
@@ -492,8 +503,11 @@ def estimate_command(
             problem = problem_from_flags(flags)
             plan = plan_from_options(plan_options or {}, problem)
         est = estimate(plan, model=problem.model, cluster=problem.cluster, job=problem.job, engine=engine)
+        cadence = plan_cadence(model=problem.model, cluster=problem.cluster, step_time_s=est.step_time_s,
+                               mtbf_s=mtbf) if mtbf is not None else None
     if fmt is OutputFormat.json:
-        print_json({"plan": plan.to_dict(), "engine": engine, **est.to_dict()})
+        print_json({"plan": plan.to_dict(), "engine": engine, **est.to_dict(),
+                    **({"checkpoint": cadence.to_dict()} if cadence else {})})
         return
     console.print(f"plan: {plan.describe()}" + ("" if engine == "ours" else f"   (priced as {engine} runs it)"),
                   highlight=False)
@@ -511,6 +525,11 @@ def estimate_command(
         else:
             table.add_row(key, f"{value:g}")
     console.print(table)
+    if cadence is not None:
+        console.print(f"under an MTBF of {cadence.mtbf_s:g} s: checkpoint every {cadence.every_steps} steps "
+                      f"({cadence.every_steps * est.step_time_s:,.1f} s; Daly {cadence.interval_s:,.1f} s) at "
+                      f"{cadence.write_s:,.2f} s a write, restart {cadence.restart_s:g} s: expected goodput "
+                      f"{cadence.goodput:.1%}", highlight=False)
     if not est.fits:
         console.print(f"does not fit: needs {est.memory_shortfall_bytes / 2**30:.2f} GiB more per device than the "
                       f"{est.memory_limit_bytes / 2**30:.2f} GiB it has", style="bold red", highlight=False)

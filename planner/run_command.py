@@ -47,6 +47,7 @@ class RunRequest:
     max_restarts: int = 0
     cluster: str | None = None  # the emulated cluster's name prefix: one torchrun per node namespace
     elastic: str | None = None  # MIN:MAX nodes (runners/elastic.py, planner/elastic.py)
+    mtbf_s: float | None = None  # the job's mean time between failures: checkpoint every Daly's interval
 
     def where(self):
         """Where the run's processes go (runners.launch.Where; it checks the counts)."""
@@ -102,7 +103,18 @@ def build_run(request: RunRequest, plan_options: dict, *, planfile: PlanFile | N
     """The RunConfig for a resolved request (resolve_request; the plan from its file or the plan options,
     the cost model's prediction handed in); raises PlannerError on any bad input before a process starts.
     RunConfig checks its own fields; what is checked here is what it cannot see (files, the launch, flags
-    that need others)."""
+    that need others). With --mtbf the checkpoint interval is Daly's for the plan (cost_models/checkpoint.py)."""
+    if request.mtbf_s is not None:
+        if not 0 < request.mtbf_s < float("inf"):
+            raise PlannerError(f"--mtbf must be a positive number of seconds, got {request.mtbf_s}")
+        if request.checkpoint_every:
+            raise PlannerError("--mtbf sets the checkpoint interval: give --mtbf or --checkpoint-every, not both")
+        if not request.checkpoint_dir:
+            raise PlannerError("--mtbf needs --checkpoint-dir")
+    return _build_run(request, plan_options, planfile=planfile)
+
+
+def _build_run(request: RunRequest, plan_options: dict, *, planfile: PlanFile | None = None):
     where = request.where()
     if request.data is not None and not os.path.exists(request.data):
         raise PlannerError(f"data path not found: {request.data}")
@@ -148,13 +160,19 @@ def build_run(request: RunRequest, plan_options: dict, *, planfile: PlanFile | N
 def _run_config(request: RunRequest, *, plan, problem: Problem, per_node: int, predicted, **extra):
     from runners.config import RunConfig
 
+    checkpoint_every = request.checkpoint_every
+    if request.mtbf_s is not None:
+        from cost_models.checkpoint import plan_cadence
+
+        checkpoint_every = plan_cadence(model=problem.model, cluster=problem.cluster, mtbf_s=request.mtbf_s,
+                                        step_time_s=predicted.step_time_s if predicted is not None else 0.0).every_steps
     try:
         return RunConfig(plan=plan, model=problem.model, job=problem.job, steps=request.steps, seed=request.seed,
                          lr=request.lr, data=request.data, ranks_per_node=request.gpus_per_node or per_node,
                          engine=request.engine, predicted=predicted.to_dict() if predicted is not None else None,
                          timeout_s=request.timeout_s if request.timeout_s is not None else run_timeout_s(
                              predicted.step_time_s if predicted is not None else None, plan, problem),
-                         checkpoint_dir=request.checkpoint_dir, checkpoint_every=request.checkpoint_every,
+                         checkpoint_dir=request.checkpoint_dir, checkpoint_every=checkpoint_every,
                          checkpoint_keep=request.checkpoint_keep, resume=request.resume, **extra)
     except ValueError as exc:
         raise PlannerError(str(exc)) from None
