@@ -151,6 +151,7 @@ def presets(fmt: FormatOpt = OutputFormat.table) -> None:
 
 
 StepsOpt = Annotated[int, typer.Option("--steps", help="Optimizer steps to train.")]
+MtbfOpt = Annotated[Optional[float], typer.Option("--mtbf", help="The job's mean time between failures, seconds: checkpoint at the interval that loses least expected time (Daly's, from the cost model's price of a checkpoint write on this hardware).")]
 
 
 def _local_hardware(nproc: int, fmt: "OutputFormat") -> str:
@@ -191,6 +192,10 @@ def run(
     resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Continue from the newest checkpoint in --checkpoint-dir (any plan may have saved it).")] = False,
     max_restarts: Annotated[int, typer.Option("--max-restarts", help="torchrun restarts after a failure; each resumes from the newest checkpoint.")] = 0,
     timeout: Annotated[Optional[float], typer.Option("--timeout", help="Seconds a collective may wait for a peer before the run fails (default: derived from the plan's predicted step time).")] = None,
+    elastic: Annotated[Optional[str], typer.Option("--elastic", help="MIN:MAX nodes: when a node is lost or comes back, re-plan for the processes left (the search's best plan for each world size, same global batch) and resume from the newest checkpoint (torchrun's c10d rendezvous; needs --checkpoint-dir and --max-restarts).")] = None,
+    cluster: Annotated[bool, typer.Option("--cluster", help="Run across the emulated cluster's nodes (`planner cluster up`), one torchrun per node.")] = False,
+    cluster_prefix: Annotated[str, typer.Option("--cluster-prefix", help="Name prefix of the emulated cluster.")] = "planner",
+    mtbf: MtbfOpt = None,
     fmt: FormatOpt = OutputFormat.table,
     plan_options: dict | None = None,
 ) -> None:
@@ -203,6 +208,7 @@ def run(
       planner run --plan local.json                 # a plan file from search --out: no other flag needed
       planner run --nproc 4 --zero 3 --checkpoint-dir ckpt --checkpoint-every 50 --max-restarts 3
       planner run --nproc 4 --tp 2 --checkpoint-dir ckpt --resume   # continue under another plan
+      planner run --cluster --elastic 1:2 --hardware cpu --checkpoint-dir ckpt --checkpoint-every 2 --max-restarts 3
     """
     from specs.jsonio import write_json_atomic
     from planner.run_command import RunRequest, build_run, resolve_request, run_in_this_process, under_torchrun
@@ -212,9 +218,13 @@ def run(
                          node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, gpus_per_node=gpus_per_node,
                          engine=engine, plan_file=plan_file, timeout_s=timeout, checkpoint_dir=checkpoint_dir,
                          checkpoint_every=checkpoint_every, checkpoint_keep=checkpoint_keep, resume=resume,
-                         max_restarts=max_restarts)
+                         max_restarts=max_restarts, cluster=cluster_prefix if cluster else None, elastic=elastic,
+                         mtbf_s=mtbf)
     request, planfile = resolve_request(request, plan_options or {})
     cfg = build_run(request, plan_options or {}, planfile=planfile)
+    if mtbf is not None and fmt is not OutputFormat.json:
+        err_console.print(f"checkpoint every {cfg.checkpoint_every} steps (Daly's interval for an MTBF of {mtbf:g} s)",
+                          markup=False, highlight=False)
     if under_torchrun():
         metrics = run_in_this_process(cfg)
         if os.environ.get("RANK", "0") != "0":
@@ -243,8 +253,14 @@ def _launch_with_progress(cfg, request, *, quiet: bool):
             update("training", record["step"] + 1, cfg.steps,
                    f"loss {record['loss']:.4f}  {record['step_time_s'] * 1e3:.0f} ms/step")
 
+        def on_change(event) -> None:
+            # Printed as it happens (an elastic run's changes), and kept in the metrics' events.
+            lost = f", {event.steps_lost} steps lost" if event.kind == "resumed" else ""
+            err_console.print(f"[{event.time_s:7.1f} s] {event.kind}: world {event.world_size}, step {event.step}"
+                              f"{lost}; {event.detail}", markup=False, highlight=False)
+
         try:
-            return launch(cfg, where=request.where(), on_step=on_step)
+            return launch(cfg, where=request.where(), on_step=on_step, on_change=on_change)
         except RunFailed as exc:
             err_console.print(f"error: {exc}", markup=False, highlight=False)
             raise typer.Exit(1)
@@ -457,16 +473,21 @@ def estimate_command(
     gpus_per_node: GpusPerNodeOpt = None, seq_len: SeqLenOpt = None, precision: PrecisionOpt = None,
     memory_headroom: HeadroomOpt = None, plan_file: PlanFileOpt = None,
     engine: PriceEngineOpt = "ours",
+    mtbf: MtbfOpt = None,
     fmt: FormatOpt = OutputFormat.table,
     plan_options: dict | None = None,
 ) -> None:
-    """Price one plan: step time, tokens/s, MFU, memory per device, and where the time and memory go.
+    """Price one plan: step time, tokens/s, MFU, memory per device, and where the time and memory go;
+    with --mtbf, the checkpoint interval and the expected goodput under that failure rate.
 
     Examples:
       planner estimate --model gpt3-1.7b --hardware a100 --gpus 32 --global-batch 512 --recompute full
       planner estimate --model llama3-70b --hardware h100 --gpus 64 --global-batch 64 --seq-len 4096 --tp 8 --pp 4 --virtual-stages 2 --zero 1 --sequence-parallel
       planner estimate --plan plan.json --engine megatron --format json      # a plan file from search --out
+      planner estimate --model llama3-70b --hardware h100 --gpus 1024 --global-batch 1024 --tp 8 --pp 4 --mtbf 14400
     """
+    from cost_models.checkpoint import plan_cadence
+
     from cost_models.estimate import estimate
     from planner.inputs import (ProblemFlags, plan_and_problem, plan_from_options, problem_from_flags,
                                 refuse_plan_options_with_file)
@@ -482,8 +503,11 @@ def estimate_command(
             problem = problem_from_flags(flags)
             plan = plan_from_options(plan_options or {}, problem)
         est = estimate(plan, model=problem.model, cluster=problem.cluster, job=problem.job, engine=engine)
+        cadence = plan_cadence(model=problem.model, cluster=problem.cluster, step_time_s=est.step_time_s,
+                               mtbf_s=mtbf) if mtbf is not None else None
     if fmt is OutputFormat.json:
-        print_json({"plan": plan.to_dict(), "engine": engine, **est.to_dict()})
+        print_json({"plan": plan.to_dict(), "engine": engine, **est.to_dict(),
+                    **({"checkpoint": cadence.to_dict()} if cadence else {})})
         return
     console.print(f"plan: {plan.describe()}" + ("" if engine == "ours" else f"   (priced as {engine} runs it)"),
                   highlight=False)
@@ -501,6 +525,11 @@ def estimate_command(
         else:
             table.add_row(key, f"{value:g}")
     console.print(table)
+    if cadence is not None:
+        console.print(f"under an MTBF of {cadence.mtbf_s:g} s: checkpoint every {cadence.every_steps} steps "
+                      f"({cadence.every_steps * est.step_time_s:,.1f} s; Daly {cadence.interval_s:,.1f} s) at "
+                      f"{cadence.write_s:,.2f} s a write, restart {cadence.restart_s:g} s: expected goodput "
+                      f"{cadence.goodput:.1%}", highlight=False)
     if not est.fits:
         console.print(f"does not fit: needs {est.memory_shortfall_bytes / 2**30:.2f} GiB more per device than the "
                       f"{est.memory_limit_bytes / 2**30:.2f} GiB it has", style="bold red", highlight=False)

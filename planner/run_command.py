@@ -45,13 +45,21 @@ class RunRequest:
     checkpoint_keep: int = 2
     resume: bool = False
     max_restarts: int = 0
+    cluster: str | None = None  # the emulated cluster's name prefix: one torchrun per node namespace
+    elastic: str | None = None  # MIN:MAX nodes (runners/elastic.py, planner/elastic.py)
+    mtbf_s: float | None = None  # the job's mean time between failures: checkpoint every Daly's interval
 
     def where(self):
         """Where the run's processes go (runners.launch.Where; it checks the counts)."""
+        from runners.elastic import parse_node_range
         from runners.launch import Where
 
+        try:
+            nodes = parse_node_range(self.elastic) if self.elastic else None
+        except ValueError as exc:
+            raise PlannerError(str(exc)) from None
         return Where(nproc=self.nproc, nnodes=self.nnodes, node_rank=self.node_rank, rdzv_endpoint=self.rdzv_endpoint,
-                     max_restarts=self.max_restarts)
+                     max_restarts=self.max_restarts, cluster=self.cluster, elastic=nodes)
 
 
 def under_torchrun() -> bool:
@@ -95,9 +103,18 @@ def build_run(request: RunRequest, plan_options: dict, *, planfile: PlanFile | N
     """The RunConfig for a resolved request (resolve_request; the plan from its file or the plan options,
     the cost model's prediction handed in); raises PlannerError on any bad input before a process starts.
     RunConfig checks its own fields; what is checked here is what it cannot see (files, the launch, flags
-    that need others)."""
-    from runners.config import RunConfig
+    that need others). With --mtbf the checkpoint interval is Daly's for the plan (cost_models/checkpoint.py)."""
+    if request.mtbf_s is not None:
+        if not 0 < request.mtbf_s < float("inf"):
+            raise PlannerError(f"--mtbf must be a positive number of seconds, got {request.mtbf_s}")
+        if request.checkpoint_every:
+            raise PlannerError("--mtbf sets the checkpoint interval: give --mtbf or --checkpoint-every, not both")
+        if not request.checkpoint_dir:
+            raise PlannerError("--mtbf needs --checkpoint-dir")
+    return _build_run(request, plan_options, planfile=planfile)
 
+
+def _build_run(request: RunRequest, plan_options: dict, *, planfile: PlanFile | None = None):
     where = request.where()
     if request.data is not None and not os.path.exists(request.data):
         raise PlannerError(f"data path not found: {request.data}")
@@ -120,6 +137,8 @@ def build_run(request: RunRequest, plan_options: dict, *, planfile: PlanFile | N
                                global_batch=request.global_batch, seq_len=request.seq_len,
                                precision=request.precision or local_precision())
     _warn_if_profile_mismatch(problem)
+    if where.elastic is not None:
+        return _elastic_run(request, plan_options, problem=problem, where=where, world=world, per_node=per_node)
     if planfile is not None:
         plan = planfile.plan
     elif request.plan_file:
@@ -135,15 +154,52 @@ def build_run(request: RunRequest, plan_options: dict, *, planfile: PlanFile | N
             raise PlannerError("--engine torch has no loss scaling, so fp16 gradients would underflow; "
                                "use --precision bf16, or --engine ours (dynamic loss scaling)")
     predicted = predict(plan, problem)
+    return _run_config(request, plan=plan, problem=problem, per_node=per_node, predicted=predicted)
+
+
+def _run_config(request: RunRequest, *, plan, problem: Problem, per_node: int, predicted, **extra):
+    from runners.config import RunConfig
+
+    checkpoint_every = request.checkpoint_every
+    if request.mtbf_s is not None:
+        from cost_models.checkpoint import plan_cadence
+
+        checkpoint_every = plan_cadence(model=problem.model, cluster=problem.cluster, mtbf_s=request.mtbf_s,
+                                        step_time_s=predicted.step_time_s if predicted is not None else 0.0).every_steps
     try:
         return RunConfig(plan=plan, model=problem.model, job=problem.job, steps=request.steps, seed=request.seed,
                          lr=request.lr, data=request.data, ranks_per_node=request.gpus_per_node or per_node,
                          engine=request.engine, predicted=predicted.to_dict() if predicted is not None else None,
-                         timeout_s=request.timeout_s if request.timeout_s is not None else run_timeout_s(predicted, plan, problem),
-                         checkpoint_dir=request.checkpoint_dir, checkpoint_every=request.checkpoint_every,
-                         checkpoint_keep=request.checkpoint_keep, resume=request.resume)
+                         timeout_s=request.timeout_s if request.timeout_s is not None else run_timeout_s(
+                             predicted.step_time_s if predicted is not None else None, plan, problem),
+                         checkpoint_dir=request.checkpoint_dir, checkpoint_every=checkpoint_every,
+                         checkpoint_keep=request.checkpoint_keep, resume=request.resume, **extra)
     except ValueError as exc:
         raise PlannerError(str(exc)) from None
+
+
+def _elastic_run(request: RunRequest, plan_options: dict, *, problem: Problem, where, world: int, per_node: int):
+    """The RunConfig of an elastic run: the searched plan of every world size it may have
+    (planner/elastic.py), starting with the one for `world`."""
+    from specs.cluster import make_cluster
+    from planner.elastic import plan_table
+
+    if request.plan_file or any(v is not None for v in plan_options.values()):
+        raise PlannerError("--elastic searches the plan of every world size itself; give no plan options or --plan")
+    if request.engine != "ours":
+        raise PlannerError("--elastic needs --engine ours (checkpoints that resume under another plan)")
+
+    def problem_for(num_devices: int) -> Problem:
+        cluster = make_cluster(hardware=problem.cluster.hardware, num_devices=num_devices, devices_per_node=per_node)
+        return Problem(model=problem.model, cluster=cluster, job=problem.job)
+
+    table = plan_table(problem_for, nodes=where.elastic, procs_per_node=per_node, engine=request.engine)
+    start = table.plan_for(world)
+    # One timeout for every world: the run's collectives must wait as long as its slowest world needs.
+    timeout_s = request.timeout_s if request.timeout_s is not None else max(
+        run_timeout_s(e.predicted["step_time_s"], e.plan, problem_for(e.world_size)) for e in table.entries)
+    return _run_config(dataclasses.replace(request, timeout_s=timeout_s), plan=start.plan, problem=problem,
+                       per_node=per_node, predicted=table.estimates[world], elastic_plans=table.entries)
 
 
 def _warn_if_profile_mismatch(problem: Problem) -> None:
@@ -165,13 +221,12 @@ def predict(plan, problem: Problem):
         return None
 
 
-def run_timeout_s(predicted, plan, problem: Problem) -> float:
+def run_timeout_s(step_time_s: float | None, plan, problem: Problem) -> float:
     """The collective timeout for a run: from the predicted step time (None: the floor) and the
     checkpoint bytes each rank writes (runners.faults.derive_timeout_s)."""
     from runners.faults import checkpoint_bytes_per_rank, derive_timeout_s
 
-    step_time_s = predicted.step_time_s if predicted is not None else 0.0
-    return derive_timeout_s(step_time_s=step_time_s, checkpoint_bytes_per_rank=checkpoint_bytes_per_rank(
+    return derive_timeout_s(step_time_s=step_time_s or 0.0, checkpoint_bytes_per_rank=checkpoint_bytes_per_rank(
         num_params=problem.model.num_params(), world_size=plan.world_size))
 
 

@@ -273,7 +273,11 @@ def run_profile(options: ProfileOptions, *, progress: Progress = _no_progress) -
     # Per host: processes on this host (all of them locally; on the emulated cluster they share it too).
     hardware = build_hardware(device=device, compute=compute, memory=memory, fits=fit_collectives(curves), base=base,
                               processes=host_procs)
-    return dataclasses.replace(hardware, layer_probe=points, overlap_probe=overlap)
+    from profilers.storage import measure_storage_write
+
+    progress("memory", 0, None, "checkpoint write bandwidth")
+    return dataclasses.replace(hardware, layer_probe=points, overlap_probe=overlap,
+                               storage_write_bytes_per_s=measure_storage_write(quick=options.quick))
 
 
 def summary(hardware: Hardware) -> dict:
@@ -286,6 +290,7 @@ def summary(hardware: Hardware) -> dict:
         "memory_bandwidth_bytes_per_s": hardware.memory_bandwidth_bytes_per_s,
         "intra_node": dataclasses.asdict(hardware.intra_node), "inter_node": dataclasses.asdict(hardware.inter_node),
         "links_from": hardware.links_from or "measured",
+        "storage_write_bytes_per_s": hardware.storage_write_bytes_per_s,
         "collectives": [{"collective": f.collective, "link": f.link, "group_size": f.group_size,
                          "latency_s": f.latency_s, "bus_bandwidth_bytes_per_s": f.bandwidth_bytes_per_s}
                         for f in hardware.collectives],

@@ -357,7 +357,7 @@ def save_checkpoint(trainer, cfg, *, step: int, keep: int = 2) -> Path:
     dist.all_gather_object(rng, _rng_state_b64())  # also orders every rank after the mkdir
     pieces = save_pieces(trainer, plan=cfg.plan)
     with _plain_errors(f"writing checkpoint {tmp}"):
-        dcp.save({}, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True),
+        dcp.save({}, storage_writer=_Writer(tmp, single_file_per_rank=True, sync_files=True, step=step),
                  planner=_PieceSavePlanner(pieces))
     # dcp.save returns on every rank only after the coordinator wrote .metadata, i.e. every rank's data is on disk.
     if rank == 0:
@@ -377,6 +377,39 @@ def save_checkpoint(trainer, cfg, *, step: int, keep: int = 2) -> Path:
         _prune(root, keep=keep)
     dist.barrier()
     return final
+
+
+PAUSE_ENV = "PLANNER_TEST_CHECKPOINT_PAUSE"
+
+
+class _Writer(FileSystemWriter):
+    """DCP's file writer, with a test hook: PLANNER_TEST_CHECKPOINT_PAUSE=STEP:SECONDS makes every rank
+    wait that long after writing its data files of checkpoint STEP and before the collective that
+    finishes the write, so a test can kill a node in the middle of a checkpoint write (first attempt
+    only). Unset (always, outside tests) it is FileSystemWriter."""
+
+    def __init__(self, *args, step: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.pause_s = _pause_seconds(step)
+        self.step = step
+
+    def write_data(self, plan, planner):
+        written = super().write_data(plan, planner)
+        if self.pause_s > 0:
+            import time
+
+            written.wait()
+            time.sleep(self.pause_s)
+        return written
+
+
+def _pause_seconds(step: int) -> float:
+    """The test hook's pause for checkpoint `step`; only in a run's first attempt (its restarts write the
+    step again without pausing)."""
+    value = os.environ.get(PAUSE_ENV, "")
+    at, _, seconds = value.partition(":")
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    return float(seconds) if value and int(at) == step and first_attempt else 0.0
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -505,8 +538,21 @@ def _restore_rng(meta: CheckpointMeta, *, rank: int) -> None:
 
 
 def resume_requested(cfg) -> bool:
-    """Resume from the newest checkpoint when asked to, or when torchrun restarted this worker."""
-    return bool(cfg.checkpoint_dir) and (cfg.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0)
+    """Resume from the newest checkpoint when asked to, when torchrun restarted this worker, or always in
+    an elastic run (a restart for a node that joined keeps torchrun's restart count, and the joining
+    node's own count starts at 0)."""
+    return bool(cfg.checkpoint_dir) and (cfg.resume or bool(cfg.elastic_plans)
+                                         or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0)
+
+
+def remove_partial_writes(root: str | Path) -> list[Path]:
+    """Delete the `.tmp` folders of checkpoint writes that were killed (call when no rank is writing:
+    before a run's first step). Returns what it removed."""
+    root = Path(root)
+    partial = [p for p in root.glob("step-*.tmp") if p.is_dir()] + [p for p in root.glob("step-*.old") if p.is_dir()]
+    for folder in partial:
+        shutil.rmtree(folder, ignore_errors=True)
+    return partial
 
 
 def maybe_restore(trainer, cfg) -> int:
@@ -516,11 +562,13 @@ def maybe_restore(trainer, cfg) -> int:
         return 0
     choice = [None]
     if dist.get_rank() == 0:
+        for folder in remove_partial_writes(cfg.checkpoint_dir):
+            log.warning("removed %s, a checkpoint write that did not finish", folder)
         found = find_latest(cfg.checkpoint_dir)
         choice = [str(found) if found is not None else None]
     dist.broadcast_object_list(choice, src=0)
     if choice[0] is None:
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and (cfg.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0):
             log.warning("no complete checkpoint in %s; starting from step 0", cfg.checkpoint_dir)
         return 0
     return restore_checkpoint(trainer, cfg, Path(choice[0]))

@@ -19,6 +19,20 @@ ENGINES = ("ours", "torch")
 
 
 @dataclass(frozen=True)
+class WorldPlan:
+    """The plan an elastic run trains when it has `world_size` processes, with the cost model's estimate
+    of it (planner/elastic.py builds one per world size the run may shrink or grow to)."""
+
+    world_size: int
+    plan: Plan
+    predicted: dict | None = None
+
+    def __post_init__(self) -> None:
+        if self.plan.world_size != self.world_size:
+            raise ValueError(f"the plan for {self.world_size} processes has {self.plan.world_size} ranks")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything one run needs besides the processes: the plan and inputs, and how long to train."""
 
@@ -47,6 +61,9 @@ class RunConfig:
     # Chain gradient reductions on side streams (runners/sharding/streams.py); None: on CUDA under NCCL.
     # True elsewhere runs the same logic on gloo (a GPU check of the stream code on one device).
     stream_ordered: bool | None = None
+    # Elastic runs (`planner run --elastic MIN:MAX`): the plan for every world size the run may have; each
+    # (re)start trains the entry for its WORLD_SIZE (`for_world`) and resumes from the newest checkpoint.
+    elastic_plans: tuple[WorldPlan, ...] = ()
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -66,13 +83,29 @@ class RunConfig:
             raise ValueError("checkpoints are implemented for --engine ours only")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs a checkpoint_dir")
+        if self.elastic_plans and not self.checkpoint_dir:
+            raise ValueError("an elastic run needs a checkpoint_dir (it resumes from it after every change)")
+        if len({w.world_size for w in self.elastic_plans}) != len(self.elastic_plans):
+            raise ValueError("elastic_plans has two plans for one world size")
+
+    def for_world(self, world_size: int) -> "RunConfig":
+        """This config with the elastic plan for `world_size` processes (itself when not elastic)."""
+        if not self.elastic_plans:
+            return self
+        for entry in self.elastic_plans:
+            if entry.world_size == world_size:
+                return dataclasses.replace(self, plan=entry.plan, predicted=entry.predicted)
+        sizes = ", ".join(str(w.world_size) for w in self.elastic_plans)
+        raise ValueError(f"the elastic run has plans for {sizes} processes, but {world_size} were launched")
 
     def replace(self, **changes: object) -> "RunConfig":
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        out.update(plan=self.plan.to_dict(), model=self.model.to_dict(), job=self.job.to_dict())
+        out.update(plan=self.plan.to_dict(), model=self.model.to_dict(), job=self.job.to_dict(),
+                   elastic_plans=[{"world_size": w.world_size, "plan": w.plan.to_dict(), "predicted": w.predicted}
+                                  for w in self.elastic_plans])
         return out
 
     @classmethod
@@ -113,13 +146,30 @@ class RunSummary:
 
 
 @dataclass(frozen=True)
+class ElasticEvent:
+    """One change of an elastic run (runners/elastic.py): `kind` is lost (a failure was detected),
+    replanned (a plan was picked for the new world), resumed (its first step starts from a checkpoint)
+    or scaled_up (the world grew). `time_s` counts from the launch; `steps_lost` (resumed only) are the
+    steps done before the change that the resumed run trains again."""
+
+    kind: str
+    time_s: float
+    world_size: int
+    step: int
+    steps_lost: int = 0
+    detail: str = ""
+
+
+@dataclass(frozen=True)
 class RunMetrics:
-    """What a run reports: its plan, every step, the summary and the prediction it was handed."""
+    """What a run reports: its plan, every step, the summary and the prediction it was handed. For an
+    elastic run: the plan and summary of its last world, every step's final record, and the changes."""
 
     plan: Plan
     steps: tuple[StepRecord, ...]
     summary: RunSummary
     predicted: dict | None = None
+    events: tuple[ElasticEvent, ...] = ()
 
     @property
     def losses(self) -> list[float]:
@@ -127,7 +177,8 @@ class RunMetrics:
 
     def to_dict(self) -> dict:
         return {"plan": self.plan.to_dict(), "steps": [dataclasses.asdict(s) for s in self.steps],
-                "summary": dataclasses.asdict(self.summary), "predicted": self.predicted}
+                "summary": dataclasses.asdict(self.summary), "predicted": self.predicted,
+                "events": [dataclasses.asdict(e) for e in self.events]}
 
     @classmethod
     def from_dict(cls, data: object, *, what: str = "metrics") -> "RunMetrics":

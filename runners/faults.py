@@ -46,9 +46,20 @@ def checkpoint_bytes_per_rank(*, num_params: int, world_size: int) -> float:
     return 12.0 * num_params / max(1, world_size)
 
 
+def store_attempt_prefix() -> str:
+    """The key prefix that keeps one torchrun attempt's store keys apart from an earlier attempt's.
+
+    A restart against torchrun's agent store reuses that store, so its keys are namespaced by the restart
+    count. An elastic run (runners/elastic.py) has no agent store: rank 0 of every attempt hosts a fresh
+    one, so it needs no prefix, and must not have one, since the count is per agent and a node that joins
+    later counts from 0 while the others do not."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return ""
+    return "planner/attempt" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/"
+
+
 def _key(template: str, rank: int) -> str:
-    # A torchrun restart reuses the agent's store: keys of an earlier attempt must not count.
-    return template.format(rank=rank) + "/attempt" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return store_attempt_prefix() + template.format(rank=rank)
 
 
 def _store():
@@ -142,7 +153,8 @@ def init_distributed(backend: str, *, timeout_s: float) -> None:
     torchrun restarts workers against the same agent store, and the default process group's keys
     (each rank's gloo address) survive from the failed attempt: the new ranks read the dead ranks'
     addresses and gloo's connectFullMesh hangs until its connect timeout (seen with torch 2.13). A prefix
-    per attempt gives every attempt fresh keys. Without torchrun's agent store, rank 0 hosts the store.
+    per attempt gives every attempt fresh keys (`store_attempt_prefix`). Without torchrun's agent store,
+    rank 0 hosts a fresh store.
     """
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -153,8 +165,8 @@ def init_distributed(backend: str, *, timeout_s: float) -> None:
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=not agent_store and rank == 0, timeout=timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"planner/attempt{attempt}", store), rank=rank,
+    prefix = store_attempt_prefix()
+    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store) if prefix else store, rank=rank,
                             world_size=world, timeout=timeout)
 
 

@@ -31,6 +31,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import traceback
 from collections import deque
 from dataclasses import dataclass
@@ -58,12 +60,19 @@ class Where:
     rdzv_endpoint: str | None = None
     cluster: str | None = None  # name prefix of an emulated cluster (`planner cluster up`)
     max_restarts: int = 0
+    # (min, max) nodes of an elastic run (runners/elastic.py); None: a fixed set of nodes.
+    elastic: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.nproc < 1 or self.nnodes < 1:
             raise PlannerError(f"--nproc and --nnodes must be at least 1, got {self.nproc} and {self.nnodes}")
-        if self.nnodes > 1 and not self.rdzv_endpoint:
+        if self.nnodes > 1 and not self.rdzv_endpoint and not self.elastic:
             raise PlannerError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT")
+        if self.elastic is not None:
+            if self.cluster is None and not self.rdzv_endpoint:
+                raise PlannerError("--elastic needs the nodes' rendezvous: --rdzv-endpoint HOST:PORT, or --cluster")
+            if self.max_restarts < 1:
+                raise PlannerError("--elastic needs --max-restarts N >= 1 (the failures the run survives)")
 
     def topology(self) -> tuple[int, int]:
         """(world size, ranks per node)."""
@@ -118,8 +127,9 @@ def pick_device() -> tuple["torch.device", str]:
 
 
 def emit_event(kind: str, **fields: object) -> None:
-    """Print one progress event for the launcher (call on rank 0 only)."""
-    print(EVENT_PREFIX + json.dumps({"kind": kind, **fields}), flush=True)
+    """Print one progress event for the launcher (rank 0 only, but for `failed`), stamped with the wall
+    time (the nodes of an emulated cluster share the host's clock)."""
+    print(EVENT_PREFIX + json.dumps({"kind": kind, "time": time.time(), **fields}), flush=True)
 
 
 def _parse_event(line: str) -> dict | None:
@@ -161,6 +171,8 @@ def worker_main(task: Callable[[dict], object], argv: list[str] | None = None) -
         print(f"rank {rank}: error: {exc}", file=sys.stderr, flush=True)
         return 2
     except BaseException as exc:  # noqa: BLE001 - reported by the launcher with the rank's name
+        # First, with the time it was seen: an elastic launcher records when the failure was detected.
+        emit_event("failed", rank=rank, message=f"{type(exc).__name__}: {exc}".splitlines()[0].split(". ")[0][:300])
         report_failure(args.work_dir, rank=rank, message=describe_failure(exc), bad_input=False,
                        detail=traceback.format_exc())
         traceback.print_exc()
@@ -170,8 +182,13 @@ def worker_main(task: Callable[[dict], object], argv: list[str] | None = None) -
 # --- the launcher side ------------------------------------------------------------------------------
 def torchrun_command(where: Where, module_argv: list[str]) -> list[str]:
     """torchrun for this node (local or one of several real nodes)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={where.nproc}",
-           f"--max-restarts={where.max_restarts}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={where.nproc}"]
+    if where.elastic is not None:
+        from runners.elastic import torchrun_elastic_args
+
+        return cmd + torchrun_elastic_args(nodes=where.elastic, endpoint=str(where.rdzv_endpoint), run_id="planner",
+                                           max_restarts=where.max_restarts) + module_argv
+    cmd.append(f"--max-restarts={where.max_restarts}")
     if where.nnodes == 1 and not where.rdzv_endpoint:
         cmd.append("--standalone")
     else:
@@ -181,26 +198,36 @@ def torchrun_command(where: Where, module_argv: list[str]) -> list[str]:
 
 
 def run_workers(module: str, spec: dict, *, where: Where, on_event: Callable[[dict], None] | None = None,
-                env: dict[str, str] | None = None) -> dict | None:
+                env: dict[str, str] | None = None, on_node_exit: Callable[[int, int], None] | None = None,
+                on_nodes: Callable[[object], None] | None = None) -> dict | None:
     """Run `python -m module --work-dir DIR` on every rank of `where` with DIR/spec.json = spec; returns
     rank 0's DIR/result.json (None where this node wrote none). A failed rank raises RunFailed naming it,
-    bad input PlannerError. Events of node 0's rank 0 go to `on_event`."""
+    bad input PlannerError. Events of node 0's rank 0 go to `on_event` (an elastic run's: every node's).
+    Elastic runs on the emulated cluster: `on_node_exit(node, code)` when a node other than node 0
+    exits, and `on_nodes` gets the runners.netns_cluster.ElasticNodes (fault injection) once started."""
     with tempfile.TemporaryDirectory(prefix="planner-") as tmp:
         work_dir = Path(tmp)  # every emulated node sees it: the namespaces share the file system
         (work_dir / "errors").mkdir()
         write_json_atomic(work_dir / "spec.json", spec)
         module_argv = ["-m", module, "--work-dir", str(work_dir)]
         child_env = {**worker_env(procs_on_host=where.procs_on_host()), **(env or {})}
+        if where.elastic is not None:
+            from runners.elastic import ELASTIC_ENV
+
+            child_env.update(ELASTIC_ENV)
         tail: deque[str] = deque(maxlen=200)
 
         def on_line(node: int, line: str) -> None:
             event = _parse_event(line)
             if event is None:
                 tail.append(f"[n{node}] {line}" if where.cluster else line)
-            elif on_event is not None and node == 0:
+            elif on_event is not None and (node == 0 or where.elastic is not None):
                 on_event(event)
 
-        if where.cluster is not None:
+        if where.cluster is not None and where.elastic is not None:
+            returncode = _run_elastic_on_cluster(where, module_argv, env=child_env, on_line=on_line,
+                                                 on_node_exit=on_node_exit, on_nodes=on_nodes)
+        elif where.cluster is not None:
             returncode = _run_on_cluster(where.cluster, module_argv, env=child_env, on_line=on_line)
         else:
             returncode = _run_local(torchrun_command(where, module_argv), env=child_env, on_line=on_line)
@@ -231,6 +258,19 @@ def _run_on_cluster(prefix: str, module_argv: list[str], *, env: dict[str, str],
     state = nc.load_state(prefix)
     argv = [nc.torchrun_argv(state, node, module_argv) for node in range(state.num_nodes)]
     return nc.launch_on_cluster(state, argv, env=env, on_line=on_line)
+
+
+def _run_elastic_on_cluster(where: Where, module_argv: list[str], *, env: dict[str, str],
+                            on_line: Callable[[int, str], None], on_node_exit, on_nodes) -> int:
+    from runners import netns_cluster as nc
+
+    state = nc.load_state(where.cluster)
+    argv = [nc.elastic_torchrun_argv(state, node, module_argv, nodes=where.elastic, max_restarts=where.max_restarts)
+            for node in range(state.num_nodes)]
+    nodes = nc.ElasticNodes(state, argv, env=env, emit=on_line, on_node_exit=on_node_exit)
+    if on_nodes is not None:
+        on_nodes(nodes)
+    return nodes.run()
 
 
 def _failure_message(error_dir: Path, tail: list[str], returncode: int) -> tuple[str, bool]:
@@ -273,15 +313,43 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 # --- training runs ----------------------------------------------------------------------------------
-def launch(cfg, *, where: Where, on_step: Callable[[dict], None] | None = None, env: dict[str, str] | None = None):
+def launch(cfg, *, where: Where, on_step: Callable[[dict], None] | None = None, env: dict[str, str] | None = None,
+           on_change: Callable[[object], None] | None = None, on_nodes: Callable[[object], None] | None = None):
     """Train `cfg` (runners.config.RunConfig) on `where`; returns its RunMetrics (None on nodes other
     than node 0 of several). With where.max_restarts > 0 torchrun restarts every worker after a failure
-    (up to that many times) and the workers resume from the newest checkpoint in cfg.checkpoint_dir."""
+    (up to that many times) and the workers resume from the newest checkpoint in cfg.checkpoint_dir.
+    An elastic run (where.elastic) reports each change (runners.config.ElasticEvent) to `on_change` as it
+    happens, and its metrics hold every step's final record and the changes; `on_nodes`: see run_workers."""
+    import dataclasses
+
     from runners.config import RunMetrics
+    from runners.elastic import ElasticLog
+
+    log = ElasticLog()
+    lock = threading.Lock()  # events arrive on one thread per node, node exits on the waiting thread
+
+    def changed(made) -> None:
+        for change in made:
+            if on_change is not None:
+                on_change(change)
 
     def on_event(event: dict) -> None:
-        if event.get("kind") == "step" and on_step is not None:
-            on_step(event)
+        with lock:
+            if where.elastic is not None:
+                changed(log.on_event(event))
+            if event.get("kind") == "step" and on_step is not None:
+                on_step(event)
 
-    result = run_workers("runners.train", cfg.to_dict(), where=where, on_event=on_event, env=env)
-    return None if result is None else RunMetrics.from_dict(result)
+    def on_node_exit(node: int, code: int) -> None:
+        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        with lock:
+            changed(log.lost(f"node {node}'s agent exited ({how})"))
+
+    result = run_workers("runners.train", cfg.to_dict(), where=where, on_event=on_event, env=env,
+                         on_node_exit=on_node_exit, on_nodes=on_nodes)
+    if result is None:
+        return None
+    metrics = RunMetrics.from_dict(result)
+    if where.elastic is None:
+        return metrics
+    return dataclasses.replace(metrics, steps=log.merged_steps(), events=tuple(log.events))

@@ -318,6 +318,19 @@ def torchrun_argv(state: ClusterState, node: int, module_argv: Sequence[str], *,
             "--master-addr", state.address(0), "--master-port", str(port), *module_argv]
 
 
+def elastic_torchrun_argv(state: ClusterState, node: int, module_argv: Sequence[str], *, nodes: tuple[int, int],
+                          max_restarts: int, port: int = MASTER_PORT) -> list[str]:
+    """`python -m torch.distributed.run` for one node of an elastic run (runners/elastic.py): c10d
+    rendezvous hosted by node 0's agent; each node names its own address (the namespaces share one host
+    name, which would resolve to none of them)."""
+    from runners.elastic import torchrun_elastic_args
+
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(state.procs_per_node),
+            *torchrun_elastic_args(nodes=nodes, endpoint=f"{state.address(0)}:{port}", run_id=state.prefix,
+                                   max_restarts=max_restarts, is_host=node == 0, local_addr=state.address(node)),
+            *module_argv]
+
+
 def exec_argv(state: ClusterState, node: int, argv: Sequence[str]) -> list[str]:
     if not 0 <= node < state.num_nodes:
         raise PlannerError(f"--node must be between 0 and {state.num_nodes - 1}, got {node}")
@@ -409,3 +422,93 @@ def _terminate(procs: list[subprocess.Popen]) -> None:
             p.wait(timeout=5)
         except subprocess.TimeoutExpired:
             p.kill()
+
+
+# --- elastic runs: nodes may leave and come back ------------------------------------------------------------
+class ElasticNodes:
+    """The node processes of an elastic run on the emulated cluster, and the faults a test or benchmark
+    injects into them: `kill` (every process of the node SIGKILLed: a power loss; its sockets close),
+    `cut_off` (its link down: nothing closes, peers can only time out) and `rejoin` (link up, and the
+    node's torchrun started again, as a node that comes back runs its job's command again).
+
+    Unlike `launch_on_cluster`, a node other than node 0 that exits ends nothing: the others go on
+    (torchrun's elastic rendezvous shrinks the world). Node 0 hosts the rendezvous; its exit code is the
+    run's, and when it fails every node is stopped.
+    """
+
+    def __init__(self, state: ClusterState, argv_per_node: Sequence[Sequence[str]], *, env: dict[str, str],
+                 emit: Callable[[int, str], None], on_node_exit: Callable[[int, int], None] | None = None) -> None:
+        self.state, self.argv, self.env, self.emit = state, [list(a) for a in argv_per_node], env, emit
+        self.on_node_exit = on_node_exit
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.threads: list[threading.Thread] = []
+        self.lock = threading.Lock()
+
+    def start(self, node: int) -> None:
+        proc = subprocess.Popen(exec_argv(self.state, node, self.argv[node]), env={**os.environ, **self.env},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                start_new_session=True)
+        with self.lock:
+            self.procs[node] = proc
+        thread = threading.Thread(target=_pump, args=(proc, node, self.emit), daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def kill(self, node: int) -> None:
+        for pid in namespace_pids(self.state.namespace(node)):
+            _signal(pid, signal.SIGKILL)
+
+    def cut_off(self, node: int) -> None:
+        _run(["ip", "-n", self.state.namespace(node), "link", "set", NODE_IFNAME, "down"])
+
+    def rejoin(self, node: int) -> None:
+        """Bring a lost node back: stop what is left of it, link up, start its torchrun again."""
+        with self.lock:
+            old = self.procs.get(node)
+        if old is not None and old.poll() is None:
+            kill_process_tree(old.pid, grace_s=1.0)
+        self.kill(node)
+        _run(["ip", "-n", self.state.namespace(node), "link", "set", NODE_IFNAME, "up"])
+        self.start(node)
+
+    def run(self) -> int:
+        """Start every node and wait for node 0; returns its exit code (130 on Ctrl-C)."""
+        try:
+            for node in range(self.state.num_nodes):
+                self.start(node)
+            code = self._wait()
+        except KeyboardInterrupt:
+            code = 130
+        self.stop(grace_s=10.0 if code == 0 else 0.0)
+        return code
+
+    def _wait(self) -> int:
+        reported: set[int] = set()
+        while True:
+            with self.lock:
+                procs = dict(self.procs)
+            for node, proc in procs.items():
+                code = proc.poll()
+                if node != 0 and code not in (None, 0) and id(proc) not in reported:
+                    reported.add(id(proc))
+                    if self.on_node_exit is not None:
+                        self.on_node_exit(node, code)
+            code = procs[0].poll()
+            if code is not None:
+                return code
+            time.sleep(0.05)
+
+    def stop(self, *, grace_s: float = 10.0) -> None:
+        """After node 0 exits: let the other nodes' agents finish (the nodes of the last world end with
+        node 0, within a second or two), then stop what is left in every node's namespace (a cut-off
+        node's processes too)."""
+        deadline = time.monotonic() + grace_s
+        with self.lock:
+            procs = list(self.procs.values())
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        _terminate(procs)
+        for node in range(self.state.num_nodes):
+            _kill_pids(namespace_pids(self.state.namespace(node)))
+        for thread in self.threads:
+            thread.join(timeout=5)

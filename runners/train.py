@@ -244,9 +244,9 @@ def make_trainer(cfg: RunConfig, *, device: torch.device):
     return make_torch_trainer(cfg, device=device)
 
 
-def train(cfg: RunConfig, *, device: torch.device, on_step=None) -> tuple[RunMetrics, object]:
+def train(cfg: RunConfig, *, device: torch.device, on_step=None, on_start=None) -> tuple[RunMetrics, object]:
     """Train `cfg.steps` steps in the current process group; returns (metrics, trainer), the metrics the
-    same on every rank."""
+    same on every rank. `on_start(step)` runs once the trainer is built and any checkpoint restored."""
     from runners.data import make_data
     from runners.faults import post_progress
 
@@ -258,6 +258,8 @@ def train(cfg: RunConfig, *, device: torch.device, on_step=None) -> tuple[RunMet
         from runners import checkpoint
 
         start_step = checkpoint.maybe_restore(trainer, cfg)
+    if on_start is not None:
+        on_start(start_step)
     records: list[StepRecord] = []
     for step in range(start_step, cfg.steps):
         post_progress(step)  # lets a rank whose collective times out name the rank that stopped
@@ -320,6 +322,7 @@ def run_task(spec: dict) -> RunMetrics | dict | None:
     cfgs = [RunConfig.from_dict(c, what=f"run config {i}") for i, c in enumerate(spec["runs"])] if series else \
         [RunConfig.from_dict(spec)]
     world = int(os.environ.get("WORLD_SIZE", 1))
+    cfgs = [cfg.for_world(world) for cfg in cfgs]  # an elastic run: the plan for the world it was given
     for cfg in cfgs:
         if world != cfg.plan.world_size:
             raise PlannerError(f"the plan needs {cfg.plan.degrees_text()} processes, but {world} were launched")
@@ -327,15 +330,22 @@ def run_task(spec: dict) -> RunMetrics | dict | None:
     device, backend = pick_device()
     init_distributed(backend, timeout_s=max(c.timeout_s for c in cfgs))
     rank = dist.get_rank()
+    if rank == 0 and cfgs[0].elastic_plans:
+        emit_event("plan", world_size=world, plan=cfgs[0].plan.describe(),
+                   restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
     def on_step(record: StepRecord) -> None:
         if rank == 0:
             emit_event("step", step=record.step, loss=record.loss, step_time_s=record.step_time_s)
 
+    def on_start(step: int) -> None:
+        if rank == 0:
+            emit_event("resumed", step=step, world_size=world)
+
     results = []
     for cfg in cfgs:
         torch.manual_seed(cfg.seed)
-        metrics, trainer = train(cfg, device=device, on_step=on_step)
+        metrics, trainer = train(cfg, device=device, on_step=on_step, on_start=on_start)
         # The engine's hooks and modules reference each other: free the cycle before the next run, so
         # its peak memory is its own.
         del trainer

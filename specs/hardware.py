@@ -143,6 +143,9 @@ class Hardware:
     # Where a profile's links come from when no collective measured them ("" : measured, or a datasheet
     # preset's own), e.g. "h200 preset" for `planner profile --nproc 1`.
     links_from: str = ""
+    # A node's sustained checkpoint write bandwidth (files written and fsynced), measured by `planner
+    # profile`; 0: not measured (cost_models/checkpoint.py then assumes its documented default).
+    storage_write_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.device_type not in ("cuda", "cpu"):
@@ -167,6 +170,8 @@ class Hardware:
             value = getattr(self, name)
             if not 0 <= value < float("inf"):
                 raise ValueError(f"{name} must be a non-negative finite number, got {value}")
+        if not 0 <= self.storage_write_bytes_per_s < float("inf"):
+            raise ValueError(f"storage_write_bytes_per_s must be a non-negative finite number, got {self.storage_write_bytes_per_s}")
         if self.host_memory_bytes < 0:
             raise ValueError(f"host_memory_bytes must be non-negative, got {self.host_memory_bytes}")
         if self.sms_held < 0 or (self.num_sms and self.sms_held >= self.num_sms):

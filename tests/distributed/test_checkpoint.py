@@ -208,3 +208,72 @@ def test_checkpoint_folder_names_sort_by_step(tmp_path):
     assert ck.find_latest(tmp_path).name == ck.step_dir_name(100)
     shutil.rmtree(tmp_path / ck.step_dir_name(100))
     assert ck.find_latest(tmp_path).name == ck.step_dir_name(10)
+
+
+def _killed_mid_write_worker(root: str, port: int, queue) -> None:
+    """One gloo process: checkpoint 2 completes; the write of checkpoint 4 dies after its data files are
+    written and before its rename (an exception where a kill would land); then the run resumes. Puts the
+    losses of the resumed and of an uninterrupted run, and what the folder held after the failure."""
+    import os
+    import traceback
+
+    import torch.distributed as dist
+
+    from runners.train import train
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    try:
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        cfg = tiny_config(Plan(micro_batch=4, num_micro_batches=2), steps=2).replace(checkpoint_dir=root, checkpoint_every=2)
+        train(cfg, device=torch.device("cpu"))
+        original = ck.write_json_atomic
+
+        def killed(path, data):
+            if ck.step_dir_name(4) + ".tmp" in str(path):
+                raise RuntimeError("killed between the temp write and the rename")
+            original(path, data)
+
+        ck.write_json_atomic = killed
+        try:
+            train(cfg.replace(steps=4, resume=True), device=torch.device("cpu"))
+            raise AssertionError("the injected failure did not happen")
+        except RuntimeError as exc:
+            assert "killed between" in str(exc)
+        finally:
+            ck.write_json_atomic = original
+        after = {"latest": ck.find_latest(root).name, "tmp_files": sorted(p.name for p in Path(root, ck.step_dir_name(4) + ".tmp").iterdir()),
+                 "complete": sorted(p.name for p in Path(root).iterdir())}
+        resumed, _ = train(cfg.replace(steps=6, resume=True), device=torch.device("cpu"))
+        whole, _ = train(cfg.replace(steps=6, checkpoint_dir=root + "-whole"), device=torch.device("cpu"))
+        queue.put(("ok", after, (resumed.losses, [s.step for s in resumed.steps], whole.losses)))
+        dist.destroy_process_group()
+    except BaseException:
+        queue.put(("error", traceback.format_exc(), None))
+
+
+def test_a_write_killed_before_its_rename_leaves_the_previous_checkpoint_newest(tmp_path):
+    """Atomic writes: data goes into step-N.tmp (files fsynced), and only a finished write is renamed to
+    step-N and named by `latest`. A write that dies in between leaves the previous complete checkpoint as
+    the newest; the resume removes the half-written folder and continues exactly."""
+    import torch.multiprocessing as mp
+
+    from tests.distributed.harness import free_port
+
+    root = str(tmp_path / "ckpt")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_killed_mid_write_worker, args=(root, free_port(), queue))
+    proc.start()
+    try:
+        status, after, losses = queue.get(timeout=300)
+    finally:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+    assert status == "ok", after
+    assert after["latest"] == ck.step_dir_name(2)
+    assert any(name.endswith(".distcp") for name in after["tmp_files"]) and ck.DCP_METADATA_FILE in after["tmp_files"]
+    assert ck.META_FILE not in after["tmp_files"]
+    resumed, steps, whole = losses
+    assert steps == [2, 3, 4, 5] and resumed == whole[2:]
+    assert sorted(p.name for p in Path(root).iterdir()) == [ck.LATEST_FILE, ck.step_dir_name(4), ck.step_dir_name(6)]

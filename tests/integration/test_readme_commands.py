@@ -53,6 +53,10 @@ SUBSTITUTIONS = {
     "planner validate --cluster --hardware cluster-profile.json":
         f"planner validate --cluster --hardware cluster-profile.json --top 1 --no-spread --max-plans 1 --steps 2 "
         f"--cluster-prefix {CLUSTER_PREFIX}",
+    "planner run --cluster --elastic 1:2 --hardware cluster-profile.json --checkpoint-dir ckpt --mtbf 600 "
+    "--max-restarts 3 --steps 40":
+        f"planner run --cluster --elastic 1:2 --hardware cluster-profile.json --checkpoint-dir ckpt --mtbf 600 "
+        f"--max-restarts 3 {STEPS} --cluster-prefix {CLUSTER_PREFIX}",
     "planner cluster down": f"planner cluster down --prefix {CLUSTER_PREFIX}",
 }
 
