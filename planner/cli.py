@@ -210,8 +210,7 @@ def run(
       planner run --nproc 4 --tp 2 --checkpoint-dir ckpt --resume   # continue under another plan
       planner run --cluster --elastic 1:2 --hardware cpu --checkpoint-dir ckpt --checkpoint-every 2 --max-restarts 3
     """
-    from specs.jsonio import write_json_atomic
-    from planner.run_command import RunRequest, build_run, resolve_request, run_in_this_process, under_torchrun
+    from planner.run_command import RunRequest
 
     request = RunRequest(model=model, hardware=hardware, global_batch=global_batch, seq_len=seq_len,
                          precision=precision, steps=steps, seed=seed, lr=lr, data=data, nproc=nproc, nnodes=nnodes,
@@ -220,11 +219,20 @@ def run(
                          checkpoint_every=checkpoint_every, checkpoint_keep=checkpoint_keep, resume=resume,
                          max_restarts=max_restarts, cluster=cluster_prefix if cluster else None, elastic=elastic,
                          mtbf_s=mtbf)
-    request, planfile = resolve_request(request, plan_options or {})
-    cfg = build_run(request, plan_options or {}, planfile=planfile)
-    if mtbf is not None and fmt is not OutputFormat.json:
-        err_console.print(f"checkpoint every {cfg.checkpoint_every} steps (Daly's interval for an MTBF of {mtbf:g} s)",
-                          markup=False, highlight=False)
+    _run_and_report(request, plan_options or {}, metrics_out=metrics_out, fmt=fmt)
+
+
+def _run_and_report(request, plan_options: dict, *, metrics_out: str | None, fmt: OutputFormat) -> None:
+    """`planner run`'s work once its options are a RunRequest: build, launch (or run as a torchrun
+    worker), then write and print the metrics on rank 0."""
+    from specs.jsonio import write_json_atomic
+    from planner.run_command import build_run, resolve_request, run_in_this_process, under_torchrun
+
+    request, planfile = resolve_request(request, plan_options)
+    cfg = build_run(request, plan_options, planfile=planfile)
+    if request.mtbf_s is not None and fmt is not OutputFormat.json:
+        err_console.print(f"checkpoint every {cfg.checkpoint_every} steps (Daly's interval for an MTBF of "
+                          f"{request.mtbf_s:g} s)", markup=False, highlight=False)
     if under_torchrun():
         metrics = run_in_this_process(cfg)
         if os.environ.get("RANK", "0") != "0":
@@ -390,6 +398,13 @@ def search_command(
                               for d in shown],
                     "pareto": [c.to_dict() for c in result.pareto]})
         return
+    _print_search_report(problem, result, ranked, shown, engine=engine, num_evaluated=num_evaluated,
+                         search_time_s=search_time_s, out=out)
+
+
+def _print_search_report(problem, result, ranked, shown, *, engine: str, num_evaluated: int, search_time_s: float,
+                         out: str | None) -> None:
+    winner = ranked[0]
     _print_search_table(problem, shown, engine=engine)
     console.print(f"priced {num_evaluated} plans ({result.num_pruned_memory} ruled out by memory before pricing) "
                   f"in {search_time_s:.2f} s", highlight=False)
@@ -509,6 +524,10 @@ def estimate_command(
         print_json({"plan": plan.to_dict(), "engine": engine, **est.to_dict(),
                     **({"checkpoint": cadence.to_dict()} if cadence else {})})
         return
+    _print_estimate(plan, est, cadence, engine=engine)
+
+
+def _print_estimate(plan, est, cadence, *, engine: str) -> None:
     console.print(f"plan: {plan.describe()}" + ("" if engine == "ours" else f"   (priced as {engine} runs it)"),
                   highlight=False)
     console.print(f"step {est.step_time_s:.4f} s   {est.tokens_per_s:,.0f} tokens/s   MFU {est.mfu:.1%}   "
@@ -709,6 +728,10 @@ def validate_command(
         print_json(report.to_dict())
         return
     where = f"emulated cluster {cluster_prefix}, {report.nproc} processes" if cluster else f"{nproc} processes"
+    _print_validate_report(report, where=where, out=out, png=png)
+
+
+def _print_validate_report(report, *, where: str, out: str, png: str) -> None:
     table = Table(title=f"Measured against predicted ({report.hardware_name}, {where})")
     for col in ("plan", "", "predicted", "measured", "IQR", "error", "memory error"):
         table.add_column(col, justify="left" if col in ("plan", "") else "right")
