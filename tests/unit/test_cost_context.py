@@ -116,3 +116,22 @@ def test_cp_ranks_reduce_gradients_with_dp_and_engines_without_cp_refuse_it():
     assert est.breakdown["dp_comm_s"] == pytest.approx(no_cp.breakdown["dp_comm_s"], rel=0.05)
     with pytest.raises(PlannerError, match="no context parallelism"):
         estimate(plan, model=MODEL, cluster=cluster, job=job, engine="deepspeed")
+
+
+def test_this_engines_activations_per_rank_fall_exactly_as_one_over_cp():
+    """This engine's CP layout (benchmarks/context_parallel.py's plans, 4 CPU ranks, one sequence per
+    micro-batch): each rank keeps one micro-batch of seq / cp tokens, so the predicted activation peak per
+    rank is cp1's over cp exactly, under every recomputation policy. No GQA: the ring and the unsplit fused
+    core then keep the same tensors per token (the engine's measured saved bytes: 2.000x and 4.001x)."""
+    model = dataclasses.replace(PRESETS["tiny"], hidden_size=128, num_heads=4, num_kv_heads=4, ffn_hidden_size=352,
+                                num_layers=4, max_seq_len=4096)
+    cluster = Cluster(num_nodes=1, devices_per_node=4, hardware=HW["cpu"])
+    job = Job(global_batch=4, seq_len=2048, precision="fp32")
+    for policy in ("none", "selective", "full"):
+        plans = {1: Plan(dp=4, recompute=policy), 2: Plan(dp=2, cp=2, num_micro_batches=2, recompute=policy),
+                 4: Plan(cp=4, num_micro_batches=4, recompute=policy)}
+        act = {cp: estimate(p, model=model, cluster=cluster, job=job).breakdown["activations_bytes"]
+               for cp, p in plans.items()}
+        assert act[1] > 0
+        for cp in (2, 4):
+            assert act[1] / act[cp] == pytest.approx(cp, rel=1e-12)
