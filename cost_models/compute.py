@@ -396,10 +396,20 @@ def _core_times_s(model: ModelSpec, hw: Hardware, *, kernel: str, micro_batch: i
     return attn_fwd, attn_bwd
 
 
-# This engine's ring blocks (runners/context_parallel.py) in fp32: forward scale, mask, log-sum-exp and
-# exp pass over each score (20 bytes); backward rebuilds the probabilities and forms dS (40 bytes).
-RING_SCORE_BYTES_FWD = 20
-RING_SCORE_BYTES_BWD = 40
+# This engine's ring blocks (runners/context_parallel.py) in fp32, bytes read and written per score, pass
+# by pass as _partial and _partial_backward issue them (4-byte reads and writes; the GEMMs' own traffic is
+# in their time). Forward: the scale (8), torch.logsumexp's max, shift, exp and sum (4 + 8 + 8 + 4), the
+# shift by the log-sum-exp (8) and the exp (8): 48. Backward: the scale (8), shift (8) and exp (8) that
+# rebuild the probabilities, dP - delta (8) and P x (dP - delta) (12): 44. Step 0's causal mask on top
+# over its square: the boolean mask built (1 + 2) and masked_fill (8): 11. The kernels each step launches:
+# forward the six passes, the mask's three and the online-softmax merge's eight (log-add-exp, two
+# rescaling exps, two products, the sum, the slice write back, the lse write back); backward the five,
+# the mask's three and the gradient bookkeeping's six (two scalings, zeroed dK/dV, two slice writes).
+RING_SCORE_BYTES_FWD = 48
+RING_SCORE_BYTES_BWD = 44
+RING_MASK_BYTES = 11
+RING_KERNELS_FWD = 17
+RING_KERNELS_BWD = 14
 
 
 def ring_blocks_times_s(model: ModelSpec, hw: Hardware, *, micro_batch: int, seq_len: int, tp: int, cp: int,
@@ -410,7 +420,8 @@ def ring_blocks_times_s(model: ModelSpec, hw: Hardware, *, micro_batch: int, seq
     num_heads / (tp x cp / ring_size) heads; step 0 computes its full s_r x s_r square under the causal
     mask, each of the ring_size - 1 other steps half of one, so a rank computes (ring_size + 1) / 2 squares:
     two GEMMs forward (Q K^T, P V), five backward (the scores again, dV, dP, dQ, dK), each at the square's
-    shape. The fp32 scores pass through memory on top (RING_SCORE_BYTES_*, forward and backward)."""
+    shape. The fp32 scores pass through memory on top (RING_SCORE_BYTES_*, forward and backward, and
+    step 0's mask over its square, RING_MASK_BYTES)."""
     s_r = seq_len // ring_size
     heads = micro_batch * model.num_heads // (tp * cp // ring_size)
     squares = (ring_size + 1) / 2
@@ -418,9 +429,11 @@ def ring_blocks_times_s(model: ModelSpec, hw: Hardware, *, micro_batch: int, seq
     qk, pv = Gemm(s_r, s_r, d, heads), Gemm(s_r, d, s_r, heads)
     forward = squares * (gemm_time_s(hw, qk, dtype=dtype) + gemm_time_s(hw, pv, dtype=dtype))
     backward = squares * (2 * gemm_time_s(hw, qk, dtype=dtype) + 3 * gemm_time_s(hw, pv, dtype=dtype))
-    scores = squares * heads * s_r * s_r
-    forward += memory_time_s(hw, scores * RING_SCORE_BYTES_FWD, num_kernels=4 * ring_size)
-    backward += memory_time_s(hw, scores * RING_SCORE_BYTES_BWD, num_kernels=8 * ring_size)
+    scores, masked = squares * heads * s_r * s_r, heads * s_r * s_r
+    forward += memory_time_s(hw, scores * RING_SCORE_BYTES_FWD + masked * RING_MASK_BYTES,
+                             num_kernels=RING_KERNELS_FWD * ring_size)
+    backward += memory_time_s(hw, scores * RING_SCORE_BYTES_BWD + masked * RING_MASK_BYTES,
+                              num_kernels=RING_KERNELS_BWD * ring_size)
     return forward, backward
 
 

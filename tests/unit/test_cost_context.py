@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from cost_models.comm import flat_collective_time_s
-from cost_models.compute import flash_attention_times_s, layer_compute_times, ring_blocks_times_s
+from cost_models.compute import (Gemm, flash_attention_times_s, gemm_time_s, layer_compute_times, memory_time_s,
+                                 ring_blocks_times_s)
 from cost_models.context import context_comm, ring_steps
 from cost_models.engines import ENGINES
 from cost_models.estimate import collective_time_s, estimate, layer_costs
@@ -88,8 +89,13 @@ def test_our_ring_blocks_compute_r_plus_one_half_squares_in_fp32():
     fwd, _ = ring_blocks_times_s(MODEL, hw, micro_batch=1, seq_len=8192, tp=1, cp=4, ring_size=4, dtype="fp32")
     one, _ = ring_blocks_times_s(MODEL, hw, micro_batch=1, seq_len=8192 // 4 * 1, tp=1, cp=1, ring_size=1,
                                  dtype="fp32")
-    # (4 + 1) / 2 squares of 2048 tokens against one square (ring_size 1) of 2048 tokens.
-    assert fwd == pytest.approx(2.5 * one, rel=1e-6)
+    # (4 + 1) / 2 squares of 2048 tokens against one square (ring_size 1) of 2048 tokens, by hand: the two
+    # GEMMs and the fp32 passes per score scale with the squares; step 0's causal mask covers one square.
+    heads, s_r, d = MODEL.num_heads, 2048, MODEL.head_dim
+    gemms = gemm_time_s(hw, Gemm(s_r, s_r, d, heads), dtype="fp32") + gemm_time_s(hw, Gemm(s_r, d, s_r, heads), dtype="fp32")
+    square = heads * s_r * s_r
+    assert fwd == pytest.approx(2.5 * gemms + memory_time_s(hw, 2.5 * square * 48 + square * 11, num_kernels=17 * 4), rel=1e-9)
+    assert one == pytest.approx(gemms + memory_time_s(hw, square * (48 + 11), num_kernels=17), rel=1e-9)
 
 
 def test_activations_fall_as_one_over_cp():
