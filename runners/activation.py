@@ -38,10 +38,13 @@ class MemoryProbe:
     saved_activation_bytes: int  # bytes one micro-batch's forward keeps for backward
     peak_resident_bytes: int  # VmHWM (CPU) or max_memory_allocated (CUDA) from step 1 on
     idle_resident_bytes: int  # the process before the run's trainer was built
+    # Seconds per step a rank spent blocked on communication (runners/comm.py), mean over ranks and steps
+    # after the first: the ring's messages where they did not hide behind the partial attention.
+    comm_wait_s: float = 0.0
 
     def to_dict(self) -> dict:
         return {"saved_activation_bytes": self.saved_activation_bytes, "peak_resident_bytes": self.peak_resident_bytes,
-                "idle_resident_bytes": self.idle_resident_bytes}
+                "idle_resident_bytes": self.idle_resident_bytes, "comm_wait_s": self.comm_wait_s}
 
     @classmethod
     def from_dict(cls, data: object, *, what: str = "memory probe") -> "MemoryProbe":
@@ -108,7 +111,8 @@ def probe(cfg, *, device: torch.device) -> MemoryProbe:
     del trainer
     gc.collect()
     return MemoryProbe(saved_activation_bytes=int(figures[0].item()),
-                       peak_resident_bytes=metrics.summary.peak_memory_bytes, idle_resident_bytes=int(figures[1].item()))
+                       peak_resident_bytes=metrics.summary.peak_memory_bytes, idle_resident_bytes=int(figures[1].item()),
+                       comm_wait_s=metrics.summary.comm_wait_s)
 
 
 def run_task(spec: dict) -> dict | None:
