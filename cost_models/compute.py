@@ -408,6 +408,11 @@ def _core_times_s(model: ModelSpec, hw: Hardware, *, kernel: str, micro_batch: i
 RING_SCORE_BYTES_FWD = 48
 RING_SCORE_BYTES_BWD = 44
 RING_MASK_BYTES = 11
+# Of those passes, the exps (forward logsumexp's and the probabilities', backward the probabilities'):
+# a CPU computes each exp (a vectorised polynomial), so it runs at the rate of a transcendental kernel,
+# not of a copy (ring_exp_time_s).
+RING_EXPS_FWD = 2
+RING_EXPS_BWD = 1
 RING_KERNELS_FWD = 17
 RING_KERNELS_BWD = 14
 
@@ -430,11 +435,23 @@ def ring_blocks_times_s(model: ModelSpec, hw: Hardware, *, micro_batch: int, seq
     forward = squares * (gemm_time_s(hw, qk, dtype=dtype) + gemm_time_s(hw, pv, dtype=dtype))
     backward = squares * (2 * gemm_time_s(hw, qk, dtype=dtype) + 3 * gemm_time_s(hw, pv, dtype=dtype))
     scores, masked = squares * heads * s_r * s_r, heads * s_r * s_r
-    forward += memory_time_s(hw, scores * RING_SCORE_BYTES_FWD + masked * RING_MASK_BYTES,
+    exp_bytes = 8  # an fp32 exp reads and writes 4 bytes an element
+    forward += memory_time_s(hw, scores * (RING_SCORE_BYTES_FWD - RING_EXPS_FWD * exp_bytes) + masked * RING_MASK_BYTES,
                              num_kernels=RING_KERNELS_FWD * ring_size)
-    backward += memory_time_s(hw, scores * RING_SCORE_BYTES_BWD + masked * RING_MASK_BYTES,
+    backward += memory_time_s(hw, scores * (RING_SCORE_BYTES_BWD - RING_EXPS_BWD * exp_bytes) + masked * RING_MASK_BYTES,
                               num_kernels=RING_KERNELS_BWD * ring_size)
-    return forward, backward
+    return forward + ring_exp_time_s(hw, RING_EXPS_FWD * scores), backward + ring_exp_time_s(hw, RING_EXPS_BWD * scores)
+
+
+def ring_exp_time_s(hw: Hardware, num_elements: float) -> float:
+    """Seconds of fp32 exps over `num_elements`: at the profile's measured SiLU rate (one exp an element,
+    4 bytes read and 4 written: the one exp-bound kernel `planner profile` times), where the profile has
+    it, else as a bandwidth-bound pass. On this project's 2-core host SiLU moves 3.3x fewer bytes a second
+    than an add: the exps, not the bytes, set the pace of the ring's softmax."""
+    rate = hw.elementwise_bytes_per_s.get("silu")
+    if not rate:
+        return memory_time_s(hw, 8 * num_elements)
+    return hw.calibration.get("compute_time_scale", 1.0) * 8 * num_elements / rate
 
 
 @dataclass(frozen=True)
