@@ -18,7 +18,9 @@ the largest rank, from step 1 on) and the activation bytes one micro-batch's for
 recomputation, which should fall as 1/cp. Step times: one set of processes holds every timed plan's
 trainer and the plans take turns (runners/timing.py, the step loop's own timed_step), --steps steps per
 plan per round, --repeats rounds; the ratio cp4 / dp4 is the median over rounds of the within-round ratio
-of median step times ("paired"; the two run minutes apart at most, so load drift cancels).
+of median step times ("paired"; the two run minutes apart at most, so load drift cancels), beside the
+same ratio of the steps' CPU seconds summed over the ranks (the work; waits for peers that another job's
+load descheduled do not count).
 Prints a table and one JSON line (`--json-out` also writes it).
 """
 
@@ -125,16 +127,19 @@ def probe(plans: list[Plan], *, seq_len: int, steps: int) -> list[dict]:
     return run_workers("runners.activation", spec, where=Where(nproc=WORLD))["runs"]
 
 
-def time_plans(*, seq_len: int, rounds: int, steps: int) -> dict[str, list[list[float]]]:
-    """label -> per round, that round's step times (every plan's trainer in one set of processes)."""
+def time_plans(*, seq_len: int, rounds: int, steps: int) -> tuple[dict[str, list[list[float]]], dict[str, list[list[float]]]]:
+    """(wall, cpu): label -> per round, that round's step times, and their CPU seconds summed over the
+    ranks (every plan's trainer in one set of processes)."""
     from runners.config import TimingResult, TimingSpec
     from runners.launch import Where, run_workers
 
     spec = TimingSpec(configs=tuple(run_config(p, seq_len=seq_len, steps=1) for p in TIMED.values()),
                       labels=tuple(TIMED), rounds=rounds, steps_per_round=steps)
     result = TimingResult.from_dict(run_workers("runners.timing", spec.to_dict(), where=Where(nproc=WORLD)))
-    return {label: [list(t[r * steps:(r + 1) * steps]) for r in range(rounds)]
-            for label, t in zip(TIMED, result.step_times_s)}
+    def per_round(series):
+        return {label: [list(t[r * steps:(r + 1) * steps]) for r in range(rounds)] for label, t in zip(TIMED, series)}
+
+    return per_round(result.step_times_s), per_round(result.cpu_times_s)
 
 
 def paired_ratio(a: list[list[float]], b: list[list[float]]) -> float:
@@ -177,13 +182,14 @@ def measure_all(args, hardware) -> dict:
         if label != BASELINE:
             memory[label] = probe([plan], seq_len=seq, steps=2)[0]
     activations = dict(zip(ACTIVATION, probe(list(ACTIVATION.values()), seq_len=seq, steps=1)))
-    times = time_plans(seq_len=seq, rounds=args.repeats, steps=args.steps)
-    return {"seq": seq, "tried": tried, "budget": budget, "memory": memory, "activations": activations, "times": times}
+    times, cpu = time_plans(seq_len=seq, rounds=args.repeats, steps=args.steps)
+    return {"seq": seq, "tried": tried, "budget": budget, "memory": memory, "activations": activations, "times": times,
+            "cpu": cpu}
 
 
 def summarise(measured: dict, hardware, *, source: str) -> dict:
     """The typed-enough JSON of one run: every figure the table prints."""
-    seq, times = measured["seq"], measured["times"]
+    seq, times, cpu = measured["seq"], measured["times"], measured["cpu"]
     est = {label: estimate_of(plan, seq_len=seq, hardware=hardware) for label, plan in TIMED.items()}
     plans = {}
     for label in TIMED:
@@ -194,6 +200,9 @@ def summarise(measured: dict, hardware, *, source: str) -> dict:
             "step_time_s": statistics.median(t for r in times[label] for t in r),
             "predicted_step_time_s": est[label].step_time_s, "ratio": ratio, "predicted_ratio": predicted_ratio,
             "ratio_error": predicted_ratio / ratio - 1,
+            # CPU seconds of all ranks: the work, which other jobs' load and waits for descheduled peers
+            # barely move; with 4 ranks on 2 cores a quiet host's step is about this work over the cores.
+            "cpu_s": statistics.median(t for r in cpu[label] for t in r), "cpu_ratio": paired_ratio(cpu[label], cpu[BASELINE]),
             "peak_memory_bytes": probe_row["peak_resident_bytes"], "predicted_peak_memory_bytes": est[label].peak_memory_bytes,
             "idle_memory_bytes": probe_row["idle_resident_bytes"],
             # Blocked on communication per step (the memory run's steps) against the exposed communication
@@ -221,15 +230,16 @@ def print_table(summary: dict) -> None:
         print(f"  fit: dp4 full recompute at seq {row['seq_len']}: predicted {row['predicted_bytes'] / MIB:.1f} MiB, "
               f"measured {row['measured_bytes'] / MIB:.1f} MiB")
     print(f"  dp4 without recomputation at seq {s['seq_len']}: predicted {s['dp4_no_recompute_predicted_peak_bytes'] / MIB:.1f} MiB")
-    print(f"\n{'plan':<20} {'step s':>8} {'pred s':>8} {'ratio':>7} {'pred':>7} {'error':>7}  {'peak MiB':>9} "
+    print(f"\n{'plan':<20} {'step s':>8} {'pred s':>8} {'ratio':>7} {'pred':>7} {'error':>7} {'cpu-s':>7} {'cpu ratio':>9}  {'peak MiB':>9} "
           f"{'pred MiB':>9} {'idle MiB':>9}  {'comm wait s':>11} {'pred comm s':>11}")
     for label, p in s["plans"].items():
         print(f"{label:<20} {p['step_time_s']:>8.3f} {p['predicted_step_time_s']:>8.3f} {p['ratio']:>7.3f} "
-              f"{p['predicted_ratio']:>7.3f} {p['ratio_error']:>+7.1%}  {p['peak_memory_bytes'] / MIB:>9.1f} "
+              f"{p['predicted_ratio']:>7.3f} {p['ratio_error']:>+7.1%} {p['cpu_s']:>7.2f} {p['cpu_ratio']:>9.3f}  "
+              f"{p['peak_memory_bytes'] / MIB:>9.1f} "
               f"{p['predicted_peak_memory_bytes'] / MIB:>9.1f} {p['idle_memory_bytes'] / MIB:>9.1f}  "
               f"{p['comm_wait_s']:>11.3f} {p['predicted_exposed_comm_s']:>11.3f}")
     print(f"ratio: paired median over {s['rounds']} rounds x {s['steps_per_round']} steps, against {BASELINE}; "
-          f"error = predicted ratio / measured ratio - 1 (target within 10%); comm wait: blocked on communication per "
+          f"error = predicted ratio / measured ratio - 1 (target within 10%); cpu-s: CPU seconds per step, all ranks; comm wait: blocked on communication per "
           f"step in the memory run, beside the predicted exposed communication")
     print(f"\n{'activations (no recompute)':<34} {'saved MiB':>10} {'pred MiB':>9} {'cp1 / this':>10}")
     for cp, a in s["activation"].items():
