@@ -396,10 +396,25 @@ def _core_times_s(model: ModelSpec, hw: Hardware, *, kernel: str, micro_batch: i
     return attn_fwd, attn_bwd
 
 
-# This engine's ring blocks (runners/context_parallel.py) in fp32: forward scale, mask, log-sum-exp and
-# exp pass over each score (20 bytes); backward rebuilds the probabilities and forms dS (40 bytes).
-RING_SCORE_BYTES_FWD = 20
-RING_SCORE_BYTES_BWD = 40
+# This engine's ring blocks (runners/context_parallel.py) in fp32, bytes read and written per score, pass
+# by pass as _partial and _partial_backward issue them (4-byte reads and writes; the GEMMs' own traffic is
+# in their time). Forward: the scale (8), torch.logsumexp's max, shift, exp and sum (4 + 8 + 8 + 4), the
+# shift by the log-sum-exp (8) and the exp (8): 48. Backward: the scale (8), shift (8) and exp (8) that
+# rebuild the probabilities, dP - delta (8) and P x (dP - delta) (12): 44. Step 0's causal mask on top
+# over its square: the boolean mask built (1 + 2) and masked_fill (8): 11. The kernels each step launches:
+# forward the six passes, the mask's three and the online-softmax merge's eight (log-add-exp, two
+# rescaling exps, two products, the sum, the slice write back, the lse write back); backward the five,
+# the mask's three and the gradient bookkeeping's six (two scalings, zeroed dK/dV, two slice writes).
+RING_SCORE_BYTES_FWD = 48
+RING_SCORE_BYTES_BWD = 44
+RING_MASK_BYTES = 11
+# Of those passes, the exps (forward logsumexp's and the probabilities', backward the probabilities'):
+# a CPU computes each exp (a vectorised polynomial), so it runs at the rate of a transcendental kernel,
+# not of a copy (ring_exp_time_s).
+RING_EXPS_FWD = 2
+RING_EXPS_BWD = 1
+RING_KERNELS_FWD = 17
+RING_KERNELS_BWD = 14
 
 
 def ring_blocks_times_s(model: ModelSpec, hw: Hardware, *, micro_batch: int, seq_len: int, tp: int, cp: int,
@@ -410,7 +425,8 @@ def ring_blocks_times_s(model: ModelSpec, hw: Hardware, *, micro_batch: int, seq
     num_heads / (tp x cp / ring_size) heads; step 0 computes its full s_r x s_r square under the causal
     mask, each of the ring_size - 1 other steps half of one, so a rank computes (ring_size + 1) / 2 squares:
     two GEMMs forward (Q K^T, P V), five backward (the scores again, dV, dP, dQ, dK), each at the square's
-    shape. The fp32 scores pass through memory on top (RING_SCORE_BYTES_*, forward and backward)."""
+    shape. The fp32 scores pass through memory on top (RING_SCORE_BYTES_*, forward and backward, and
+    step 0's mask over its square, RING_MASK_BYTES)."""
     s_r = seq_len // ring_size
     heads = micro_batch * model.num_heads // (tp * cp // ring_size)
     squares = (ring_size + 1) / 2
@@ -418,10 +434,24 @@ def ring_blocks_times_s(model: ModelSpec, hw: Hardware, *, micro_batch: int, seq
     qk, pv = Gemm(s_r, s_r, d, heads), Gemm(s_r, d, s_r, heads)
     forward = squares * (gemm_time_s(hw, qk, dtype=dtype) + gemm_time_s(hw, pv, dtype=dtype))
     backward = squares * (2 * gemm_time_s(hw, qk, dtype=dtype) + 3 * gemm_time_s(hw, pv, dtype=dtype))
-    scores = squares * heads * s_r * s_r
-    forward += memory_time_s(hw, scores * RING_SCORE_BYTES_FWD, num_kernels=4 * ring_size)
-    backward += memory_time_s(hw, scores * RING_SCORE_BYTES_BWD, num_kernels=8 * ring_size)
-    return forward, backward
+    scores, masked = squares * heads * s_r * s_r, heads * s_r * s_r
+    exp_bytes = 8  # an fp32 exp reads and writes 4 bytes an element
+    forward += memory_time_s(hw, scores * (RING_SCORE_BYTES_FWD - RING_EXPS_FWD * exp_bytes) + masked * RING_MASK_BYTES,
+                             num_kernels=RING_KERNELS_FWD * ring_size)
+    backward += memory_time_s(hw, scores * (RING_SCORE_BYTES_BWD - RING_EXPS_BWD * exp_bytes) + masked * RING_MASK_BYTES,
+                              num_kernels=RING_KERNELS_BWD * ring_size)
+    return forward + ring_exp_time_s(hw, RING_EXPS_FWD * scores), backward + ring_exp_time_s(hw, RING_EXPS_BWD * scores)
+
+
+def ring_exp_time_s(hw: Hardware, num_elements: float) -> float:
+    """Seconds of fp32 exps over `num_elements`: at the profile's measured SiLU rate (one exp an element,
+    4 bytes read and 4 written: the one exp-bound kernel `planner profile` times), where the profile has
+    it, else as a bandwidth-bound pass. On this project's 2-core host SiLU moves 3.3x fewer bytes a second
+    than an add: the exps, not the bytes, set the pace of the ring's softmax."""
+    rate = hw.elementwise_bytes_per_s.get("silu")
+    if not rate:
+        return memory_time_s(hw, 8 * num_elements)
+    return hw.calibration.get("compute_time_scale", 1.0) * 8 * num_elements / rate
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@
 
 The plans are the search's top K on the given hardware plus a deliberate spread (DP with several
 micro-batch sizes, ZeRO-1/2/3, TP with and without sequence parallelism, PP under 1F1B, GPipe and
-interleaving, recomputation, commshift), each run with `planner run`'s library (runners.launch.launch)
+interleaving, recomputation, commshift, context parallelism: ring and all-to-all), each run with `planner run`'s library (runners.launch.launch)
 on this node. Every plan runs once per round and the rounds interleave the plans, so a burst of load
 from another process lands on one run of several plans rather than on every run of one plan; a plan's
 measured step time is the median over rounds of each run's median step time (the first step, which
@@ -51,12 +51,16 @@ SPREAD: tuple[tuple[str, dict], ...] = (
     ("pp2 gpipe", {"pp": 2, "schedule": "gpipe"}),
     ("tp4", {"tp": 4}),
     ("zero2", {"zero": 2}),
+    # Context parallelism: dp2 x cp2 on 4 processes (cp2 alone on 2), the ring's p2p steps and the
+    # sequence split; cp4 (4 processes) its longest ring; the all-to-all kind further down.
+    ("cp2", {"cp": 2}),
     ("pp4 1f1b", {"pp": 4}),
     ("dp mb4", {"micro_batch": 4}),
     ("tp2 sp", {"tp": 2, "sequence_parallel": True}),
     ("pp2 interleaved v2", {"pp": 2, "virtual_stages": 2}),
     ("zero3 mb2", {"zero": 3, "micro_batch": 2}),
     ("recompute full", {"recompute": "full"}),
+    ("cp4", {"cp": 4}),
     ("tp2 pp2", {"tp": 2, "pp": 2}),
     ("pp2 commshift", {"pp": 2, "commshift": True}),
     ("zero1 mb2", {"zero": 1, "micro_batch": 2}),
@@ -68,6 +72,7 @@ SPREAD: tuple[tuple[str, dict], ...] = (
     ("zero2 mb4", {"zero": 2, "micro_batch": 4}),
     ("pp4 gpipe", {"pp": 4, "schedule": "gpipe"}),
     ("tp2 recompute full", {"tp": 2, "recompute": "full"}),
+    ("cp2 a2a", {"cp": 2, "cp_kind": "all-to-all"}),
 )
 
 

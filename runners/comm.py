@@ -136,7 +136,8 @@ class Comm:
             output.copy_(input)
             return
         self._count("all_to_all", (n - 1) / n * input.numel() * input.element_size(), ranks)
-        dist.all_to_all_single(output, input, group=group)
+        # Blocking (the CP core waits for its inputs): its whole time is time blocked on communication.
+        self.time_stream_wait(lambda: dist.all_to_all_single(output, input, group=group))
 
     def exchange(self, send: torch.Tensor, recv: torch.Tensor, *, dst: int, src: int, group, tag: int = 0) -> list:
         """Send `send` to `dst` and receive `recv` from `src` at once (a ring step); returns the works.

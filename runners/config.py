@@ -212,12 +212,15 @@ class TimingSpec:
 
 @dataclass(frozen=True)
 class TimingResult:
-    """Every timed step of each plan of a TimingSpec (the slowest rank's seconds), in the spec's order."""
+    """Every timed step of each plan of a TimingSpec (the slowest rank's seconds, and the CPU seconds of all
+    ranks), in the spec's order."""
 
     step_times_s: tuple[tuple[float, ...], ...] = field(default_factory=tuple)
+    # The same steps' CPU seconds (user + system, all threads) summed over the ranks.
+    cpu_times_s: tuple[tuple[float, ...], ...] = field(default_factory=tuple)
 
     def to_dict(self) -> dict:
-        return {"step_times_s": [list(t) for t in self.step_times_s]}
+        return {"step_times_s": [list(t) for t in self.step_times_s], "cpu_times_s": [list(t) for t in self.cpu_times_s]}
 
     @classmethod
     def from_dict(cls, data: object, *, what: str = "timing result") -> "TimingResult":

@@ -245,7 +245,11 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cp):
         ring, n, me = _Ring(cp), cp.ring_size, cp.ring_rank
         scale, half = q.shape[-1] ** -0.5, q.shape[2] // 2
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        # Laid out [s, b, heads, d] (viewed [b, heads, s, d]): the layout context_attention hands the output
+        # projection, so in fp32 the output it keeps for backward is this tensor, not a re-laid-out copy
+        # (one s x h activation per layer more than the unsplit path, whose fused kernel returns that layout).
+        b, h, s, d = q.shape
+        out = torch.zeros(s, b, h, d, dtype=torch.float32, device=q.device).permute(1, 2, 0, 3)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         for step in range(n):

@@ -7,10 +7,13 @@ one plan's run.
 
 Each plan runs `steps_per_round` steps per round with the training loop's own step (runners.train.
 timed_step, ranks started together by a barrier); its first step ever allocates its buffers and is run
-untimed. Memory is not measured here (every trainer lives in the same processes).
+untimed. Beside each step's wall time (the slowest rank's) it records the step's CPU seconds summed over
+the ranks. Memory is not measured here (every trainer lives in the same processes).
 """
 
 from __future__ import annotations
+
+import resource
 
 import torch
 import torch.distributed as dist
@@ -32,6 +35,7 @@ def run_task(spec_dict: dict) -> TimingResult | None:
     rank = dist.get_rank()
     trainers: dict[int, tuple] = {}
     times: list[list[float]] = [[] for _ in spec.configs]
+    cpu: list[list[float]] = [[] for _ in spec.configs]  # this rank's CPU seconds per timed step
     step_of = [0] * len(spec.configs)
     total = spec.rounds * len(spec.configs)
     for r in range(spec.rounds):
@@ -45,14 +49,29 @@ def run_task(spec_dict: dict) -> TimingResult | None:
                                make_data(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.job.seq_len, seed=cfg.seed))
             trainer, data = trainers[i]
             for timed in ([False] if step_of[i] == 0 else []) + [True] * spec.steps_per_round:
+                cpu_before = cpu_seconds()
                 record = timed_step(trainer, data.global_batch(step_of[i], cfg.job.global_batch), device=device,
                                     barrier=True)
                 step_of[i] += 1
                 if timed:
                     times[i].append(record.step_time_s)
+                    cpu[i].append(cpu_seconds() - cpu_before)
+    # Summed over ranks once at the end: a collective per step would be timed work of its own.
+    cpu_total = torch.tensor([t for per_plan in cpu for t in per_plan], dtype=torch.float64, device=device)
+    dist.all_reduce(cpu_total)
     dist.barrier()
     dist.destroy_process_group()
-    return TimingResult(step_times_s=tuple(tuple(t) for t in times)) if rank == 0 else None
+    flat, cpu_s = iter(cpu_total.tolist()), []
+    for per_plan in cpu:
+        cpu_s.append(tuple(next(flat) for _ in per_plan))
+    return TimingResult(step_times_s=tuple(tuple(t) for t in times), cpu_times_s=tuple(cpu_s)) if rank == 0 else None
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process, all its threads (gloo's included): on a shared host the
+    work a step costs, which other jobs' load barely moves (their time slices do not count here)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 if __name__ == "__main__":

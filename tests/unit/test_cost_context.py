@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from cost_models.comm import flat_collective_time_s
-from cost_models.compute import flash_attention_times_s, layer_compute_times, ring_blocks_times_s
+from cost_models.compute import (Gemm, flash_attention_times_s, gemm_time_s, layer_compute_times, memory_time_s,
+                                 ring_blocks_times_s)
 from cost_models.context import context_comm, ring_steps
 from cost_models.engines import ENGINES
 from cost_models.estimate import collective_time_s, estimate, layer_costs
@@ -88,8 +89,13 @@ def test_our_ring_blocks_compute_r_plus_one_half_squares_in_fp32():
     fwd, _ = ring_blocks_times_s(MODEL, hw, micro_batch=1, seq_len=8192, tp=1, cp=4, ring_size=4, dtype="fp32")
     one, _ = ring_blocks_times_s(MODEL, hw, micro_batch=1, seq_len=8192 // 4 * 1, tp=1, cp=1, ring_size=1,
                                  dtype="fp32")
-    # (4 + 1) / 2 squares of 2048 tokens against one square (ring_size 1) of 2048 tokens.
-    assert fwd == pytest.approx(2.5 * one, rel=1e-6)
+    # (4 + 1) / 2 squares of 2048 tokens against one square (ring_size 1) of 2048 tokens, by hand: the two
+    # GEMMs and the fp32 passes per score scale with the squares; step 0's causal mask covers one square.
+    heads, s_r, d = MODEL.num_heads, 2048, MODEL.head_dim
+    gemms = gemm_time_s(hw, Gemm(s_r, s_r, d, heads), dtype="fp32") + gemm_time_s(hw, Gemm(s_r, d, s_r, heads), dtype="fp32")
+    square = heads * s_r * s_r
+    assert fwd == pytest.approx(2.5 * gemms + memory_time_s(hw, 2.5 * square * 48 + square * 11, num_kernels=17 * 4), rel=1e-9)
+    assert one == pytest.approx(gemms + memory_time_s(hw, square * (48 + 11), num_kernels=17), rel=1e-9)
 
 
 def test_activations_fall_as_one_over_cp():
@@ -116,3 +122,42 @@ def test_cp_ranks_reduce_gradients_with_dp_and_engines_without_cp_refuse_it():
     assert est.breakdown["dp_comm_s"] == pytest.approx(no_cp.breakdown["dp_comm_s"], rel=0.05)
     with pytest.raises(PlannerError, match="no context parallelism"):
         estimate(plan, model=MODEL, cluster=cluster, job=job, engine="deepspeed")
+
+
+def test_this_engines_activations_per_rank_fall_exactly_as_one_over_cp():
+    """This engine's CP layout (benchmarks/context_parallel.py's plans, 4 CPU ranks, one sequence per
+    micro-batch): each rank keeps one micro-batch of seq / cp tokens, so the predicted activation peak per
+    rank is cp1's over cp exactly, under every recomputation policy. No GQA: the ring and the unsplit fused
+    core then keep the same tensors per token (the engine's measured saved bytes: 2.000x and 4.001x)."""
+    model = dataclasses.replace(PRESETS["tiny"], hidden_size=128, num_heads=4, num_kv_heads=4, ffn_hidden_size=352,
+                                num_layers=4, max_seq_len=4096)
+    cluster = Cluster(num_nodes=1, devices_per_node=4, hardware=HW["cpu"])
+    job = Job(global_batch=4, seq_len=2048, precision="fp32")
+    for policy in ("none", "selective", "full"):
+        plans = {1: Plan(dp=4, recompute=policy), 2: Plan(dp=2, cp=2, num_micro_batches=2, recompute=policy),
+                 4: Plan(cp=4, num_micro_batches=4, recompute=policy)}
+        act = {cp: estimate(p, model=model, cluster=cluster, job=job).breakdown["activations_bytes"]
+               for cp, p in plans.items()}
+        assert act[1] > 0
+        for cp in (2, 4):
+            assert act[1] / act[cp] == pytest.approx(cp, rel=1e-12)
+
+
+def test_ring_exps_run_at_the_profiles_silu_rate():
+    """The ring's exps are priced at the measured SiLU rate (8 bytes an element) where a profile has one,
+    times the compute scale; without one, as a bandwidth-bound pass."""
+    from cost_models.compute import ring_exp_time_s
+
+    base = HW["cpu"]
+    assert ring_exp_time_s(base, 1e6) == pytest.approx(memory_time_s(base, 8e6))
+    measured = dataclasses.replace(base, elementwise_bytes_per_s={"silu": 4e9, "add": 40e9},
+                                   calibration={"compute_time_scale": 2.0})
+    assert ring_exp_time_s(measured, 1e6) == pytest.approx(2.0 * 8e6 / 4e9)
+    # Three exps a score (two forward, one backward) move from the bandwidth term to the exp term.
+    fwd, bwd = ring_blocks_times_s(MODEL, measured, micro_batch=1, seq_len=4096, tp=1, cp=2, ring_size=2, dtype="fp32")
+    plain_fwd, plain_bwd = ring_blocks_times_s(MODEL, dataclasses.replace(measured, elementwise_bytes_per_s={}),
+                                               micro_batch=1, seq_len=4096, tp=1, cp=2, ring_size=2, dtype="fp32")
+    scores = 1.5 * MODEL.num_heads * 2048 * 2048
+    exp_s, as_bytes_s = 2.0 * 8 / 4e9, memory_time_s(measured, 8e9) / 1e9  # per element
+    assert fwd - plain_fwd == pytest.approx(2 * scores * (exp_s - as_bytes_s), rel=1e-6)
+    assert bwd - plain_bwd == pytest.approx(scores * (exp_s - as_bytes_s), rel=1e-6)

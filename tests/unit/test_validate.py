@@ -159,3 +159,17 @@ def test_timing_adds_interleaved_rounds_until_the_top_pick_and_the_fastest_are_s
 
 def _fake_runner(cfg, where):
     return SimpleNamespace(summary=SimpleNamespace(median_step_time_s=0.1, peak_memory_bytes=300 * 2**20))
+
+
+def test_the_spread_holds_legal_context_parallel_plans():
+    """CP in the spread: dp2 x cp2 (ring and all-to-all) and cp4 on 4 processes, cp2 on 2, each a plan the
+    problem holds (the sequence splits into 2 x cp chunks; all-to-all divides the K/V heads)."""
+    from specs.plan import check_plan
+
+    for nproc, expected in ((4, {"cp2": (2, 2, "ring"), "cp4": (1, 4, "ring"), "cp2 a2a": (2, 2, "all-to-all")}),
+                            (2, {"cp2": (1, 2, "ring"), "cp2 a2a": (1, 2, "all-to-all")})):
+        problem = ValidateSettings(nproc=nproc, hardware="cpu").problem()
+        entries = {e.label: e.plan for e in candidate_plans(problem, top_k=0) if e.plan.cp > 1}
+        assert {label: (p.dp, p.cp, p.cp_kind) for label, p in entries.items()} == expected
+        for plan in entries.values():
+            check_plan(plan, model=problem.model, num_devices=nproc, job=problem.job)
