@@ -76,7 +76,16 @@ def test_uncalibrated_model_is_far_off_and_calibration_fixes_held_out_plans():
     assert len(result.held_out_labels) >= 8 and not set(result.held_out_labels) & set(result.fit_labels)
     assert result.held_out_before.mape > 0.5  # the datasheet cpu preset misses the CPU overheads
     assert result.held_out_after.mape < 0.06
-    assert result.held_out_after.kendall_tau > 0.8
+    # The ranking the fit gives the held-out plans is the truth's: judged against the noise-free times,
+    # since up to 5% of synthetic noise reorders plans the truth puts within 5% of each other (the
+    # spread's pp2 1F1B and GPipe tie exactly).
+    from planner.reports import kendall_tau
+
+    exact = {r.label: r.measured_step_time_s for r in _synthetic_rows(TRUE)}
+    held = [r for r in rows if r.label in result.held_out_labels]
+    fitted = _predict_step_times([r.plan for r in held], _problem(), with_calibration(
+        _problem().cluster.hardware, result.calibration))
+    assert kendall_tau(list(fitted), [exact[r.label] for r in held]) > 0.8
     assert result.calibration["framework_reserve_bytes"] == pytest.approx(300 * 2**20, rel=0.01)
 
 
