@@ -138,6 +138,20 @@ class Comm:
         self._count("all_to_all", (n - 1) / n * input.numel() * input.element_size(), ranks)
         dist.all_to_all_single(output, input, group=group)
 
+    def all_to_all_uneven(self, output: torch.Tensor, input: torch.Tensor, *, output_splits: list[int],
+                          input_splits: list[int], group):
+        """Rows input_splits[i] (along dim 0) of `input` to group rank i, output_splits[i] rows of `output`
+        from it (the MoE token dispatch). Counted: the rows that leave this rank."""
+        ranks = self._group_ranks(group)
+        if len(ranks) == 1:
+            output.copy_(input)
+            return
+        me = ranks.index(dist.get_rank())
+        row_bytes = input[0].numel() * input.element_size() if input.shape[0] else 0
+        self._count("all_to_all", (sum(input_splits) - input_splits[me]) * row_bytes, ranks)
+        dist.all_to_all_single(output, input, output_split_sizes=output_splits, input_split_sizes=input_splits,
+                               group=group)
+
     def exchange(self, send: torch.Tensor, recv: torch.Tensor, *, dst: int, src: int, group, tag: int = 0) -> list:
         """Send `send` to `dst` and receive `recv` from `src` at once (a ring step); returns the works.
         Under NCCL the two are one group of operations, so ranks that send to each other cannot
