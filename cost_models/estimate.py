@@ -44,6 +44,7 @@ from cost_models.context import context_comm
 from cost_models.compute import (FUSED_BACKWARD_RATIO, _elementwise_kernels, activation_bytes_per_element, contended, end_compute_times,
                                  fused_attention, layer_compute_times, layer_gemms, memory_time_s,
                                  model_flops_per_step)
+from cost_models.moe import refuse_moe_step_estimate
 from cost_models.memory import (ALLOCATOR_FRAGMENTATION, CPU_FRAMEWORK_RESERVE_BYTES, end_activation_bytes, gpu_runtime_bytes,
                                 end_params_per_device, in_flight_profiles, layer_activation_bytes,
                                 layer_params_per_device, logits_bytes, model_state_bytes, peak_from_profiles,
@@ -235,6 +236,7 @@ def _with_op_overhead(model, times, ends, *, op_overhead_s: float):
 def layer_costs(plan, *, model, cluster, job, engine: str = "ours") -> LayerCosts:
     """Per-layer time and memory of `plan` as `engine` runs it (see LayerCosts); estimate() prices chunks
     as sums of these."""
+    refuse_moe_step_estimate(model)
     eng = engine_model(engine)
     hw, b, tp, sp, cp = cluster.hardware, plan.micro_batch, plan.tp, plan.sequence_parallel, plan.cp
     if cp > 1 and not eng.context_parallel:

@@ -34,6 +34,7 @@ from typing import Callable, Iterator
 
 from cost_models.estimate import Estimate
 from specs.schedule import rank_actions
+from cost_models.moe import refuse_moe_step_estimate
 from specs.errors import PlannerError
 from specs.problem import Problem
 from specs.plan import CACHE_TIERS, RECOMPUTE, Plan
@@ -405,6 +406,7 @@ def search(problem: Problem, *, options: SearchOptions = SearchOptions(), cost: 
 
     Raises PlannerError when no plan fits, naming the least memory per device any plan needs.
     """
+    refuse_moe_step_estimate(problem.model)  # so it never proposes ep > 1 (or an MoE plan priced as dense)
     start = time.perf_counter()
     pricer = _Pricer(problem, cost or default_cost_model(), options.on_progress)
     bounded = []
