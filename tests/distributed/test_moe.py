@@ -29,6 +29,13 @@ MATRIX = {
         "ep2-tp2-sp": Plan(dp=2, tp=2, ep=2, sequence_parallel=True, micro_batch=1, num_micro_batches=1),
         "ep2-pp2-1f1b": Plan(dp=2, pp=2, ep=2, micro_batch=1, num_micro_batches=2),
     },
+    8: {
+        # EP 4 over TP 2 x DP 4 (expert-DP 2), dense ZeRO-1 over dp 4 and experts' ZeRO-1 over expert-DP 2.
+        "ep4-tp2-sp-zero1": Plan(dp=4, tp=2, ep=4, sequence_parallel=True, optim_shard=4, micro_batch=1,
+                                 num_micro_batches=1),
+        "ep2-tp2-pp2-sp-selective": Plan(dp=2, tp=2, pp=2, ep=2, sequence_parallel=True, micro_batch=1,
+                                         num_micro_batches=2, recompute="selective"),
+    },
 }
 # A capacity of ceil(0.5 x 32 x 2 / 8) = 4 assignments per expert and sequence: tokens are dropped.
 MODEL_CHANGES = {"ep2-capacity": {"capacity_factor": 0.5}}
