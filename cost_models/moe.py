@@ -19,22 +19,53 @@ full recomputation repeats the forward pair.
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from dataclasses import dataclass
 
 from cost_models.compute import Gemm, activation_bytes_per_element, gemm_time_s
 from cost_models.memory import model_state_bytes
-from specs.errors import PlannerError
 from specs.hardware import Hardware
 from specs.model import ModelSpec
 
 
-def refuse_moe_step_estimate(model: ModelSpec) -> None:
-    """The whole-step estimate (cost_models/estimate.py) prices uniform dense layers; until it takes this
-    module's MoE layer prices, an MoE model is refused in one line rather than priced as a dense one."""
-    if model.is_moe:
-        raise PlannerError(f"{model.name} is a mixture of experts: the step estimate and the search do not price "
-                           f"MoE layers yet (cost_models/moe.py prices one MoE layer; the engine runs it with "
-                           f"planner run)")
+def dense_view(model: ModelSpec) -> ModelSpec:
+    """The model's dense layer (attention and a dense MLP of ffn_hidden_size): its leading dense layers."""
+    return dataclasses.replace(model, num_experts=0, num_experts_per_token=0, expert_ffn_hidden_size=0,
+                               shared_expert_ffn_hidden_size=0, shared_expert_gate=False, num_dense_layers=0,
+                               capacity_factor=0.0, aux_loss_coeff=0.0)
+
+
+def attention_view(model: ModelSpec, *, tp: int) -> ModelSpec:
+    """The dense layer with an MLP of width 8 x tp: an MoE layer's part outside its MLP, priced by the
+    dense model (the remaining tiny MLP stands for the MoE layer's own elementwise ops and router input)."""
+    return dataclasses.replace(dense_view(model), ffn_hidden_size=8 * tp)
+
+
+def moe_fraction(model: ModelSpec) -> float:
+    """Share of the layers that are MoE layers (the per-layer prices average the two kinds)."""
+    return model.num_moe_layers / model.num_layers
+
+
+def nonexpert_layer_params_per_device(model: ModelSpec, *, tp: int) -> float:
+    """A layer's parameters outside the routed experts on one TP rank, averaged over the layers: attention
+    and MLPs split over TP (MLA's latent down-projections too, a slight undercount), norms and the router
+    replicated."""
+    phi = moe_fraction(model)
+    moe_mlp = model.router_params() + model.shared_expert_params() / tp
+    mlp = (1 - phi) * model.mlp_params() / tp + phi * moe_mlp
+    return model.attention_params() / tp + 2 * model.norm_params() + mlp
+
+
+def expert_plan_view(plan):
+    """The plan as the expert parameters' data parallelism sees it: expert-DP ranks as its DP group, spaced
+    ep x etp ranks apart (its `tp`, the stride cost_models/estimate.py's DP collectives use), sharded at
+    Plan.expert_shard_degrees; the engine's expert sharding engine runs the same view (runners/train.py)."""
+    s_p, s_g, s_os = plan.expert_shard_degrees
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return plan.replace(dp=plan.expert_dp, cp=1, tp=plan.ep * plan.etp, ep=1, etp=1, sequence_parallel=False,
+                            param_shard=s_p, grad_shard=s_g, optim_shard=s_os, param_cache="none")
 
 
 def rows_per_expert(model: ModelSpec, *, tokens: float, ep: int, etp: int = 1, imbalance: float = 1.0) -> float:

@@ -107,7 +107,12 @@ class ModelSpec:
     # --- shape helpers -------------------------------------------------------------------------
     @property
     def head_dim(self) -> int:
-        return self.attention_head_dim or self.hidden_size // self.num_heads
+        """Query/key width of one head: Qwen3's explicit head_dim, MLA's nope + rope dims, else h / heads."""
+        if self.attention_head_dim:
+            return self.attention_head_dim
+        if self.uses_mla:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
+        return self.hidden_size // self.num_heads
 
     @property
     def is_moe(self) -> bool:

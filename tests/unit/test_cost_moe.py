@@ -71,21 +71,44 @@ def test_activation_bytes_hand_count():
     assert moe_activation_bytes(TINY, tokens=64, precision="fp32") == expected
 
 
-def test_step_estimate_and_search_refuse_moe_in_one_line():
-    # Until estimate.py takes these layer prices, an MoE model is refused rather than priced as dense,
-    # so the search never proposes a plan (ep > 1 or not) from a dense price of an MoE model.
-    from cost_models.estimate import estimate
-    from planner.search import search
+def _problem(model, *, devices, global_batch, seq_len, hardware="cpu", per_node=None, precision="fp32"):
     from specs.cluster import Cluster
-    from specs.errors import PlannerError
     from specs.job import Job
-    from specs.plan import Plan
     from specs.problem import Problem
 
-    cluster = Cluster(num_nodes=1, devices_per_node=2, hardware=HARDWARE_PRESETS["cpu"])
-    job = Job(global_batch=4, seq_len=32)
-    with pytest.raises(PlannerError, match="tiny-moe is a mixture of experts: the step estimate") as exc:
-        estimate(Plan(dp=2, ep=2, micro_batch=2), model=TINY, cluster=cluster, job=job)
-    assert "\n" not in str(exc.value)
-    with pytest.raises(PlannerError, match="do not price MoE layers yet"):
-        search(Problem(model=TINY, cluster=cluster, job=job))
+    per_node = per_node or devices
+    cluster = Cluster(num_nodes=devices // per_node, devices_per_node=per_node, hardware=HARDWARE_PRESETS[hardware])
+    return Problem(model=model, cluster=cluster, job=Job(global_batch=global_batch, seq_len=seq_len, precision=precision))
+
+
+def test_estimate_holds_experts_split_over_ep_and_sharded_over_expert_dp():
+    from cost_models.estimate import estimate
+    from specs.plan import Plan
+
+    problem = _problem(MIXTRAL, devices=64, per_node=8, global_batch=64, seq_len=4096, hardware="h100", precision="bf16")
+    kwargs = dict(model=MIXTRAL, cluster=problem.cluster, job=problem.job)
+    base = dict(dp=16, pp=4, micro_batch=1, num_micro_batches=4, recompute="full")
+    replicated = estimate(Plan(**base), **kwargs).breakdown
+    split = estimate(Plan(ep=8, **base), **kwargs).breakdown
+    # A stage holds 8 of the 32 layers: its experts are 8 x 8 x 3 h F weights, 2 bytes each, / ep.
+    experts = 8 * 8 * MIXTRAL.expert_params()
+    assert replicated["weights_bytes"] - split["weights_bytes"] == pytest.approx(2 * experts * (1 - 1 / 8), rel=1e-9)
+    # ZeRO-1 over dp 16: the experts' optimizer states over expert-DP 16 / 8 = 2.
+    zero1 = estimate(Plan(ep=8, optim_shard=16, **base), **kwargs).breakdown
+    dense_params = split["weights_bytes"] / 2 - experts / 8
+    assert zero1["optimizer_bytes"] == pytest.approx(12 * (dense_params / 16 + experts / 8 / 2), rel=1e-9)
+
+
+def test_search_enumerates_ep_and_proposes_only_what_the_engine_runs():
+    from planner.search import SearchOptions, search
+    from runners.transformer import check_moe_runnable
+    from specs.plan import check_plan
+
+    problem = _problem(TINY, devices=4, global_batch=8, seq_len=64)
+    result = search(problem, options=SearchOptions(top_k=200))
+    plans = [c.plan for c in result.candidates]
+    assert {p.ep for p in plans} == {1, 2, 4}
+    for plan in plans:
+        check_plan(plan, model=TINY, num_devices=4, job=problem.job)
+        check_moe_runnable(TINY, plan)
+        assert plan.cp == 1 and plan.etp == 1 and (plan.tp == 1 or plan.sequence_parallel)
