@@ -38,12 +38,24 @@ class CommCounters:
     inter_node_bytes: int = 0
     inter_node_wire_bytes: int = 0
     wait_s: float = 0.0
+    # MoE routing (runners/moe.py), not bytes: per MoE layer the (token, expert) assignments this rank
+    # routed to each expert, and how many of them went to another EP rank.
+    expert_rows: dict[int, list[int]] = field(default_factory=dict)
+    moe_rows_off_rank: int = 0
 
     def reset(self) -> None:
         for k in self.bytes_by_kind:
             self.bytes_by_kind[k] = 0
         self.intra_node_bytes = self.inter_node_bytes = self.inter_node_wire_bytes = 0
         self.wait_s = 0.0
+        self.expert_rows.clear()
+        self.moe_rows_off_rank = 0
+
+    def count_routing(self, layer: int, counts: list[int], *, off_rank: int) -> None:
+        rows = self.expert_rows.setdefault(layer, [0] * len(counts))
+        for e, c in enumerate(counts):
+            rows[e] += c
+        self.moe_rows_off_rank += off_rank
 
     def snapshot(self) -> dict:
         return {**self.bytes_by_kind, "intra_node": self.intra_node_bytes, "inter_node": self.inter_node_bytes,

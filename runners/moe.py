@@ -80,6 +80,8 @@ class MoE(nn.Module):
         self.spec, self.tp, self.ep = spec, tp, ep
         self.k, self.num_experts = spec.num_experts_per_token, spec.num_experts
         self.aux_scale = aux_scale  # 1 / sequences in the global batch (times the fp16 loss scale)
+        self.layer_index = int(name.split(".")[1]) if name.startswith("layers.") else 0
+        self.counters = None  # runners.comm.CommCounters that count the routing (set by the trainer)
         self.router = _param((spec.num_experts, spec.hidden_size), name=f"{name}.router", seed=seed, std=INIT_STD,
                              tp=TPContext.single())
         self.experts = GroupedExperts(spec, name=f"{name}.experts", seed=seed, ep=ep)
@@ -130,6 +132,9 @@ class MoE(nn.Module):
         order = torch.argsort(assign_expert, stable=True)
         counts = torch.bincount(assign_expert, minlength=self.num_experts)
         route = plan_dispatch(counts, self.ep)
+        if self.counters is not None:  # every forward, a recomputed one too
+            self.counters.count_routing(self.layer_index, counts.tolist(),
+                                        off_rank=sum(route.send_splits) - route.send_splits[self.ep.rank])
         rows = dispatch(tokens[assign_token[order]], route, self.ep)
         outs = combine(self.experts(rows, route.tokens_per_local_expert), route, self.ep)
         weighted = torch.empty_like(outs).index_copy(0, order, outs) * assign_weight.to(x.dtype).unsqueeze(1)

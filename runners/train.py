@@ -115,6 +115,9 @@ class Trainer:
         self.heads = [u for chunk in self.chunks for u in chunk.units if isinstance(u, LMHead)]
         self.heads += [m for chunk in self.chunks for m in chunk.modules() if isinstance(m, MoE)]
         self.base_loss_scales = [h.loss_scale if isinstance(h, LMHead) else h.aux_scale for h in self.heads]
+        for m in self.heads:
+            if isinstance(m, MoE):
+                m.counters = self.comm.counters
         self.holds_loss = self.chunk_ids[-1] == self.plan.num_chunks - 1 and self.mesh.tp_rank == 0
         self.tied_units, self.tied_group = self._tied_embedding_units()
 
@@ -333,13 +336,31 @@ def _summary(cfg: RunConfig, trainer, records: list[StepRecord], device) -> RunS
     world = dist.get_world_size()
     totals_list = totals.tolist()
     num_measured = len(measured)
+    moe = _moe_summary(cfg, counters, device=device, num_measured=num_measured)
     return RunSummary(
-        median_step_time_s=median, tokens_per_s=cfg.job.global_batch * cfg.job.seq_len / median,
+        **moe, median_step_time_s=median, tokens_per_s=cfg.job.global_batch * cfg.job.seq_len / median,
         peak_memory_bytes=int(peak.item()),
         comm_bytes={k: int(totals_list[i] / num_measured) for i, k in enumerate(keys)},
         comm_wait_s=totals_list[len(keys)] / num_measured / world, world_size=world, device=device.type,
         engine=cfg.engine, comm_counted=getattr(trainer, "comm_counted", True), precision=cfg.job.precision,
         skipped_steps=scale.num_skipped if scale is not None else 0, loss_scale=scale.scale if scale is not None else 1.0)
+
+
+def _moe_summary(cfg: RunConfig, counters, *, device, num_measured: int) -> dict:
+    """RunSummary's MoE fields: the routing counters summed over ranks (a collective: every rank calls it)."""
+    model = cfg.model
+    if not model.is_moe:
+        return {}
+    rows = torch.zeros(model.num_layers, model.num_experts, dtype=torch.float64, device=device)
+    for layer, counts in counters.expert_rows.items():
+        rows[layer] = torch.tensor(counts, dtype=torch.float64)
+    off = torch.tensor([float(counters.moe_rows_off_rank)], dtype=torch.float64, device=device)
+    dist.all_reduce(rows)
+    dist.all_reduce(off)
+    used = rows[rows.sum(1) > 0]
+    imbalance = (used.max(1).values / used.mean(1)).mean().item() if len(used) else 0.0
+    return {"moe_rows_routed": rows.sum().item() / num_measured, "moe_rows_off_rank": off.item() / num_measured,
+            "moe_imbalance": imbalance}
 
 
 # --- process entry ----------------------------------------------------------------------------------------
