@@ -328,8 +328,13 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
     imbalance = hw.calibration.get("moe_imbalance", 1.0)  # max / mean rows per expert (cost_models/moe.py)
     times = moe_cost.moe_compute_times(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp, tp=plan.tp,
                                        imbalance=imbalance, dtype="bf16" if job.precision == "fp8" else job.precision)
+    elementwise = moe_cost.permutation_times_s(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp, imbalance=imbalance,
+                                               precision=job.precision)
+    times = moe_cost.MoETimes(forward_s=times.forward_s + elementwise.forward_s,
+                              backward_s=times.backward_s + elementwise.backward_s)
     buffer = tokens * model.num_experts_per_token * model.hidden_size * p
-    a2a_s = collective_time_s(cluster, collective="all_to_all", size_bytes=buffer, group_size=plan.ep, stride=plan.etp)
+    a2a_s = moe_cost.all_to_all_time_s(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp,
+                                       ranks_per_node=cluster.devices_per_node, precision=job.precision)
     # Expert TP: the etp ranks of an expert gather its rows before and reduce-scatter its outputs after.
     etp_s = 2 * collective_time_s(cluster, collective="all_gather", size_bytes=buffer * plan.etp, group_size=plan.etp,
                                   stride=1)

@@ -23,7 +23,8 @@ import dataclasses
 import warnings
 from dataclasses import dataclass
 
-from cost_models.compute import Gemm, activation_bytes_per_element, gemm_time_s
+from cost_models.comm import flat_collective_time_s
+from cost_models.compute import Gemm, activation_bytes_per_element, gemm_time_s, memory_time_s
 from cost_models.memory import model_state_bytes
 from specs.hardware import Hardware
 from specs.model import ModelSpec
@@ -132,6 +133,37 @@ def all_to_all_bytes(model: ModelSpec, *, tokens: int, ep: int, etp: int = 1, ra
     per_dest = tokens * model.num_experts_per_token * model.hidden_size * activation_bytes_per_element(precision) / ep
     inside = ep_ranks_per_node(ep=ep, etp=etp, ranks_per_node=ranks_per_node)
     return AllToAllBytes(intra_node=per_dest * (inside - 1), inter_node=per_dest * (ep - inside))
+
+
+def all_to_all_time_s(model: ModelSpec, hw: Hardware, *, tokens: int, ep: int, etp: int = 1, ranks_per_node: int,
+                      precision: str) -> float:
+    """One dispatch (or combine): the rows for ranks in this node over the intra-node link while those for
+    other nodes leave over the NIC, at once (NCCL's all-to-all posts every pair's send together), so the
+    slower of the two; each part as point-to-point volume on its link (latency once per destination)."""
+    volume = all_to_all_bytes(model, tokens=tokens, ep=ep, etp=etp, ranks_per_node=ranks_per_node, precision=precision)
+    if volume.total == 0:
+        return 0.0
+    inside = ep_ranks_per_node(ep=ep, etp=etp, ranks_per_node=ranks_per_node)
+    parts = [(volume.intra_node, "intra_node", inside - 1), (volume.inter_node, "inter_node", ep - inside)]
+    return max(flat_collective_time_s(hw, collective="p2p", size_bytes=num_bytes, group_size=2, link=link)
+               + (peers - 1) * hw.link(link).latency_s for num_bytes, link, peers in parts if num_bytes > 0)
+
+
+def permutation_times_s(model: ModelSpec, hw: Hardware, *, tokens: int, ep: int, etp: int = 1,
+                        imbalance: float = 1.0, precision: str) -> MoETimes:
+    """The MoE layer's bandwidth-bound work outside its GEMMs, forward and backward (twice the bytes): the
+    router's softmax and top-k over tokens x E fp32 probabilities, the permutation of the tokens x k
+    assignments into expert order and back (read and write, each way), the experts' SwiGLU (two rows x F
+    inputs read, one written) and the weighted combine (tokens x k rows read, tokens rows written)."""
+    p, h, k = activation_bytes_per_element(precision), model.hidden_size, model.num_experts_per_token
+    rows = rows_per_expert(model, tokens=tokens, ep=ep, etp=etp, imbalance=imbalance) * model.num_experts / ep
+    f = model.expert_ffn_hidden_size / etp
+    router = 3 * 4 * tokens * model.num_experts
+    permute = 2 * 2 * p * tokens * k * h
+    swiglu = 3 * p * rows * f
+    combine = p * (tokens * k * h + tokens * h)
+    forward = memory_time_s(hw, router + permute + swiglu + combine, num_kernels=6 + model.num_experts // ep)
+    return MoETimes(forward_s=forward, backward_s=2 * forward)
 
 
 def all_to_alls_per_layer(policy: str) -> int:

@@ -288,6 +288,11 @@ MOE_PRESETS = (
     # router_aux_loss_coef 0.001, max_position_embeddings 40960. 30.5B total, 3.3B active (Qwen3 report).
     _moe("qwen3-30b-a3b", layers=48, hidden=2048, heads=32, kv=4, ffn=6144, vocab=151936, seq=40960, experts=128,
          top_k=8, expert_ffn=768, attention_head_dim=128, qk_norm=True, aux_loss_coeff=0.001),
+    # Qwen/Qwen3-235B-A22B config.json: hidden 4096, 94 layers, 64 heads of head_dim 128, 4 KV heads,
+    # moe_intermediate_size 1536, 128 experts top-8, vocab 151936, untied, qk norm, max_position_embeddings
+    # 40960. 235B total, 22B active (Qwen3 report).
+    _moe("qwen3-235b-a22b", layers=94, hidden=4096, heads=64, kv=4, ffn=12288, vocab=151936, seq=40960, experts=128,
+         top_k=8, expert_ffn=1536, attention_head_dim=128, qk_norm=True, aux_loss_coeff=0.001),
     # deepseek-ai/DeepSeek-V3 config.json: hidden 7168, 61 layers (first_k_dense_replace 3 dense of
     # intermediate 18432), 128 heads, MLA q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128,
     # qk_rope_head_dim 64, v_head_dim 128, 256 routed experts of moe_intermediate_size 2048, 1 shared expert,

@@ -112,3 +112,28 @@ def test_search_enumerates_ep_and_proposes_only_what_the_engine_runs():
         check_plan(plan, model=TINY, num_devices=4, job=problem.job)
         check_moe_runnable(TINY, plan)
         assert plan.cp == 1 and plan.etp == 1 and (plan.tp == 1 or plan.sequence_parallel)
+
+
+def test_all_to_all_time_is_the_slower_link():
+    from cost_models.comm import flat_collective_time_s
+    from cost_models.moe import all_to_all_time_s
+
+    hw = HARDWARE_PRESETS["h100"]
+    per_dest = 4096 * 2 * 4096 * 2 / 16
+    # ep 16 over two nodes of 8: 7 destinations over NVLink, 8 over the NIC; the NIC is the slower.
+    inter = flat_collective_time_s(hw, collective="p2p", size_bytes=8 * per_dest, group_size=2, link="inter_node")
+    expected = inter + 7 * hw.link("inter_node").latency_s
+    assert all_to_all_time_s(MIXTRAL, hw, tokens=4096, ep=16, ranks_per_node=8, precision="bf16") == pytest.approx(expected)
+    assert all_to_all_time_s(MIXTRAL, hw, tokens=4096, ep=1, ranks_per_node=8, precision="bf16") == 0.0
+
+
+def test_published_moe_rows_are_priced_with_their_expert_layout():
+    from planner.published import load_published
+
+    from pathlib import Path
+
+    runs, skipped = load_published(Path(__file__).resolve().parents[2] / "benchmarks" / "published" / "moe_runs.csv")
+    assert len(runs) == 15
+    assert {r.model.name for r in runs} >= {"qwen3-30b-a3b", "qwen3-235b-a22b", "GPT-OSS-120B"}
+    assert all(r.model.is_moe and r.plan.ep > 1 for r in runs)
+    assert any("engine 'other' has no pricing" in line for line in skipped)  # NeMo AutoModel: no engine model yet

@@ -13,6 +13,7 @@ PUBLISHED = {
     "mixtral-8x7b": (46.7e9, 12.9e9),
     "mixtral-8x22b": (141e9, 39e9),
     "qwen3-30b-a3b": (30.5e9, 3.3e9),
+    "qwen3-235b-a22b": (235e9, 22e9),
     "deepseek-v3": (671e9, 37e9),
 }
 
