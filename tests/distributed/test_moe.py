@@ -28,6 +28,12 @@ MATRIX = {
         # EP folds over the TP ranks (etp 1): each TP rank routes its SP slice; experts over expert-DP 2.
         "ep2-tp2-sp": Plan(dp=2, tp=2, ep=2, sequence_parallel=True, micro_batch=1, num_micro_batches=1),
         "ep2-pp2-1f1b": Plan(dp=2, pp=2, ep=2, micro_batch=1, num_micro_batches=2),
+        # The search's picks for tiny-moe on 4 CPU processes: MAZ3 tiers on the dense units (the experts'
+        # own engine keeps none).
+        "ep2-zero3-maz3-device": Plan(dp=4, ep=2, param_shard=4, grad_shard=4, optim_shard=4, param_cache="device",
+                                      micro_batch=2, num_micro_batches=1),
+        "ep2-zero3-maz3-host": Plan(dp=4, ep=2, param_shard=4, grad_shard=4, optim_shard=4, param_cache="host",
+                                    micro_batch=1, num_micro_batches=2),
     },
     8: {
         # EP 4 over TP 2 x DP 4 (expert-DP 2), dense ZeRO-1 over dp 4 and experts' ZeRO-1 over expert-DP 2.
