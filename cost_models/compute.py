@@ -79,10 +79,14 @@ def layer_gemms(model: ModelSpec, *, micro_batch: int, seq_len: int, tp: int = 1
     b, s, h, f = micro_batch, seq_len, model.hidden_size, model.ffn_hidden_size
     tokens, kv, d = b * s, model.kv_dim, model.head_dim
     heads = b * model.num_heads // tp
-    if model.arch == "llama":
+    q = model.num_heads * d  # h, except where a config sets head_dim (Qwen3) or MLA's dims
+    if model.uses_mla:
+        dense = _mla_gemms(model, tokens=tokens, tp=tp) + [Gemm(tokens, f // tp, h), Gemm(tokens, f // tp, h),
+                                                           Gemm(tokens, h, f // tp)]
+    elif model.arch == "llama":
         # Our engine's llama layer: separate q, k, v, gate and up projections (runners/transformer.py).
-        dense = [Gemm(tokens, h // tp, h), Gemm(tokens, kv // tp, h), Gemm(tokens, kv // tp, h),
-                 Gemm(tokens, h, h // tp), Gemm(tokens, f // tp, h), Gemm(tokens, f // tp, h),
+        dense = [Gemm(tokens, q // tp, h), Gemm(tokens, kv // tp, h), Gemm(tokens, kv // tp, h),
+                 Gemm(tokens, h, q // tp), Gemm(tokens, f // tp, h), Gemm(tokens, f // tp, h),
                  Gemm(tokens, h, f // tp)]
     else:
         # Megatron GPT: fused QKV projection, GELU MLP.
@@ -92,10 +96,30 @@ def layer_gemms(model: ModelSpec, *, micro_batch: int, seq_len: int, tp: int = 1
     return {"dense": dense, "attention": attention}
 
 
+def _mla_gemms(model: ModelSpec, *, tokens: int, tp: int) -> list[Gemm]:
+    """DeepSeek-V3's multi-head latent attention projections on one TP rank (Megatron-Core's MLA: the
+    down-projections to the q and kv latents replicated over TP, the up-projections and output split by
+    heads): q_a (h -> q_lora), q_b (-> heads x (nope + rope)), kv_a (h -> kv_lora + rope), kv_b (-> heads x
+    (nope + v)), o (heads x v -> h)."""
+    h, n = model.hidden_size, model.num_heads // tp
+    nope, rope, v, ql, kl = (model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim, model.q_lora_rank,
+                             model.kv_lora_rank)
+    query = [Gemm(tokens, ql, h), Gemm(tokens, n * (nope + rope), ql)] if ql else [Gemm(tokens, n * (nope + rope), h)]
+    return query + [Gemm(tokens, kl + rope, h), Gemm(tokens, n * (nope + v), kl), Gemm(tokens, h, n * v)]
+
+
 def layer_forward_flops(model: ModelSpec, *, micro_batch: int, seq_len: int) -> int:
-    """Exact matmul FLOPs of one layer's forward for one micro-batch (all TP ranks together)."""
-    return sum(g.flops for group in layer_gemms(model, micro_batch=micro_batch, seq_len=seq_len).values()
-               for g in group)
+    """Exact matmul FLOPs of one layer's forward for one micro-batch (all TP ranks together); for an MoE
+    model the mean over its layers, an MoE layer's MLP counted as the router, the k experts a token uses
+    and the shared expert (the active parameters' FLOPs, as MoE MFU is reported)."""
+    dense = sum(g.flops for group in layer_gemms(model, micro_batch=micro_batch, seq_len=seq_len).values()
+                for g in group)
+    if not model.is_moe:
+        return dense
+    tokens, h = micro_batch * seq_len, model.hidden_size
+    widths = model.num_experts_per_token * model.expert_ffn_hidden_size + model.shared_expert_ffn_hidden_size
+    moe = dense - 6 * tokens * h * model.ffn_hidden_size + 2 * tokens * h * (model.num_experts + 3 * widths)
+    return round((model.num_dense_layers * dense + model.num_moe_layers * moe) / model.num_layers)
 
 
 def attention_core_flops(model: ModelSpec, *, micro_batch: int, seq_len: int) -> int:

@@ -44,6 +44,7 @@ from cost_models.context import context_comm
 from cost_models.compute import (FUSED_BACKWARD_RATIO, _elementwise_kernels, activation_bytes_per_element, contended, end_compute_times,
                                  fused_attention, layer_compute_times, layer_gemms, memory_time_s,
                                  model_flops_per_step)
+from cost_models import moe as moe_cost
 from cost_models.memory import (ALLOCATOR_FRAGMENTATION, CPU_FRAMEWORK_RESERVE_BYTES, end_activation_bytes, gpu_runtime_bytes,
                                 end_params_per_device, in_flight_profiles, layer_activation_bytes,
                                 layer_params_per_device, logits_bytes, model_state_bytes, peak_from_profiles,
@@ -235,6 +236,8 @@ def _with_op_overhead(model, times, ends, *, op_overhead_s: float):
 def layer_costs(plan, *, model, cluster, job, engine: str = "ours") -> LayerCosts:
     """Per-layer time and memory of `plan` as `engine` runs it (see LayerCosts); estimate() prices chunks
     as sums of these."""
+    if model.is_moe:
+        return _moe_layer_costs(plan, model=model, cluster=cluster, job=job, engine=engine)
     eng = engine_model(engine)
     hw, b, tp, sp, cp = cluster.hardware, plan.micro_batch, plan.tp, plan.sequence_parallel, plan.cp
     if cp > 1 and not eng.context_parallel:
@@ -311,6 +314,51 @@ def layer_costs(plan, *, model, cluster, job, engine: str = "ours") -> LayerCost
         overlap_efficiency_forward=share_f, overlap_efficiency_backward=share_b)
 
 
+def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
+    """LayerCosts of an MoE model: its dense layers priced as a dense model's, its MoE layers as the dense
+    layer without its MLP (`moe_cost.attention_view`) plus the MoE MLP (cost_models/moe.py: router and
+    expert GEMMs, the exposed dispatch and combine all-to-alls, ETP's gather and scatter, activations),
+    averaged over the layers by their share (exact for models whose layers are all MoE; for DeepSeek-V3's 3
+    of 61 dense layers every chunk is priced at the mix). The states are the non-expert parameters under
+    the plan's sharding; the experts' own are added per chunk (`_price_chunk`, over expert-DP)."""
+    dense = layer_costs(plan, model=moe_cost.dense_view(model), cluster=cluster, job=job, engine=engine)
+    attn = layer_costs(plan, model=moe_cost.attention_view(model, tp=plan.tp), cluster=cluster, job=job, engine=engine)
+    hw, p = cluster.hardware, activation_bytes_per_element(job.precision)
+    tokens = plan.micro_batch * job.seq_len // plan.cp // (plan.tp if plan.sequence_parallel else 1)
+    imbalance = hw.calibration.get("moe_imbalance", 1.0)  # max / mean rows per expert (cost_models/moe.py)
+    times = moe_cost.moe_compute_times(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp, tp=plan.tp,
+                                       imbalance=imbalance, dtype="bf16" if job.precision == "fp8" else job.precision)
+    elementwise = moe_cost.permutation_times_s(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp, imbalance=imbalance,
+                                               precision=job.precision)
+    times = moe_cost.MoETimes(forward_s=times.forward_s + elementwise.forward_s,
+                              backward_s=times.backward_s + elementwise.backward_s)
+    buffer = tokens * model.num_experts_per_token * model.hidden_size * p
+    a2a_s = moe_cost.all_to_all_time_s(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp,
+                                       ranks_per_node=cluster.devices_per_node, precision=job.precision)
+    # Expert TP: the etp ranks of an expert gather its rows before and reduce-scatter its outputs after.
+    etp_s = 2 * collective_time_s(cluster, collective="all_gather", size_bytes=buffer * plan.etp, group_size=plan.etp,
+                                  stride=1)
+    comm = {pol: moe_cost.all_to_alls_per_layer(pol) / 2 * (2 * a2a_s + etp_s) for pol in POLICIES}
+    act = moe_cost.moe_activation_bytes(model, tokens=tokens, ep=plan.ep, etp=plan.etp, imbalance=imbalance,
+                                        precision=job.precision)
+    state = model_state_bytes(moe_cost.nonexpert_layer_params_per_device(model, tp=plan.tp), precision=job.precision,
+                              param_shard=plan.param_shard, grad_shard=plan.grad_shard, optim_shard=plan.optim_shard,
+                              reduce_fp32=plan.reduce_fp32).total_bytes
+    extra = {"time_s": {pol: times.forward_s + times.backward_s + comm[pol] + (times.forward_s if pol == "full" else 0.0)
+                        for pol in POLICIES},
+             "forward_time_s": {pol: times.forward_s + comm["none"] / 2 for pol in POLICIES},
+             "recompute_time_s": {"none": 0.0, "selective": 0.0, "full": times.forward_s},
+             "tp_comm_s": comm, "activation_bytes": {"none": act, "selective": act, "full": 0.0}}
+    phi = moe_cost.moe_fraction(model)
+
+    def mix(name: str) -> dict[str, float]:
+        ours, theirs, add = getattr(dense, name), getattr(attn, name), extra.get(name, {})
+        return {pol: (1 - phi) * ours[pol] + phi * (theirs[pol] + add.get(pol, 0.0)) for pol in ours}
+
+    return dataclasses.replace(dense, state_bytes=state, **{name: mix(name) for name in (
+        "time_s", "activation_bytes", "forward_time_s", "tp_comm_s", "cp_comm_s", "recompute_time_s")})
+
+
 def _context_comm_s(plan, cluster, *, model, job, core_forward_s: float) -> tuple[float, float]:
     """Exposed CP communication of one layer per micro-batch, (forward, backward): the all-to-alls whole,
     each ring step's message less what its partial attention hides (`_overlap`; cost_models/context.py)."""
@@ -365,6 +413,7 @@ class _ChunkPrice:
     backward_compute_s: float = 0.0  # one micro-batch's backward compute (recomputation and TP included)
     comm: _ShardingComm | None = None
     cp_comm_s: float = 0.0  # the CP part of tp_comm_s
+    num_expert_params: float = 0.0  # routed-expert parameters (sharded over expert-DP, not in num_params)
 
 
 @dataclass(frozen=True)
@@ -479,7 +528,8 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
     tp_comm = sum(costs.tp_comm_s[p] for p in policies)
     cp_comm = sum(costs.cp_comm_s.get(p, 0.0) for p in policies)
     activation = sum(costs.activation_bytes[p] for p in policies)
-    layer_params = layer_params_per_device(model, tp=plan.tp)
+    layer_params = (moe_cost.nonexpert_layer_params_per_device(model, tp=plan.tp) if model.is_moe
+                    else layer_params_per_device(model, tp=plan.tp))
     num_params = len(layers) * layer_params
     if first:
         forward += costs.first_extra_forward_s
@@ -513,6 +563,18 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
     backward = total - forward
     reduce_s, last_bucket_s = _boundary_reduce(plan, cluster, grad_bytes=num_params * grad_bytes,
                                                reduce_scatter_once=eng.reduce_scatter_once)
+    num_moe = sum(model.is_moe_layer(i) for i in layers)
+    expert_params = moe_cost.expert_params_per_device(model, num_moe_layers=num_moe, ep=plan.ep, etp=plan.etp)
+    if num_moe:
+        # The experts' own DP communication, over expert-DP at its sharding (cost_models/moe.expert_plan_view).
+        view = moe_cost.expert_plan_view(plan)
+        expert_comm = _sharding_comm(view, cluster, tiers=["none"] * num_moe, layer_bytes=expert_params / num_moe * param_bytes,
+                                     grad_bytes=expert_params * grad_bytes, end_bytes=0.0, num_end_units=0,
+                                     reduce_scatter_once=eng.reduce_scatter_once)
+        comm = _ShardingComm(*(a + b for a, b in zip(dataclasses.astuple(comm), dataclasses.astuple(expert_comm))))
+        expert_reduce_s, expert_last_s = _boundary_reduce(view, cluster, grad_bytes=expert_params * grad_bytes,
+                                                          reduce_scatter_once=eng.reduce_scatter_once)
+        reduce_s, last_bucket_s = reduce_s + expert_reduce_s, max(last_bucket_s, expert_last_s)
     per_node = cluster.ranks_per_node_in_group(size=plan.param_shard, stride=plan.tp)
     # MAZ3 (module doc of runners/sharding/): one kept copy per layer, the full layer on the device
     # tier, the node's 1/per_node slice of it on the secondary tier, the full layer in host memory.
@@ -539,7 +601,7 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
         shift_reduce_s=comm.rs_s + reduce_s, forward_compute_s=forward, forward_comm_s=comm.fwd_first_s + comm.fwd_rest_s,
         backward_compute_s=backward, comm=comm,
         cache_bytes=cache, host_cache_bytes=layer_bytes * tiers.count("host"),
-        recompute_working_bytes=working + costs.cp_working_bytes, cp_comm_s=cp_comm)
+        recompute_working_bytes=working + costs.cp_working_bytes, cp_comm_s=cp_comm, num_expert_params=expert_params)
 
 
 @functools.lru_cache(maxsize=512)
@@ -580,10 +642,18 @@ def _rank_memory(plan, cluster, *, model, job, chunks: list[_ChunkPrice], rank: 
     num_params = sum(chunks[c].num_params for c in mine)
     states = model_state_bytes(num_params, param_shard=plan.param_shard, grad_shard=plan.grad_shard,
                                optim_shard=plan.optim_shard, precision=job.precision, reduce_fp32=plan.reduce_fp32)
+    expert_params = sum(chunks[c].num_expert_params for c in mine)
+    if expert_params:  # the experts' states, sharded over expert-DP (Plan.expert_shard_degrees)
+        e_p, e_g, e_o = plan.expert_shard_degrees
+        experts = model_state_bytes(expert_params, param_shard=e_p, grad_shard=e_g, optim_shard=e_o,
+                                    precision=job.precision, reduce_fp32=plan.reduce_fp32)
+        states = dataclasses.replace(states, weights_bytes=states.weights_bytes + experts.weights_bytes,
+                                     grads_bytes=states.grads_bytes + experts.grads_bytes,
+                                     optimizer_bytes=states.optimizer_bytes + experts.optimizer_bytes)
     if eng is not None and eng.main_grads_fp32 and job.precision != "fp32":
         # Megatron's fp32 main-gradient buffer holds every local parameter's gradient (the distributed
         # optimizer shards the optimizer states, not this buffer).
-        states = dataclasses.replace(states, grads_bytes=4.0 * num_params)
+        states = dataclasses.replace(states, grads_bytes=4.0 * (num_params + expert_params))
     if plan.schedule == "gpipe":  # all forwards first: every micro-batch in flight at once
         activations = sum(plan.num_micro_batches * chunks[c].activation_bytes + chunks[c].cache_bytes for c in mine)
     else:
@@ -591,8 +661,12 @@ def _rank_memory(plan, cluster, *, model, job, chunks: list[_ChunkPrice], rank: 
         activations = peak_from_profiles(profiles, chunk_bytes={c: chunks[c].activation_bytes for c in mine},
                                          chunk_cache_bytes={c: chunks[c].cache_bytes for c in mine})
     param_bytes = state_bytes_per_param(job.precision)[0]
-    layer_bytes = layer_params_per_device(model, tp=plan.tp) * param_bytes
+    layer_bytes = (moe_cost.nonexpert_layer_params_per_device(model, tp=plan.tp) if model.is_moe
+                   else layer_params_per_device(model, tp=plan.tp)) * param_bytes
     gathered = (plan.prefetch_depth + 1) * layer_bytes if plan.param_shard > 1 else 0.0
+    if model.is_moe and plan.expert_shard_degrees[0] > 1:  # a gathered expert unit per prefetched layer
+        one = moe_cost.expert_params_per_device(model, num_moe_layers=1, ep=plan.ep, etp=plan.etp) * param_bytes
+        gathered += (plan.prefetch_depth + 1) * one
     # One bucket in flight, never more than the rank's gradients.
     grad_bytes = num_params * state_bytes_per_param(job.precision, reduce_fp32=plan.reduce_fp32)[1]
     bucket = float(min(plan.bucket_size_bytes, grad_bytes)) if plan.dp_cp > 1 else 0.0
@@ -682,7 +756,9 @@ def _rank_tails(plan, cluster, *, chunks: list[_ChunkPrice], job, model=None,
     for r in range(plan.pp):
         num_params = sum(c.num_params for c in chunks[r::plan.pp])
         num_units = sum(counts[c] + (c == 0) + (c == plan.num_chunks - 1) for c in range(r, plan.num_chunks, plan.pp))
-        optimizer_s = memory_time_s(cluster.hardware, num_params / plan.optim_shard * ADAM_BYTES_PER_PARAM)
+        expert_params = sum(c.num_expert_params for c in chunks[r::plan.pp])
+        optimizer_s = memory_time_s(cluster.hardware, (num_params / plan.optim_shard + expert_params
+                                                       / plan.expert_shard_degrees[2]) * ADAM_BYTES_PER_PARAM)
         optimizer_s += step_overhead_s + op_overhead_s * ADAM_OPS_PER_UNIT * num_units
         post_exposed_s, post_s = _redistribute_s(plan, cluster, num_params=num_params, param_bytes=param_bytes,
                                                  first_chunk=chunks[r])

@@ -38,7 +38,7 @@ from specs.cluster import Cluster
 from specs.errors import PlannerError
 from specs.hardware import PRESETS as HARDWARE, LinkSpec
 from specs.job import Job
-from specs.model import ModelSpec
+from specs.model import PRESETS, ModelSpec
 from specs.plan import Plan, check_plan, zero_degrees
 from cost_models.engines import ENGINES, EngineModel
 
@@ -54,7 +54,13 @@ ENGINE_OF = {"megatron": "megatron", "nemo": "megatron", "deepspeed": "deepspeed
 # full square, logits included, no recomputation: Megatron's num_floating_point_operations, Narayanan et
 # al. 2021 without the recompute term) or "hardware" (the same plus the recomputed forward of every layer
 # under full recomputation: Megatron-DeepSpeed's and SC21's 96 B s l h^2 (...) count).
-FLOP_CONVENTIONS = {"megatron_readme_h100": "model", "bloom_tr11_prequel": "hardware", "bloom_tr11_readme": "hardware"}
+FLOP_CONVENTIONS = {"megatron_readme_h100": "model", "bloom_tr11_prequel": "hardware", "bloom_tr11_readme": "hardware",
+                    # Megatron-Core's MoE ModelZoo prints Megatron's num_floating_point_operations (the k routed
+                    # and the shared experts, the router, full-square attention; model_flops_per_step's MoE count).
+                    "mcore_moe_modelzoo_qwen3": "model"}
+# MoE rows whose model is a preset (its config.json has what the CSV's columns cannot say: Qwen3's
+# head_dim and qk norm, DeepSeek-V3's MLA and dense layers).
+MOE_PRESET_OF = {"Qwen3-30B-A3B": "qwen3-30b-a3b", "Qwen3-235B-A22B": "qwen3-235b-a22b", "DeepSeek-V3 671B": "deepseek-v3"}
 
 
 @dataclass(frozen=True)
@@ -145,14 +151,21 @@ def _model(row: dict) -> ModelSpec:
         from specs.model import resolve_model
 
         return resolve_model(name)
-    arch = row["arch"] if row["arch"] in ("llama", "gpt2") else "gpt2"
+    num_experts = _int(row, "num_experts", 0)
+    if num_experts and row.get("model_name") in MOE_PRESET_OF:
+        return PRESETS[MOE_PRESET_OF[row["model_name"]]]
+    # An MoE model outside the presets: a llama block (SwiGLU experts) with the CSV's expert columns.
+    arch = "llama" if num_experts else row["arch"] if row["arch"] in ("llama", "gpt2") else "gpt2"
     hidden, heads = _int(row, "hidden_size"), _int(row, "num_heads")
     seq = _int(row, "seq_len")
-    ffn = _int(row, "ffn_hidden_size", 4 * hidden)
+    expert_ffn = _int(row, "moe_ffn_hidden_size", 0) if num_experts else 0
+    ffn = _int(row, "ffn_hidden_size", expert_ffn or 4 * hidden)
+    moe = dict(num_experts=num_experts, num_experts_per_token=_int(row, "top_k"), expert_ffn_hidden_size=expert_ffn,
+               shared_expert_ffn_hidden_size=_int(row, "shared_experts", 0) * expert_ffn) if num_experts else {}
     return ModelSpec(name=row["model_name"], arch=arch, num_layers=_int(row, "num_layers"), hidden_size=hidden,
                      num_heads=heads, num_kv_heads=_int(row, "num_kv_heads", heads), ffn_hidden_size=ffn,
                      vocab_size=_int(row, "vocab_size", 50257), max_seq_len=max(seq, 2048),
-                     tied_embeddings=arch == "gpt2")
+                     tied_embeddings=arch == "gpt2", **moe)
 
 
 def _cluster(row: dict, hardware=None) -> Cluster:
@@ -219,12 +232,16 @@ def _plan(row: dict, engine: str) -> Plan:
     sp = row.get("sequence_parallel", "").strip().lower()
     sequence_parallel = tp > 1 and (sp == "true" or (sp == "" and engine == "megatron"))
     recompute = (row.get("recompute") or "").strip().lower() or "none"
+    # Megatron-Core's partial recomputation of cheap modules (--recompute-modules layernorm moe_act): priced
+    # as the cheap policy, selective.
+    recompute = "selective" if recompute.startswith("partial") else recompute
     recompute = recompute if recompute in ("none", "selective", "full") else "full"
     s_p, s_g, s_os = _shards(row.get("sharding", ""), dp * cp, engine)
     return Plan(dp=dp, cp=cp, cp_kind=CP_KIND_OF[comm_type], tp=tp, pp=pp, virtual_stages=vp, micro_batch=micro_batch,
                 num_micro_batches=global_batch // (dp * micro_batch),
                 schedule="interleaved-1f1b" if vp > 1 else "1f1b", recompute=recompute,
-                sequence_parallel=sequence_parallel, param_shard=s_p, grad_shard=s_g, optim_shard=s_os)
+                sequence_parallel=sequence_parallel, param_shard=s_p, grad_shard=s_g, optim_shard=s_os,
+                ep=_int(row, "expert_parallel", 1), etp=_int(row, "expert_tensor_parallel", 1))
 
 
 def _measured_step_time_s(row: dict, *, model: ModelSpec, job: Job, plan: Plan, num_gpus: int) -> float:

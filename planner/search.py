@@ -34,6 +34,7 @@ from typing import Callable, Iterator
 
 from cost_models.estimate import Estimate
 from specs.schedule import rank_actions
+from cost_models import moe as moe_cost
 from specs.errors import PlannerError
 from specs.problem import Problem
 from specs.plan import CACHE_TIERS, RECOMPUTE, Plan
@@ -130,9 +131,10 @@ class Slot:
     sequence_parallel: bool
     cp: int = 1
     cp_kind: str = "ring"
+    ep: int = 1  # MoE models: expert-parallel degree, folded over tp x cp x dp (etp stays 1: the engine's)
 
     def plan(self, *, shards: tuple[int, int, int] = (1, 1, 1), cache: str = "none", commshift: bool = False) -> Plan:
-        return Plan(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, cp_kind=self.cp_kind,
+        return Plan(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, cp_kind=self.cp_kind, ep=self.ep,
                     virtual_stages=self.virtual_stages,
                     micro_batch=self.micro_batch, num_micro_batches=self.num_micro_batches,
                     schedule=self.schedule, recompute=self.recompute, sequence_parallel=self.sequence_parallel,
@@ -224,7 +226,21 @@ def enumerate_slots(problem: Problem, options: SearchOptions) -> Iterator[Slot]:
                                                 max_v=options.max_virtual_stages):
                 for rc in options.recompute:
                     for sp in ((False, True) if tp > 1 and local_seq % tp == 0 else (False,)):
-                        yield Slot(dp, tp, pp, v, schedule, mb, m, rc, sp, cp, kind)
+                        for ep in expert_options(problem, dp=dp, cp=cp, tp=tp, sequence_parallel=sp):
+                            yield Slot(dp, tp, pp, v, schedule, mb, m, rc, sp, cp, kind, ep)
+
+
+def expert_options(problem: Problem, *, dp: int, cp: int, tp: int, sequence_parallel: bool) -> list[int]:
+    """The ep degrees worth pricing for one layout: [1] for a dense model; for an MoE model every ep that
+    divides the experts and folds over the tp x cp x dp ranks of a stage (specs/plan.py), where the engine
+    runs it: no CP, TP only with sequence parallelism (each TP rank routes its own tokens) and not with a
+    capacity factor (the engine drops per whole sequence). etp is 1: the engine does not split experts."""
+    model = problem.model
+    if not model.is_moe:
+        return [1]
+    if cp > 1 or (tp > 1 and (not sequence_parallel or model.capacity_factor > 0)):
+        return []
+    return [ep for ep in divisors(model.num_experts) if (tp * cp * dp) % ep == 0]
 
 
 def _fills_nodes(degree: int, *, dp: int, dp_per_node: int) -> bool:
@@ -360,9 +376,15 @@ def slot_memory(slot: Slot, costs, problem: Problem) -> SlotMemory:
     for r in range(slot.pp):
         chunks = range(r, num_chunks, slot.pp)
         n = sum(counts[c] for c in chunks)
-        p = n * model.layer_params() + (model.embedding_params() if 0 in chunks else 0) + (
-            model.head_params() if num_chunks - 1 in chunks else 0)
-        params.append(p / slot.tp)
+        ends = (model.embedding_params() if 0 in chunks else 0) + (model.head_params() if num_chunks - 1 in chunks else 0)
+        if model.is_moe:
+            # Non-expert parameters as the estimate holds them, experts split over EP (under the dense
+            # shards, at least as many as the experts' own: a lower bound).
+            experts = moe_cost.moe_fraction(model) * moe_cost.expert_params_per_device(
+                model, num_moe_layers=1, ep=slot.ep, etp=1)
+            params.append(n * (moe_cost.nonexpert_layer_params_per_device(model, tp=slot.tp) + experts) + ends / slot.tp)
+        else:
+            params.append((n * model.layer_params() + ends) / slot.tp)
         # The rank holds `live` chunk activations at its peak, each at least its smallest chunk's.
         acts.append(live[r] * min(counts[c] for c in chunks) * costs.activation_bytes[slot.recompute])
     return SlotMemory(tuple(params), tuple(acts))
@@ -385,7 +407,7 @@ class _Pricer:
         # Per-layer time and activations depend on the layer's shape on one device (tp, sequence
         # parallelism, micro-batch), not on how many replicas or stages there are; unsharded states give
         # the smallest per-layer time, so the bound stays a lower bound for every sharding variant.
-        key = (slot.tp, slot.sequence_parallel, slot.micro_batch, slot.cp, slot.cp_kind)
+        key = (slot.tp, slot.sequence_parallel, slot.micro_batch, slot.cp, slot.cp_kind, slot.ep)
         if key not in self.layer_cache:
             self.layer_cache[key] = self.cost.layer_costs(slot.plan(), **self._kwargs())
         return self.layer_cache[key]

@@ -38,12 +38,24 @@ class CommCounters:
     inter_node_bytes: int = 0
     inter_node_wire_bytes: int = 0
     wait_s: float = 0.0
+    # MoE routing (runners/moe.py), not bytes: per MoE layer the (token, expert) assignments this rank
+    # routed to each expert, and how many of them went to another EP rank.
+    expert_rows: dict[int, list[int]] = field(default_factory=dict)
+    moe_rows_off_rank: int = 0
 
     def reset(self) -> None:
         for k in self.bytes_by_kind:
             self.bytes_by_kind[k] = 0
         self.intra_node_bytes = self.inter_node_bytes = self.inter_node_wire_bytes = 0
         self.wait_s = 0.0
+        self.expert_rows.clear()
+        self.moe_rows_off_rank = 0
+
+    def count_routing(self, layer: int, counts: list[int], *, off_rank: int) -> None:
+        rows = self.expert_rows.setdefault(layer, [0] * len(counts))
+        for e, c in enumerate(counts):
+            rows[e] += c
+        self.moe_rows_off_rank += off_rank
 
     def snapshot(self) -> dict:
         return {**self.bytes_by_kind, "intra_node": self.intra_node_bytes, "inter_node": self.inter_node_bytes,
@@ -138,6 +150,20 @@ class Comm:
         self._count("all_to_all", (n - 1) / n * input.numel() * input.element_size(), ranks)
         # Blocking (the CP core waits for its inputs): its whole time is time blocked on communication.
         self.time_stream_wait(lambda: dist.all_to_all_single(output, input, group=group))
+
+    def all_to_all_uneven(self, output: torch.Tensor, input: torch.Tensor, *, output_splits: list[int],
+                          input_splits: list[int], group):
+        """Rows input_splits[i] (along dim 0) of `input` to group rank i, output_splits[i] rows of `output`
+        from it (the MoE token dispatch). Counted: the rows that leave this rank."""
+        ranks = self._group_ranks(group)
+        if len(ranks) == 1:
+            output.copy_(input)
+            return
+        me = ranks.index(dist.get_rank())
+        row_bytes = input[0].numel() * input.element_size() if input.shape[0] else 0
+        self._count("all_to_all", (sum(input_splits) - input_splits[me]) * row_bytes, ranks)
+        dist.all_to_all_single(output, input, output_split_sizes=output_splits, input_split_sizes=input_splits,
+                               group=group)
 
     def exchange(self, send: torch.Tensor, recv: torch.Tensor, *, dst: int, src: int, group, tag: int = 0) -> list:
         """Send `send` to `dst` and receive `recv` from `src` at once (a ring step); returns the works.

@@ -143,6 +143,12 @@ class RunSummary:
     # fp16: steps skipped because a gradient overflowed under the loss scale, and the scale at the end.
     skipped_steps: int = 0
     loss_scale: float = 1.0
+    # MoE models (runners/moe.py), per step over all ranks: (token, expert) assignments routed, those sent
+    # to another EP rank, and the load imbalance: over MoE layers, the mean of the busiest expert's
+    # assignments over the mean expert's (1: perfectly balanced; 0 for dense models).
+    moe_rows_routed: float = 0.0
+    moe_rows_off_rank: float = 0.0
+    moe_imbalance: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,19 @@ group fills a node before it spans nodes. For position q and degrees s_p | s_g |
   (all-gather of updated optimizer shards after the step).
 - cp groups (cp > 1): the cp ranks of one (pp, dp, tp) position; `cp_a2a` its parts that exchange heads
   by all-to-all and `cp_ring` those that pass K/V around a ring (Plan.cp_split; runners/context_parallel.py).
+- expert groups (MoE models, `moe=True`): the same tp x dp x cp ranks of a stage folded as etp x ep x
+  expert-DP, etp innermost (Megatron-Core's parallel folding; specs/plan.py): with r = q * tp + t a rank's
+  place in its stage, etp_rank = r % etp, ep_rank = (r // etp) % ep, expert-DP position e = r // (etp x ep).
+  `ep` the ranks that exchange tokens by all-to-all (runners/expert_parallel.py), `etp` those that split an
+  expert, and the expert sharding groups (expert_dp, expert_param, expert_grad, ...) the sharding groups
+  above built over the expert-DP positions at Plan.expert_shard_degrees (`Mesh.expert_view`).
 - param intra group (only when the plan has a MAZ3 "secondary" tier): the ranks of my param group inside
   my node (ZeRO++ hpZ's secondary partition, Wang et al. 2023), for the backward gather of cached layers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -57,6 +64,15 @@ class Mesh:
     cp_ranks: tuple[int, ...] = ()
     cp_a2a_ranks: tuple[int, ...] = ()
     cp_ring_ranks: tuple[int, ...] = ()
+    # Expert parallelism (MoE models; module docstring): sizes, my coordinates and my groups' ranks.
+    ep: int = 1
+    etp: int = 1
+    ep_rank: int = 0
+    etp_rank: int = 0
+    expert_dp_rank: int = 0
+    ep_ranks: tuple[int, ...] = ()
+    expert_shard_degrees: tuple[int, int, int] = (1, 1, 1)
+    expert_ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # Process groups (torch.distributed handles) keyed like the rank tuples above.
     groups: dict[str, object] = field(default_factory=dict, repr=False)
 
@@ -98,6 +114,28 @@ class Mesh:
     def global_rank(self, *, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
         return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
 
+    @property
+    def ep_group(self):
+        return self.groups["ep"]
+
+    @property
+    def expert_dp(self) -> int:
+        return self.tp * self.dp * self.cp // (self.ep * self.etp)
+
+    def expert_view(self) -> "Mesh":
+        """The mesh as the sharding engine sees the expert parameters: expert-DP as its data-parallel
+        group (no CP), the expert sharding groups as its param/grad/... groups."""
+        if "expert_dp" not in self.groups:
+            raise PlannerError("the mesh has no expert groups: it was built for a dense model")
+        kinds = ("dp", "param", "grad", "grad_replica", "redistribute")
+        return dataclasses.replace(
+            self, dp=self.expert_dp, cp=1, dp_rank=self.expert_dp_rank, cp_rank=0,
+            shard_degrees=self.expert_shard_degrees, dp_ranks=self.expert_ranks["expert_dp"],
+            param_ranks=self.expert_ranks["expert_param"], grad_ranks=self.expert_ranks["expert_grad"],
+            grad_replica_ranks=self.expert_ranks["expert_grad_replica"],
+            redistribute_ranks=self.expert_ranks["expert_redistribute"], param_intra_ranks=(),
+            groups={k: self.groups[f"expert_{k}"] for k in kinds})
+
 
 def _dp_groups(*, dp: int, s_p: int, s_g: int, s_os: int) -> dict[str, list[tuple[int, ...]]]:
     """The sharding groups as lists of DP positions, each list partitioning range(dp)."""
@@ -109,7 +147,7 @@ def _dp_groups(*, dp: int, s_p: int, s_g: int, s_os: int) -> dict[str, list[tupl
     return kinds
 
 
-def mesh_groups(plan, *, ranks_per_node: int = 1) -> list[tuple[str, tuple[int, ...]]]:
+def mesh_groups(plan, *, ranks_per_node: int = 1, moe: bool = False) -> list[tuple[str, tuple[int, ...]]]:
     """Every process group of `plan` as (kind, global ranks), in the one order all ranks create them.
 
     Kinds: tp, pp, dp, param, grad, grad_replica, redistribute, and with cp > 1 cp, cp_a2a, cp_ring (see
@@ -136,7 +174,26 @@ def mesh_groups(plan, *, ranks_per_node: int = 1) -> list[tuple[str, tuple[int, 
                     groups.append((kind, tuple(to_global(p, q, t) for q in positions)))
     if plan.cp > 1:
         groups += _cp_groups(plan, to_global=to_global, ranks_per_node=ranks_per_node)
+    if moe:
+        groups += _expert_groups(plan)
     return groups
+
+
+def _expert_groups(plan) -> list[tuple[str, tuple[int, ...]]]:
+    """ep, etp and the expert sharding groups of every stage: place r = (e * ep + j) * etp + t in a stage of
+    tp x dp x cp ranks, for expert-DP position e, EP rank j, ETP rank t (the module docstring)."""
+    stage, ep, etp, edp = plan.tp * plan.dp_cp, plan.ep, plan.etp, plan.expert_dp
+    s_p, s_g, s_os = plan.expert_shard_degrees
+    out: list[tuple[str, tuple[int, ...]]] = []
+    for p in range(plan.pp):
+        def rank(e: int, j: int, t: int) -> int:
+            return p * stage + (e * ep + j) * etp + t
+        out += [("ep", tuple(rank(e, j, t) for j in range(ep))) for e in range(edp) for t in range(etp)]
+        out += [("etp", tuple(rank(e, j, t) for t in range(etp))) for e in range(edp) for j in range(ep)]
+        for kind, position_lists in _dp_groups(dp=edp, s_p=s_p, s_g=s_g, s_os=s_os).items():
+            out += [(f"expert_{kind}", tuple(rank(e, j, t) for e in positions))
+                    for j in range(ep) for t in range(etp) for positions in position_lists]
+    return out
 
 
 def _cp_groups(plan, *, to_global, ranks_per_node: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -180,13 +237,15 @@ def param_intra_groups(plan, *, ranks_per_node: int) -> list[tuple[int, ...]]:
 # (FSDP2 issues them from separate all-gather and reduce-scatter streams). Kinds of one stream that span
 # the same ranks share a group (their collectives are ordered anyway).
 STREAM_OF_KIND = {"tp": "tp", "pp": "pp", "cp": "cp", "cp_a2a": "cp", "cp_ring": "cp", "param": "gather", "param_intra": "gather", "redistribute": "gather",
-                  "dp": "reduce", "grad": "reduce", "grad_replica": "reduce"}
+                  "dp": "reduce", "grad": "reduce", "grad_replica": "reduce", "ep": "ep", "etp": "tp",
+                  "expert_param": "gather", "expert_redistribute": "gather", "expert_dp": "reduce",
+                  "expert_grad": "reduce", "expert_grad_replica": "reduce"}
 
 
-def group_keys(plan, *, ranks_per_node: int) -> list[tuple[str, str, tuple[int, ...]]]:
+def group_keys(plan, *, ranks_per_node: int, moe: bool = False) -> list[tuple[str, str, tuple[int, ...]]]:
     """(kind, stream, ranks) of every group `plan` needs, in the one order all ranks create them; the
     distinct (stream, ranks) pairs are the process groups."""
-    kinds = list(mesh_groups(plan, ranks_per_node=max(1, ranks_per_node)))
+    kinds = list(mesh_groups(plan, ranks_per_node=max(1, ranks_per_node), moe=moe))
     if _uses_secondary(plan):
         kinds += [("param_intra", ranks) for ranks in param_intra_groups(plan, ranks_per_node=max(1, ranks_per_node))]
     return [(kind, STREAM_OF_KIND[kind], ranks) for kind, ranks in kinds]
@@ -197,7 +256,7 @@ def _uses_secondary(plan) -> bool:
     return "secondary" in tiers
 
 
-def build_mesh(plan, *, ranks_per_node: int, timeout=None) -> Mesh:
+def build_mesh(plan, *, ranks_per_node: int, timeout=None, moe: bool = False) -> Mesh:
     """Create every process group of `plan` (call after dist.init_process_group, on every rank).
 
     Every rank creates every group in the same order (torch.distributed requires it); kinds of one
@@ -205,7 +264,7 @@ def build_mesh(plan, *, ranks_per_node: int, timeout=None) -> Mesh:
     e.g. ZeRO-3's param and grad groups span the same ranks but are two groups, so gathers and
     reduce-scatters overlap on NCCL). `timeout` (a timedelta) bounds each collective on the groups:
     torch gives new groups its 30-minute default, not the world group's timeout, so a hung peer would
-    otherwise stall a sub-group collective that long.
+    otherwise stall a sub-group collective that long. `moe`: also the expert groups (module docstring).
     """
     world_size, rank = dist.get_world_size(), dist.get_rank()
     if plan.world_size != world_size:
@@ -213,12 +272,17 @@ def build_mesh(plan, *, ranks_per_node: int, timeout=None) -> Mesh:
     dp, tp, cp = plan.dp, plan.tp, plan.cp
     handles: dict[tuple[str, tuple[int, ...]], object] = {}
     mine: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for kind, stream, ranks in group_keys(plan, ranks_per_node=ranks_per_node):
+    for kind, stream, ranks in group_keys(plan, ranks_per_node=ranks_per_node, moe=moe):
         if (stream, ranks) not in handles:
             handles[(stream, ranks)] = dist.new_group(list(ranks), timeout=timeout)
         if rank in ranks:
             mine[kind] = (stream, ranks)
+    r = rank % (tp * cp * dp)  # my place in my pipeline stage
     return Mesh(
+        ep=plan.ep, etp=plan.etp, ep_rank=(r // plan.etp) % plan.ep, etp_rank=r % plan.etp,
+        expert_dp_rank=r // (plan.etp * plan.ep), ep_ranks=mine.get("ep", (None, (rank,)))[1],
+        expert_shard_degrees=plan.expert_shard_degrees,
+        expert_ranks={kind: ranks for kind, (_, ranks) in mine.items() if kind.startswith("expert_")},
         rank=rank, world_size=world_size, ranks_per_node=max(1, ranks_per_node), dp=dp, tp=tp, pp=plan.pp,
         dp_rank=(rank // (tp * cp)) % dp, tp_rank=rank % tp, pp_rank=rank // (tp * cp * dp), cp=cp,
         cp_rank=(rank // tp) % cp, shard_degrees=plan.shard_degrees,

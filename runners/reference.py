@@ -21,7 +21,7 @@ def _build(cfg, *, recompute, device: torch.device):
     torch.manual_seed(cfg.seed)
     chunk = build_chunk(spec, layers=range(spec.num_layers), first=True, last=True, seed=cfg.seed,
                         tp=TPContext.single(), recompute=recompute, loss_scale=1.0 / (job.global_batch * job.seq_len),
-                        share_tied=True).to(device)
+                        share_tied=True, aux_scale=1.0 / job.global_batch).to(device)
     optimizer = torch.optim.Adam(chunk.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8)
     data = make_data(cfg.data, vocab_size=spec.vocab_size, seq_len=job.seq_len, seed=cfg.seed)
     return chunk, optimizer, data

@@ -195,6 +195,8 @@ def fully_shard_units(root: nn.Module, groups: list[list[nn.Module]], *, mesh, r
 
 def make_torch_trainer(cfg, *, device: torch.device):
     """The trainer for `cfg.plan` on torch's components: a pipeline or a data-parallel one."""
+    if cfg.model.is_moe:
+        raise PlannerError(f"engine torch does not run mixture-of-experts models ({cfg.model.name}); use engine ours")
     if torch_strategy(cfg.plan) == "pipeline":
         return TorchPipelineTrainer(cfg, device=device)
     return TorchDataParallelTrainer(cfg, device=device)

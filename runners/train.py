@@ -64,8 +64,14 @@ class Trainer:
         self.cfg, self.plan, self.device = cfg, cfg.plan, device
         ranks_per_node = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         self.comm = Comm(ranks_per_node=ranks_per_node, device=device)
+        moe = cfg.model.is_moe
+        if moe and cfg.job.precision == "fp16":
+            raise PlannerError("the engine trains MoE models in fp32 or bf16 (fp16's loss scale is not shared "
+                               "between its dense and expert optimizers yet)")
+        if moe and cfg.checkpoint_dir:
+            raise PlannerError("the engine does not checkpoint MoE models yet (their expert shards are not saved)")
         self.mesh = build_mesh(self.plan, ranks_per_node=ranks_per_node,
-                               timeout=datetime.timedelta(seconds=cfg.timeout_s))
+                               timeout=datetime.timedelta(seconds=cfg.timeout_s), moe=moe)
         mutation = mutations.active()  # a test's injected bug; None outside tests
         tp = TPContext(group=self.mesh.tp_group, rank=self.mesh.tp_rank, size=self.plan.tp, comm=self.comm,
                        sequence_parallel=self.plan.sequence_parallel,
@@ -75,26 +81,43 @@ class Trainer:
         # where that weight is never sharded away between the two uses (param_shard 1).
         share_tied = self.plan.pp == 1 and self.plan.param_shard == 1
         self.cp = CPContext.from_mesh(self.mesh, comm=self.comm)
+        from runners.expert_parallel import EPContext
+
+        self.ep = EPContext.from_mesh(self.mesh, comm=self.comm)
         self.chunk_ids, self.chunks = build_local_chunks(cfg, pp_rank=self.mesh.pp_rank, tp=tp, device=device,
-                                                         deferred=True, share_tied=share_tied, cp=self.cp)
+                                                         deferred=True, share_tied=share_tied, cp=self.cp, ep=self.ep)
         self.names = canonical_names(self.chunks, self.chunk_ids)
         dtype = compute_dtype(cfg.job.precision)
         # fp16 gradients of a loss averaged over the global batch's tokens underflow: scale the loss.
         self.loss_scale = DynamicLossScale() if dtype == torch.float16 else None
+        engine_args = dict(num_micro_batches=self.plan.num_micro_batches, lr=cfg.lr,
+                           defer_grad_sync=self.plan.commshift and self.plan.pp > 1,
+                           param_dtype=dtype,  # bf16/fp16: 2-byte params (and grads, unless reduce_fp32)
+                           grad_dtype=torch.float32 if self.plan.reduce_fp32 else None,
+                           device=device, loss_scale=self.loss_scale, stream_ordered=cfg.stream_ordered)
         self.engine = ShardedDataParallel(self.chunks, plan=self.plan, mesh=self.mesh, comm=self.comm,
-                                          num_micro_batches=self.plan.num_micro_batches, lr=cfg.lr,
-                                          defer_grad_sync=self.plan.commshift and self.plan.pp > 1,
-                                          param_dtype=dtype,  # bf16/fp16: 2-byte params (and grads, unless reduce_fp32)
-                                          grad_dtype=torch.float32 if self.plan.reduce_fp32 else None,
-                                          device=device, loss_scale=self.loss_scale,
-                                          stream_ordered=cfg.stream_ordered)
+                                          experts=False if moe else None, **engine_args)
+        # MoE experts: their own engine over expert-DP (Megatron-Core's expert data-parallel group).
+        self.expert_engine = ShardedDataParallel(self.chunks, plan=expert_plan(self.plan), mesh=self.mesh.expert_view(),
+                                                 comm=self.comm, experts=True, **engine_args) if moe else None
+        self.engines = [e for e in (self.engine, self.expert_engine) if e is not None]
+        self.expert_keys = {key for c, chunk in zip(self.chunk_ids, self.chunks)
+                            for key, p in ((f"{c}.{n}", p) for n, p in chunk.named_parameters())
+                            if getattr(p, "is_expert", False)}
         if mutation and mutation.kind == "scale_grad":
             mutations.scale_gradients(self.chunks, mutation)
         if mutation and mutation.kind == "skip_reduction":
             reducer = self.engine.reducer
             reducer.skip_unit, reducer.skip_micro_batch = self.engine.units_by_chunk[0][mutation.unit], mutation.micro_batch
+        from runners.moe import MoE
+
+        # Scaled alike by the fp16 loss scale: the heads' loss and the MoE layers' aux loss gradient.
         self.heads = [u for chunk in self.chunks for u in chunk.units if isinstance(u, LMHead)]
-        self.base_loss_scales = [h.loss_scale for h in self.heads]
+        self.heads += [m for chunk in self.chunks for m in chunk.modules() if isinstance(m, MoE)]
+        self.base_loss_scales = [h.loss_scale if isinstance(h, LMHead) else h.aux_scale for h in self.heads]
+        for m in self.heads:
+            if isinstance(m, MoE):
+                m.counters = self.comm.counters
         self.holds_loss = self.chunk_ids[-1] == self.plan.num_chunks - 1 and self.mesh.tp_rank == 0
         self.tied_units, self.tied_group = self._tied_embedding_units()
 
@@ -152,7 +175,11 @@ class Trainer:
                             pp_ranks=self.mesh.pp_ranks, num_chunks=self.plan.num_chunks, comm=self.comm,
                             activation_shape=(seq, self.plan.micro_batch, self.cfg.model.hidden_size),
                             dtype=next(self.chunks[0].parameters()).dtype, device=self.device,
-                            after_last_backward=self.engine.start_grad_sync if self.plan.commshift else None)
+                            after_last_backward=self._start_grad_sync if self.plan.commshift else None)
+
+    def _start_grad_sync(self, chunk: int) -> None:
+        for engine in self.engines:
+            engine.start_grad_sync(chunk)
 
     def step(self, micro_batches, *, before_update: Callable[[], None] | None = None) -> float:
         """One optimizer step; returns this rank's contribution to the global mean loss (unscaled).
@@ -160,7 +187,7 @@ class Trainer:
         by the fp16 loss scale), before Adam reads them."""
         scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
         for head, base in zip(self.heads, self.base_loss_scales):
-            head.loss_scale = base * scale
+            setattr(head, "aux_scale" if hasattr(head, "aux_scale") else "loss_scale", base * scale)
         losses = self.run_micro_batches(micro_batches)
 
         def ready() -> None:
@@ -170,6 +197,8 @@ class Trainer:
                 before_update()
 
         self.engine.optimizer_step(before_update=ready if self.tied_units or before_update else None)
+        if self.expert_engine is not None:
+            self.expert_engine.optimizer_step()
         return float(sum(l.item() for l in losses)) / scale if self.holds_loss else 0.0
 
     def _one_process_view(self, tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
@@ -177,6 +206,10 @@ class Trainer:
         out = []
         for key, tensor in tensors.items():
             name, split = self.names[key]
+            if key in self.expert_keys and self.ep.size > 1:  # experts split over EP along dim 0
+                parts = [torch.empty_like(tensor) for _ in range(self.ep.size)]
+                dist.all_gather(parts, tensor.contiguous(), group=self.ep.group)
+                tensor = torch.cat(parts, dim=0)
             if split is not None and self.plan.tp > 1:
                 parts = [torch.empty_like(tensor) for _ in range(self.plan.tp)]
                 dist.all_gather(parts, tensor.contiguous(), group=self.mesh.tp_group)
@@ -189,12 +222,12 @@ class Trainer:
         one-process name, one entry per copy (a tied embedding and head the engine keeps apart are two);
         call from `step`'s before_update. Per rank, not merged, so that every replica can be checked
         (for tests)."""
-        return self._one_process_view(self.engine.full_gradients())
+        return self._one_process_view({k: v for e in self.engines for k, v in e.full_gradients().items()})
 
     def local_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """The parameters this rank holds, each whole (over DP shards and TP) under its one-process name,
         one entry per copy; per rank, like full_gradients (for tests)."""
-        return self._one_process_view(self.engine.full_state_dict())
+        return self._one_process_view({k: v for e in self.engines for k, v in e.full_state_dict().items()})
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter under its one-process name, assembled over DP, TP and PP (for tests; small models)."""
@@ -205,6 +238,18 @@ class Trainer:
         for part in gathered:
             merged.update(part)
         return merged
+
+
+def expert_plan(plan):
+    """The plan as the expert parameters' sharding engine sees it: expert-DP as its data parallelism (no CP),
+    the plan's sharding degrees cut to expert-DP (Plan.expert_shard_degrees), no MAZ3 tiers."""
+    import warnings
+
+    s_p, s_g, s_os = plan.expert_shard_degrees
+    with warnings.catch_warnings():  # knobs the view leaves without effect are the real plan's business
+        warnings.simplefilter("ignore")
+        return plan.replace(dp=plan.expert_dp, cp=1, ep=1, etp=1, param_shard=s_p, grad_shard=s_g, optim_shard=s_os,
+                            param_cache="none")
 
 
 def timed_step(trainer, sequences: torch.Tensor, *, device: torch.device, barrier: bool = False) -> StepRecord:
@@ -293,13 +338,31 @@ def _summary(cfg: RunConfig, trainer, records: list[StepRecord], device) -> RunS
     world = dist.get_world_size()
     totals_list = totals.tolist()
     num_measured = len(measured)
+    moe = _moe_summary(cfg, counters, device=device, num_measured=num_measured)
     return RunSummary(
-        median_step_time_s=median, tokens_per_s=cfg.job.global_batch * cfg.job.seq_len / median,
+        **moe, median_step_time_s=median, tokens_per_s=cfg.job.global_batch * cfg.job.seq_len / median,
         peak_memory_bytes=int(peak.item()),
         comm_bytes={k: int(totals_list[i] / num_measured) for i, k in enumerate(keys)},
         comm_wait_s=totals_list[len(keys)] / num_measured / world, world_size=world, device=device.type,
         engine=cfg.engine, comm_counted=getattr(trainer, "comm_counted", True), precision=cfg.job.precision,
         skipped_steps=scale.num_skipped if scale is not None else 0, loss_scale=scale.scale if scale is not None else 1.0)
+
+
+def _moe_summary(cfg: RunConfig, counters, *, device, num_measured: int) -> dict:
+    """RunSummary's MoE fields: the routing counters summed over ranks (a collective: every rank calls it)."""
+    model = cfg.model
+    if not model.is_moe:
+        return {}
+    rows = torch.zeros(model.num_layers, model.num_experts, dtype=torch.float64, device=device)
+    for layer, counts in counters.expert_rows.items():
+        rows[layer] = torch.tensor(counts, dtype=torch.float64)
+    off = torch.tensor([float(counters.moe_rows_off_rank)], dtype=torch.float64, device=device)
+    dist.all_reduce(rows)
+    dist.all_reduce(off)
+    used = rows[rows.sum(1) > 0]
+    imbalance = (used.max(1).values / used.mean(1)).mean().item() if len(used) else 0.0
+    return {"moe_rows_routed": rows.sum().item() / num_measured, "moe_rows_off_rank": off.item() / num_measured,
+            "moe_imbalance": imbalance}
 
 
 # --- process entry ----------------------------------------------------------------------------------------

@@ -14,14 +14,8 @@ and data-parallel (and context-parallel) ranks are those of the global mean loss
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import contextvars
-import functools
-import hashlib
 import math
-import os
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -30,114 +24,11 @@ from torch.utils.checkpoint import checkpoint
 
 from specs.model import ModelSpec
 from runners.context_parallel import CPContext, context_attention
+from runners.expert_parallel import EPContext
+from runners.moe import MoE
+from runners.param_init import INIT_STD, ParamInit, _param, deferred_init  # noqa: F401 (re-exported)
 from runners.tensor_parallel import (TPContext, cross_entropy_sum, enter_tp_region, exit_tp_region,
                                      sequence_parallel_param)
-
-INIT_STD = 0.02
-# Seeded values are drawn in blocks of this many elements, each from its own generator, so that any slice
-# of a weight can be drawn alone (an engine that shards parameters draws only its shard: ParamInit).
-INIT_BLOCK = 1 << 20
-_DEFERRED = contextvars.ContextVar("deferred_init", default=False)
-
-
-def _seeded_block(*, seed: int, name: str, numel: int, block: int) -> torch.Tensor:
-    """Block `block` of the flattened full weight `name` (INIT_BLOCK elements, fewer for the last), drawn
-    whole from its own generator seeded by (seed, name, block), unscaled."""
-    digest = hashlib.sha256(f"{seed}:{name}:{block}".encode()).digest()
-    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
-    return torch.randn(min(INIT_BLOCK, numel - block * INIT_BLOCK), generator=gen, dtype=torch.float32)
-
-
-def _seeded_range(*, seed: int, name: str, numel: int, start: int, stop: int, std: float) -> torch.Tensor:
-    """Elements [start, stop) of the flattened full weight `name` of `numel` elements: N(0, std^2), the
-    same values whichever slice is asked for (each block is drawn whole, `_seeded_block`). Blocks are
-    independent, so a long range draws them on several threads (torch's generator releases the GIL)."""
-    out = torch.empty(stop - start, dtype=torch.float32)
-    blocks = range(start // INIT_BLOCK, (stop - 1) // INIT_BLOCK + 1 if stop > start else 0)
-
-    def fill(block: int) -> None:
-        base = block * INIT_BLOCK
-        lo, hi = max(start, base), min(stop, base + INIT_BLOCK)
-        out[lo - start:hi - start] = _seeded_block(seed=seed, name=name, numel=numel, block=block)[lo - base:hi - base]
-
-    workers = min(len(blocks), os.cpu_count() or 1, 16)
-    if workers > 1:
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            list(pool.map(fill, blocks))
-    else:
-        for block in blocks:
-            fill(block)
-    return out.mul_(std)
-
-
-@dataclass(frozen=True)
-class ParamInit:
-    """How one parameter's initial values are drawn: a constant `fill`, or N(0, std^2) seeded by (seed,
-    canonical name); the parameter is this TP rank's slice of the full weight along `split_dim`. Any
-    slice of the flattened local tensor can be drawn alone (`values`), so every plan starts from exactly
-    the one-process model while each rank only ever draws what it holds."""
-
-    name: str
-    seed: int
-    std: float
-    fill: float | None
-    full_shape: tuple[int, ...]
-    split_dim: int | None
-    tp_rank: int = 0
-    tp_size: int = 1
-
-    @property
-    def local_shape(self) -> tuple[int, ...]:
-        if self.split_dim is None or self.tp_size == 1:
-            return self.full_shape
-        shape = list(self.full_shape)
-        shape[self.split_dim] //= self.tp_size
-        return tuple(shape)
-
-    def values(self, start: int, stop: int) -> torch.Tensor:
-        """fp32 CPU values of elements [start, stop) of the flattened local (TP-sliced) parameter."""
-        if self.fill is not None:
-            return torch.full((stop - start,), float(self.fill), dtype=torch.float32)
-        draw = functools.partial(_seeded_range, seed=self.seed, name=self.name, numel=math.prod(self.full_shape),
-                                 std=self.std)
-        if self.split_dim is None or self.tp_size == 1:
-            return draw(start=start, stop=stop)
-        local = self.local_shape
-        if self.split_dim == 0:  # whole rows: one contiguous range of the full weight
-            offset = self.tp_rank * math.prod(local)
-            return draw(start=offset + start, stop=offset + stop)
-        assert self.split_dim == 1 and len(local) == 2, "a weight split along dim 1 is a matrix"
-        cols, full_cols = local[1], self.full_shape[1]
-        first, last = start // cols, (stop - 1) // cols
-        rows = draw(start=first * full_cols, stop=(last + 1) * full_cols).view(-1, full_cols)
-        mine = rows[:, self.tp_rank * cols:(self.tp_rank + 1) * cols].reshape(-1)
-        return mine[start - first * cols:stop - first * cols].clone()
-
-
-@contextlib.contextmanager
-def deferred_init():
-    """Parameters built inside hold no storage: their values are drawn later, slice by slice, by the engine
-    that shards them (ParamInit.values), so no rank ever holds a weight it does not own."""
-    token = _DEFERRED.set(True)
-    try:
-        yield
-    finally:
-        _DEFERRED.reset(token)
-
-
-def _param(full_shape, *, name, seed, std, tp, split_dim=None, fill=None) -> nn.Parameter:
-    init = ParamInit(name=name, seed=seed, std=std, fill=fill, full_shape=tuple(full_shape),
-                     split_dim=split_dim if tp.size > 1 else None, tp_rank=tp.rank, tp_size=tp.size)
-    numel = math.prod(init.local_shape)
-    if _DEFERRED.get():
-        data = torch.empty(init.local_shape)  # never touched: no pages are committed
-        data.untyped_storage().resize_(0)
-    else:
-        data = init.values(0, numel).view(init.local_shape)
-    param = nn.Parameter(data)
-    # The canonical name and TP split let any plan's shards be reassembled into one-process names.
-    param.canonical_name, param.tp_split_dim, param.init = name, split_dim, init
-    return param
 
 
 def canonical_names(chunks: list[nn.Module], chunk_ids: list[int]) -> dict[str, tuple[str, int | None]]:
@@ -245,9 +136,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, *, name: str, seed: int, tp: TPContext) -> None:
+    """The dense MLP (width `ffn`, default the model's ffn_hidden_size; an MoE layer's shared expert too)."""
+
+    def __init__(self, spec: ModelSpec, *, name: str, seed: int, tp: TPContext, ffn: int | None = None) -> None:
         super().__init__()
-        h, f = spec.hidden_size, spec.ffn_hidden_size
+        h, f = spec.hidden_size, ffn or spec.ffn_hidden_size
         out_std = INIT_STD / math.sqrt(2 * spec.num_layers)
         self.tp, self.gated = tp, spec.gated_mlp
         self.w_in = _param((f, h), name=f"{name}.w_in", seed=seed, std=INIT_STD, tp=tp, split_dim=0)
@@ -273,7 +166,7 @@ class Block(nn.Module):
     """One transformer layer (pre-norm), with its recomputation policy: none, selective or full."""
 
     def __init__(self, spec: ModelSpec, *, index: int, seed: int, tp: TPContext, recompute: str,
-                 cp: CPContext | None = None) -> None:
+                 cp: CPContext | None = None, ep: EPContext | None = None, aux_scale: float = 0.0) -> None:
         super().__init__()
         name = f"layers.{index}"
         cp = cp or CPContext()
@@ -281,7 +174,13 @@ class Block(nn.Module):
         self.norm1 = Norm(spec, name=f"{name}.norm1", tp=tp)
         self.attn = Attention(spec, name=f"{name}.attn", seed=seed, tp=tp, selective=recompute == "selective", cp=cp)
         self.norm2 = Norm(spec, name=f"{name}.norm2", tp=tp)
-        self.mlp = MLP(spec, name=f"{name}.mlp", seed=seed, tp=tp)
+        if spec.is_moe_layer(index):
+            shared = (MLP(spec, name=f"{name}.mlp.shared", seed=seed, tp=tp, ffn=spec.shared_expert_ffn_hidden_size)
+                      if spec.shared_expert_ffn_hidden_size else None)
+            self.mlp = MoE(spec, name=f"{name}.mlp", seed=seed, tp=tp, ep=ep or EPContext.single(), aux_scale=aux_scale,
+                           shared=shared)
+        else:
+            self.mlp = MLP(spec, name=f"{name}.mlp", seed=seed, tp=tp)
         self.rope = Rope(spec, cp=cp) if spec.arch == "llama" else None
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -371,12 +270,13 @@ class Chunk(nn.Module):
 
 def build_chunk(spec: ModelSpec, *, layers: range, first: bool, last: bool, seed: int, tp: TPContext,
                 recompute: list[str] | str, loss_scale: float, share_tied: bool = False,
-                cp: CPContext | None = None) -> Chunk:
+                cp: CPContext | None = None, ep: EPContext | None = None, aux_scale: float = 0.0) -> Chunk:
     """One pipeline chunk: the embedding if `first`, blocks `layers`, the final norm and head if `last`.
 
     `recompute` is one policy or a list indexed by global layer number. `share_tied` makes a tied
     head use the embedding's very Parameter (the one-process reference); engines keep two copies. `cp`:
-    this rank's context-parallel group (default: none)."""
+    this rank's context-parallel group (default: none). `ep`: its expert-parallel group (MoE layers);
+    `aux_scale`: the load-balancing loss's weight per sequence, 1 / sequences in the global batch."""
     units: list[nn.Module] = []
     if first:
         units.append(Embedding(spec, seed=seed, tp=tp))
@@ -384,7 +284,7 @@ def build_chunk(spec: ModelSpec, *, layers: range, first: bool, last: bool, seed
             units.append(Positions(spec, seed=seed, tp=tp, cp=cp))
     for i in layers:
         policy = recompute if isinstance(recompute, str) else recompute[i]
-        units.append(Block(spec, index=i, seed=seed, tp=tp, recompute=policy, cp=cp))
+        units.append(Block(spec, index=i, seed=seed, tp=tp, recompute=policy, cp=cp, ep=ep, aux_scale=aux_scale))
     if last:
         units.append(Norm(spec, name="final_norm", tp=tp))
         head = LMHead(spec, seed=seed, tp=tp, loss_scale=loss_scale)
@@ -410,19 +310,35 @@ def check_cp_heads(spec: ModelSpec, *, tp_size: int, a2a_size: int) -> None:
                              f"{value // tp_size} {name} per TP rank; use cp_kind ring")
 
 
+def check_moe_runnable(spec: ModelSpec, plan) -> None:
+    """Raise ValueError for the MoE models and plans this engine does not run (the cost model prices them)."""
+    if spec.is_moe:
+        unsupported = [(spec.uses_mla, "multi-head latent attention"), (spec.attention_head_dim > 0, "attention_head_dim"),
+                       (spec.qk_norm, "qk_norm"), (spec.qkv_bias, "qkv_bias"), (spec.shared_expert_gate, "shared_expert_gate"),
+                       (plan.etp > 1, "etp > 1"), (plan.cp > 1, "cp > 1 with MoE layers"),
+                       (spec.capacity_factor > 0 and plan.tp > 1, "capacity_factor with tp > 1")]
+        for bad, what in unsupported:
+            if bad:
+                raise ValueError(f"the engine does not run {what} of model {spec.name} (the cost model prices it)")
+    elif plan.ep > 1 or plan.etp > 1:
+        raise ValueError(f"ep and etp need a mixture-of-experts model; {spec.name} is dense")
+
+
 def compute_dtype(precision: str) -> torch.dtype:
     """The torch dtype of a job's compute precision."""
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
 def build_local_chunks(cfg, *, pp_rank: int, tp: TPContext, device: torch.device, deferred: bool = False,
-                       share_tied: bool = False, cp: CPContext | None = None) -> tuple[list[int], list[Chunk]]:
+                       share_tied: bool = False, cp: CPContext | None = None,
+                       ep: EPContext | None = None) -> tuple[list[int], list[Chunk]]:
     """The chunks pipeline rank `pp_rank` holds under a RunConfig's plan, in local order (chunk c = j * pp +
     pp_rank), with the loss scaled to the global batch's mean. `deferred`: parameters without storage
     (`deferred_init`; the engine draws its shards), buffers on `device`. `share_tied`: a tied head whose
     chunk also holds the embedding uses its very Parameter (build_chunk)."""
     plan, spec = cfg.plan, cfg.model
     check_tp_shapes(spec, plan.tp)
+    check_moe_runnable(spec, plan)
     if cp is not None and cp.a2a_size > 1:
         check_cp_heads(spec, tp_size=plan.tp, a2a_size=cp.a2a_size)
     ranges = plan.chunk_layer_ranges(spec.num_layers)
@@ -433,7 +349,8 @@ def build_local_chunks(cfg, *, pp_rank: int, tp: TPContext, device: torch.device
     for c in chunk_ids:
         with deferred_init() if deferred else contextlib.nullcontext():
             chunk = build_chunk(spec, layers=ranges[c], first=c == 0, last=c == plan.num_chunks - 1, seed=cfg.seed,
-                                tp=tp, recompute=recompute, loss_scale=loss_scale, share_tied=share_tied, cp=cp)
+                                tp=tp, recompute=recompute, loss_scale=loss_scale, share_tied=share_tied, cp=cp,
+                                ep=ep, aux_scale=1.0 / cfg.job.global_batch)
         chunks.append(_buffers_to(chunk, device) if deferred else chunk.to(device))
     return chunk_ids, chunks
 

@@ -3,6 +3,13 @@
 Parameter counts follow the architecture exactly (GQA key/value heads, SwiGLU's three MLP matrices,
 biases and LayerNorm for GPT-2, tied or separate embeddings) because every one of them changes the
 memory and communication the cost model prices.
+
+Mixtures of experts (num_experts > 0) replace the MLP of every layer after `num_dense_layers` by a router
+(hidden -> num_experts logits), `num_experts` SwiGLU experts of width `expert_ffn_hidden_size` of which
+each token uses `num_experts_per_token`, and optionally an always-used shared expert of width
+`shared_expert_ffn_hidden_size` (Qwen2-MoE gates it with a sigmoid of one more hidden-wide row). DeepSeek-V3's
+multi-head latent attention (MLA) is described by its low-rank dims (kv_lora_rank > 0); the cost model
+prices it, the engine does not run it.
 """
 
 from __future__ import annotations
@@ -36,6 +43,26 @@ class ModelSpec:
     vocab_size: int
     max_seq_len: int
     tied_embeddings: bool
+    # --- mixture of experts (num_experts 0: a dense model) -----------------------------------------
+    num_experts: int = 0
+    num_experts_per_token: int = 0  # top-k
+    expert_ffn_hidden_size: int = 0
+    shared_expert_ffn_hidden_size: int = 0  # 0: no shared expert
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(x . w) scales the shared expert's output
+    num_dense_layers: int = 0  # leading layers with a dense MLP of ffn_hidden_size (DeepSeek's first_k_dense_replace)
+    capacity_factor: float = 0.0  # 0: dropless; else each expert takes ceil(cf x tokens x k / E) per sequence
+    aux_loss_coeff: float = 0.0  # load-balancing loss coefficient (Switch / Megatron-Core's form)
+    # --- attention variants ------------------------------------------------------------------------
+    attention_head_dim: int = 0  # 0: hidden_size / num_heads (Qwen3 sets head_dim 128 with hidden 2048, 32 heads)
+    qkv_bias: bool = False  # Qwen2's query/key/value biases on a llama block
+    qk_norm: bool = False  # Qwen3's RMSNorm of each query and key head
+    # DeepSeek-V3 MLA: queries through a rank-q_lora_rank bottleneck, keys and values through one shared
+    # rank-kv_lora_rank latent plus a qk_rope_head_dim RoPE key shared by the heads.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0  # > 0: MLA
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -48,11 +75,60 @@ class ModelSpec:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}")
+        self._check_moe()
+        if self.kv_lora_rank and min(self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim) < 1:
+            raise ValueError("MLA (kv_lora_rank > 0) needs qk_nope_head_dim, qk_rope_head_dim and v_head_dim of at least 1")
+
+    def _check_moe(self) -> None:
+        for name in ("num_experts", "num_experts_per_token", "expert_ffn_hidden_size", "shared_expert_ffn_hidden_size",
+                     "num_dense_layers", "attention_head_dim", "q_lora_rank", "kv_lora_rank"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be at least 0, got {getattr(self, name)}")
+        if self.capacity_factor < 0 or self.aux_loss_coeff < 0:
+            raise ValueError(f"capacity_factor and aux_loss_coeff must be at least 0, got {self.capacity_factor} "
+                             f"and {self.aux_loss_coeff}")
+        if self.num_experts == 0:
+            if self.num_experts_per_token or self.expert_ffn_hidden_size or self.shared_expert_ffn_hidden_size:
+                raise ValueError("num_experts_per_token, expert_ffn_hidden_size and shared_expert_ffn_hidden_size "
+                                 "need num_experts > 0")
+            return
+        if self.arch != "llama":
+            raise ValueError(f"mixture-of-experts layers need arch llama (SwiGLU experts), got {self.arch!r}")
+        if not 1 <= self.num_experts_per_token <= self.num_experts:
+            raise ValueError(f"num_experts_per_token must be between 1 and num_experts {self.num_experts}, "
+                             f"got {self.num_experts_per_token}")
+        if self.expert_ffn_hidden_size < 1:
+            raise ValueError("a mixture of experts needs expert_ffn_hidden_size of at least 1")
+        if self.num_dense_layers >= self.num_layers:
+            raise ValueError(f"num_dense_layers {self.num_dense_layers} leaves no MoE layer of {self.num_layers}")
+        if self.shared_expert_gate and not self.shared_expert_ffn_hidden_size:
+            raise ValueError("shared_expert_gate needs a shared expert (shared_expert_ffn_hidden_size > 0)")
 
     # --- shape helpers -------------------------------------------------------------------------
     @property
     def head_dim(self) -> int:
+        """Query/key width of one head: Qwen3's explicit head_dim, MLA's nope + rope dims, else h / heads."""
+        if self.attention_head_dim:
+            return self.attention_head_dim
+        if self.uses_mla:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.hidden_size // self.num_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def uses_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers if self.is_moe else 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer `layer` has an MoE MLP (the leading num_dense_layers stay dense)."""
+        return self.is_moe and layer >= self.num_dense_layers
 
     @property
     def kv_dim(self) -> int:
@@ -84,24 +160,61 @@ class ModelSpec:
 
     # --- parameter counts ----------------------------------------------------------------------
     def attention_params(self) -> int:
-        h, kv = self.hidden_size, self.kv_dim
-        weights = h * h + 2 * h * kv + h * h
-        biases = (h + 2 * kv + h) if self.has_bias else 0
-        return weights + biases
+        if self.uses_mla:
+            return self._mla_params()
+        h, kv, q = self.hidden_size, self.kv_dim, self.num_heads * self.head_dim
+        weights = h * q + 2 * h * kv + q * h
+        biases = (q + 2 * kv + h) if self.has_bias else (q + 2 * kv) if self.qkv_bias else 0
+        norms = 2 * self.head_dim if self.qk_norm else 0
+        return weights + biases + norms
+
+    def _mla_params(self) -> int:
+        """DeepSeek-V3's MLA: q_a (h -> q_lora) + norm + q_b (-> heads x (nope + rope)); kv_a (h -> kv_lora +
+        rope) + norm + kv_b (-> heads x (nope + v)); o (heads x v -> h). q_lora_rank 0: one q projection."""
+        h, n = self.hidden_size, self.num_heads
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        q = (h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * n * qk) if self.q_lora_rank else h * n * qk
+        kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+        kv += self.kv_lora_rank * n * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + n * self.v_head_dim * h
 
     def mlp_params(self) -> int:
+        """A dense layer's MLP (width ffn_hidden_size)."""
         h, f = self.hidden_size, self.ffn_hidden_size
         if self.gated_mlp:
             return 3 * h * f
         return 2 * h * f + ((f + h) if self.has_bias else 0)
 
+    def expert_params(self) -> int:
+        """One routed expert (SwiGLU of width expert_ffn_hidden_size)."""
+        return 3 * self.hidden_size * self.expert_ffn_hidden_size
+
+    def router_params(self) -> int:
+        return self.hidden_size * self.num_experts
+
+    def shared_expert_params(self) -> int:
+        """The shared expert and its gate (both always used)."""
+        gate = self.hidden_size if self.shared_expert_gate else 0
+        return 3 * self.hidden_size * self.shared_expert_ffn_hidden_size + gate
+
+    def moe_mlp_params(self) -> int:
+        """An MoE layer's MLP: router, every routed expert, the shared expert."""
+        return self.router_params() + self.num_experts * self.expert_params() + self.shared_expert_params()
+
+    def layer_mlp_params(self, layer: int) -> int:
+        return self.moe_mlp_params() if self.is_moe_layer(layer) else self.mlp_params()
+
     def norm_params(self) -> int:
         """Parameters of one normalisation layer (RMSNorm: weight; LayerNorm: weight and bias)."""
         return self.hidden_size * (2 if self.arch == "gpt2" else 1)
 
-    def layer_params(self) -> int:
-        """Parameters of one transformer block (two norms, attention, MLP)."""
-        return self.attention_params() + self.mlp_params() + 2 * self.norm_params()
+    def layer_params(self, layer: int | None = None) -> int:
+        """Parameters of one transformer block (two norms, attention, MLP): of global layer `layer`, or of a
+        dense model's any layer (an MoE model has two kinds, so it needs the index)."""
+        if layer is None:
+            assert not self.is_moe, "an MoE model's layers differ: pass the layer index"
+            return self.attention_params() + self.mlp_params() + 2 * self.norm_params()
+        return self.attention_params() + self.layer_mlp_params(layer) + 2 * self.norm_params()
 
     def embedding_params(self) -> int:
         """Token embedding (and learned position embedding for gpt2)."""
@@ -114,7 +227,18 @@ class ModelSpec:
         return self.norm_params() + proj
 
     def num_params(self) -> int:
-        return self.embedding_params() + self.num_layers * self.layer_params() + self.head_params()
+        layers = sum(self.layer_params(i) for i in range(self.num_layers)) if self.is_moe else \
+            self.num_layers * self.layer_params()
+        return self.embedding_params() + layers + self.head_params()
+
+    def num_expert_params(self) -> int:
+        """Routed-expert parameters of the whole model (what expert parallelism splits)."""
+        return self.num_moe_layers * self.num_experts * self.expert_params()
+
+    def num_active_params(self) -> int:
+        """Parameters one token uses: all but the routed experts it is not sent to."""
+        unused = self.num_moe_layers * (self.num_experts - self.num_experts_per_token) * self.expert_params()
+        return self.num_params() - unused
 
     def to_dict(self) -> dict:
         return dataclass_to_dict(self)
@@ -137,6 +261,48 @@ def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, v
                      num_kv_heads=kv, ffn_hidden_size=ffn, vocab_size=vocab, max_seq_len=seq,
                      tied_embeddings=tied)
 
+
+def _moe(name: str, *, layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int, seq: int,
+         experts: int, top_k: int, expert_ffn: int, **more) -> ModelSpec:
+    return ModelSpec(name=name, arch="llama", num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv,
+                     ffn_hidden_size=ffn, vocab_size=vocab, max_seq_len=seq, tied_embeddings=False,
+                     num_experts=experts, num_experts_per_token=top_k, expert_ffn_hidden_size=expert_ffn, **more)
+
+
+MOE_PRESETS = (
+    # Small enough for CPU runs: 8 experts top-2 (every ep up to 4 divides them), a shared expert, one
+    # leading dense layer, 4 layers (pp up to 4), the tiny model's attention.
+    _moe("tiny-moe", layers=4, hidden=64, heads=8, kv=4, ffn=128, vocab=256, seq=128, experts=8, top_k=2,
+         expert_ffn=32, shared_expert_ffn_hidden_size=32, num_dense_layers=1, aux_loss_coeff=0.01),
+    # mistralai/Mixtral-8x7B-v0.1 config.json: hidden 4096, 32 layers, 32 heads, 8 KV heads, intermediate
+    # 14336, vocab 32000, num_local_experts 8, num_experts_per_tok 2, router_aux_loss_coef 0.02,
+    # max_position_embeddings 32768. 46.7B total, 12.9B active (Mistral's announcement).
+    _moe("mixtral-8x7b", layers=32, hidden=4096, heads=32, kv=8, ffn=14336, vocab=32000, seq=32768, experts=8,
+         top_k=2, expert_ffn=14336, aux_loss_coeff=0.02),
+    # mistralai/Mixtral-8x22B-v0.1 config.json: hidden 6144, 56 layers, 48 heads, 8 KV heads, intermediate
+    # 16384, vocab 32000, 8 experts top-2, max_position_embeddings 65536. 141B total, 39B active.
+    _moe("mixtral-8x22b", layers=56, hidden=6144, heads=48, kv=8, ffn=16384, vocab=32000, seq=65536, experts=8,
+         top_k=2, expert_ffn=16384, aux_loss_coeff=0.001),
+    # Qwen/Qwen3-30B-A3B config.json: hidden 2048, 48 layers, 32 heads of head_dim 128, 4 KV heads,
+    # moe_intermediate_size 768, 128 experts, num_experts_per_tok 8, vocab 151936, untied, qk norm,
+    # router_aux_loss_coef 0.001, max_position_embeddings 40960. 30.5B total, 3.3B active (Qwen3 report).
+    _moe("qwen3-30b-a3b", layers=48, hidden=2048, heads=32, kv=4, ffn=6144, vocab=151936, seq=40960, experts=128,
+         top_k=8, expert_ffn=768, attention_head_dim=128, qk_norm=True, aux_loss_coeff=0.001),
+    # Qwen/Qwen3-235B-A22B config.json: hidden 4096, 94 layers, 64 heads of head_dim 128, 4 KV heads,
+    # moe_intermediate_size 1536, 128 experts top-8, vocab 151936, untied, qk norm, max_position_embeddings
+    # 40960. 235B total, 22B active (Qwen3 report).
+    _moe("qwen3-235b-a22b", layers=94, hidden=4096, heads=64, kv=4, ffn=12288, vocab=151936, seq=40960, experts=128,
+         top_k=8, expert_ffn=1536, attention_head_dim=128, qk_norm=True, aux_loss_coeff=0.001),
+    # deepseek-ai/DeepSeek-V3 config.json: hidden 7168, 61 layers (first_k_dense_replace 3 dense of
+    # intermediate 18432), 128 heads, MLA q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128,
+    # qk_rope_head_dim 64, v_head_dim 128, 256 routed experts of moe_intermediate_size 2048, 1 shared expert,
+    # num_experts_per_tok 8, vocab 129280, max_position_embeddings 163840, aux_loss_alpha 0.001 (seq_aux).
+    # 671B total, 37B active (DeepSeek-V3 report; the 14B multi-token-prediction module is not counted).
+    _moe("deepseek-v3", layers=61, hidden=7168, heads=128, kv=128, ffn=18432, vocab=129280, seq=163840,
+         experts=256, top_k=8, expert_ffn=2048, shared_expert_ffn_hidden_size=2048, num_dense_layers=3,
+         aux_loss_coeff=0.001, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+         v_head_dim=128),
+)
 
 PRESETS: dict[str, ModelSpec] = {
     spec.name: spec
@@ -163,6 +329,7 @@ PRESETS: dict[str, ModelSpec] = {
         # The engine and the exports use unscaled RoPE (ModelSpec.rope_theta); the cost is the same.
         _llama("llama3.1-8b", 32, 4096, 32, 8, 14336, 128256, 131072, False),
         _llama("llama3.1-70b", 80, 8192, 64, 8, 28672, 128256, 131072, False),
+        *MOE_PRESETS,
     )
 }
 
@@ -186,8 +353,70 @@ def _int_key(cfg: dict, key: str, path: Path) -> int:
     return value
 
 
+def _float_key(cfg: dict, key: str, path: Path, default: float) -> float:
+    value = cfg.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise PlannerError(f"config {path}: key {key!r} must be a number, got {value!r}")
+    return float(value)
+
+
+def _every_layer_sparse(cfg: dict, path: Path) -> None:
+    """Qwen-MoE's decoder_sparse_step / mlp_only_layers can interleave dense layers; only every layer MoE is
+    expressed (num_dense_layers counts leading dense layers)."""
+    step = cfg.get("decoder_sparse_step", 1)
+    if step != 1:
+        raise PlannerError(f"config {path}: key 'decoder_sparse_step' {step!r} is not supported (only 1: every layer MoE)")
+    if cfg.get("mlp_only_layers"):
+        raise PlannerError(f"config {path}: key 'mlp_only_layers' {cfg['mlp_only_layers']!r} is not supported "
+                           f"(only every layer MoE)")
+
+
+def _llama_common(cfg: dict, path: Path, name: str) -> dict:
+    heads = _int_key(cfg, "num_attention_heads", path)
+    kv = _int_key(cfg, "num_key_value_heads", path) if cfg.get("num_key_value_heads") is not None else heads
+    return dict(name=name, arch="llama", num_layers=_int_key(cfg, "num_hidden_layers", path),
+                hidden_size=_int_key(cfg, "hidden_size", path), num_heads=heads, num_kv_heads=kv,
+                ffn_hidden_size=_int_key(cfg, "intermediate_size", path), vocab_size=_int_key(cfg, "vocab_size", path),
+                max_seq_len=_int_key(cfg, "max_position_embeddings", path),
+                tied_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+
+
+def _moe_fields(cfg: dict, path: Path, model_type: str) -> dict:
+    """The MoE (and attention-variant) fields of a mixtral, qwen2_moe, qwen3_moe or deepseek_v3 config."""
+    if model_type == "mixtral":
+        return dict(num_experts=_int_key(cfg, "num_local_experts", path),
+                    num_experts_per_token=_int_key(cfg, "num_experts_per_tok", path),
+                    expert_ffn_hidden_size=_int_key(cfg, "intermediate_size", path),
+                    aux_loss_coeff=_float_key(cfg, "router_aux_loss_coef", path, 0.001))
+    common = dict(num_experts_per_token=_int_key(cfg, "num_experts_per_tok", path),
+                  expert_ffn_hidden_size=_int_key(cfg, "moe_intermediate_size", path))
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        _every_layer_sparse(cfg, path)
+        common.update(num_experts=_int_key(cfg, "num_experts", path),
+                      aux_loss_coeff=_float_key(cfg, "router_aux_loss_coef", path, 0.001))
+        if model_type == "qwen2_moe":
+            shared = _int_key(cfg, "shared_expert_intermediate_size", path)
+            return dict(common, shared_expert_ffn_hidden_size=shared, shared_expert_gate=shared > 0, qkv_bias=True)
+        head_dim = _int_key(cfg, "head_dim", path) if cfg.get("head_dim") is not None else 0
+        return dict(common, attention_head_dim=head_dim, qk_norm=True, qkv_bias=bool(cfg.get("attention_bias", False)))
+    shared = _int_key(cfg, "n_shared_experts", path) if cfg.get("n_shared_experts") is not None else 0
+    q_lora = _int_key(cfg, "q_lora_rank", path) if cfg.get("q_lora_rank") is not None else 0
+    return dict(common, num_experts=_int_key(cfg, "n_routed_experts", path),
+                shared_expert_ffn_hidden_size=shared * common["expert_ffn_hidden_size"],
+                num_dense_layers=_int_key(cfg, "first_k_dense_replace", path),
+                aux_loss_coeff=_float_key(cfg, "aux_loss_alpha", path, 0.001), q_lora_rank=q_lora,
+                kv_lora_rank=_int_key(cfg, "kv_lora_rank", path), qk_nope_head_dim=_int_key(cfg, "qk_nope_head_dim", path),
+                qk_rope_head_dim=_int_key(cfg, "qk_rope_head_dim", path), v_head_dim=_int_key(cfg, "v_head_dim", path))
+
+
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+
+
 def model_from_hf_config(path: str | Path) -> ModelSpec:
-    """Read an HF `config.json` (model_type llama or gpt2) with the key names HF writes."""
+    """Read an HF `config.json` (model_type llama, gpt2, mixtral, qwen2_moe, qwen3_moe or deepseek_v3) with
+    the key names HF writes."""
     path = Path(path)
     cfg = read_json_file(path, what="model config")
     if not isinstance(cfg, dict):
@@ -205,6 +434,8 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
                 vocab_size=_int_key(cfg, "vocab_size", path),
                 max_seq_len=_int_key(cfg, "max_position_embeddings", path),
                 tied_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+        if model_type in MOE_MODEL_TYPES:
+            return ModelSpec(**_llama_common(cfg, path, name), **_moe_fields(cfg, path, model_type))
         if model_type == "gpt2":
             hidden = _int_key(cfg, "n_embd", path)
             heads = _int_key(cfg, "n_head", path)
@@ -220,7 +451,8 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
         if isinstance(exc, PlannerError):
             raise
         raise PlannerError(f"config {path}: {exc}") from None
-    raise PlannerError(f"config {path}: model_type {model_type!r} is not supported (use llama or gpt2)")
+    raise PlannerError(f"config {path}: model_type {model_type!r} is not supported (use llama, gpt2, "
+                       f"{', '.join(MOE_MODEL_TYPES)})")
 
 
 def resolve_model(name_or_path: str) -> ModelSpec:

@@ -12,6 +12,14 @@ Context parallelism (cp > 1) splits every sequence over cp ranks that hold the s
 gradients are reduced together with DP's, as Megatron-LM's data-parallel-with-CP group does: the
 gradient-reduction (and sharding) group is dp x cp ranks (`dp_cp`), and "dp" in the ZeRO points above
 reads dp x cp. The mesh orders ranks TP innermost, then CP, DP, PP (Megatron-LM, torchtitan).
+
+Expert parallelism folds over the same ranks (Megatron-Core's "parallel folding", Liu et al. 2025): the
+tp x cp x dp ranks of a pipeline stage that run attention as TP x CP x DP run the MoE layers as
+ETP x EP x expert-DP, etp innermost: ep ranks each hold num_experts / ep of the experts (tokens reach
+them by all-to-all), etp ranks split each expert's FFN, and the expert_dp = tp x cp x dp / (etp x ep)
+ranks holding the same experts reduce (and shard) their gradients together. Expert parameters are
+sharded over expert-DP at the plan's sharding degrees cut to what expert_dp allows
+(`expert_shard_degrees`).
 """
 
 from __future__ import annotations
@@ -69,6 +77,13 @@ class Plan:
                         "all-to-all (heads, Ulysses), hierarchical (all-to-all inside a node, ring across).",
                         choices=CP_KINDS, applies=lambda plan: plan.cp > 1, needs="context parallelism (cp > 1)",
                         exports={"megatron": CUSTOM, "torchtitan": ("ring",)})  # searched with cp (planner/search.py)
+    # Expert parallelism (MoE models): folded over the tp x cp x dp ranks of a stage (module docstring).
+    # Exported to Megatron-LM; torchtitan's and DeepSpeed's exporters refuse MoE models (planner/exports/).
+    ep: int = knob(1, help="Expert-parallel degree: each rank of an EP group holds num_experts / ep experts, "
+                   "tokens dispatched and combined by all-to-all (MoE models).", minimum=1,
+                   exports={"megatron": CUSTOM})
+    etp: int = knob(1, help="Expert tensor-parallel degree: each expert's FFN split over etp ranks (MoE models; "
+                    "Megatron-Core's --expert-tensor-parallel-size).", minimum=1, exports={"megatron": CUSTOM})
     virtual_stages: int = knob(1, help="Model chunks per pipeline rank (interleaved 1F1B).", minimum=1,
                                exports={"megatron": CUSTOM, "torchtitan": CUSTOM, "deepspeed": CUSTOM})
     micro_batch: int = knob(1, help="Sequences per micro-batch.", minimum=1,
@@ -127,6 +142,9 @@ class Plan:
             check_knob(spec, getattr(self, spec.name))
         self._check_schedule()
         self._check_sharding()
+        if (self.tp * self.dp_cp) % (self.ep * self.etp):
+            raise ValueError(f"etp x ep = {self.etp} x {self.ep} = {self.etp * self.ep} does not divide the "
+                             f"tp x cp x dp = {self.tp * self.dp_cp} ranks of a pipeline stage it folds over")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1")
         if self.stage_layers is not None and len(self.stage_layers) != self.num_chunks:
@@ -173,6 +191,18 @@ class Plan:
     def dp_cp(self) -> int:
         """Ranks that hold the same parameters and reduce (and shard) gradients together: dp x cp."""
         return self.dp * self.cp
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks that hold the same experts and reduce their gradients together: tp x cp x dp / (etp x ep)."""
+        return self.tp * self.dp_cp // (self.ep * self.etp)
+
+    @property
+    def expert_shard_degrees(self) -> tuple[int, int, int]:
+        """(param, grad, optim) shard degrees of expert parameters over expert-DP: each of the plan's degrees
+        cut to its gcd with expert_dp (ZeRO-3 over dp shards experts over all of expert-DP when it divides;
+        nesting is kept, since gcd(a, n) divides gcd(b, n) when a divides b)."""
+        return tuple(math.gcd(s, self.expert_dp) for s in self.shard_degrees)  # type: ignore[return-value]
 
     def cp_split(self, *, ranks_per_node: int) -> tuple[int, int]:
         """(all-to-all size, ring size) of the CP group, their product cp: ring (1, cp), all-to-all (cp, 1),
@@ -244,6 +274,8 @@ class Plan:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
         if self.cp > 1:
             parts.insert(1, f"cp{self.cp}" + {"ring": "", "all-to-all": "-a2a", "hierarchical": "-hier"}[self.cp_kind])
+        if self.ep > 1 or self.etp > 1:
+            parts.insert(len(parts) - 1, f"ep{self.ep}" + (f"etp{self.etp}" if self.etp > 1 else ""))
         if self.virtual_stages > 1:
             parts.append(f"v{self.virtual_stages}")
         parts.append(f"mb{self.micro_batch}x{self.num_micro_batches}")
@@ -298,6 +330,7 @@ def check_plan(plan: Plan, *, model, num_devices: int, job) -> None:
         raise PlannerError(f"sequence parallel needs tp {plan.tp} to divide seq_len {job.seq_len}")
     check_seq_len(model, seq_len=job.seq_len)
     check_context_parallel(plan, model=model, seq_len=job.seq_len)
+    check_expert_parallel(plan, model=model)
     for name, per_layer in (("recompute_layers", plan.recompute_layers),
                             ("param_cache", None if isinstance(plan.param_cache, str) else plan.param_cache)):
         if per_layer is not None and len(per_layer) != model.num_layers:
@@ -338,6 +371,23 @@ def check_context_parallel(plan: Plan, *, model, seq_len: int, ranks_per_node: i
                 raise PlannerError(f"cp_kind {plan.cp_kind} exchanges heads over {inside} CP ranks, which do not "
                                    f"divide the {per_tp} {name} per TP rank ({name} {value} / tp {plan.tp}); "
                                    f"use cp_kind ring")
+
+
+def check_expert_parallel(plan: Plan, *, model) -> None:
+    """One clear line for expert-parallel degrees the model cannot take."""
+    if not getattr(model, "is_moe", False):
+        if plan.ep > 1 or plan.etp > 1:
+            raise PlannerError(f"ep {plan.ep} and etp {plan.etp} need a mixture-of-experts model; {model.name} is dense")
+        return
+    if model.num_experts % plan.ep:
+        raise PlannerError(f"ep {plan.ep} does not divide the model's num_experts {model.num_experts}")
+    if model.expert_ffn_hidden_size % plan.etp:
+        raise PlannerError(f"etp {plan.etp} does not divide the model's expert_ffn_hidden_size "
+                           f"{model.expert_ffn_hidden_size}")
+    if plan.tp > 1 and not plan.sequence_parallel:
+        # Megatron-Core requires it too: without it the TP ranks would hold (and route) the same tokens.
+        raise PlannerError(f"an MoE model with tp {plan.tp} needs sequence_parallel (each TP rank routes its "
+                           f"own slice of the sequence)")
 
 
 def micro_batches_for(*, global_batch: int, dp: int, micro_batch: int) -> int:

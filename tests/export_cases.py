@@ -2,7 +2,8 @@
 config code in tests/integration/test_exports_accepted.py): dense 8B to 405B, pipelines with equal,
 unequal and interleaved stages, DDP, ZeRO-1/2/3 and HSDP, TP with and without SP, recomputation, a Lins
 mix, MAZ3 tiers and commshift, a tied-embedding model, a GPT-3 model, and long-context plans with ring,
-all-to-all and hierarchical context parallelism (which DeepSpeed's config cannot express)."""
+all-to-all and hierarchical context parallelism (which DeepSpeed's config cannot express), and MoE plans
+with expert parallelism (Megatron-LM only: torchtitan's and DeepSpeed's exporters refuse MoE models)."""
 
 from __future__ import annotations
 
@@ -80,4 +81,15 @@ CASES = (
     ExportCase("70b-64k-tp4-cp4-hierarchical", "llama3.1-70b", 64, 16, 65536,
                dict(dp=4, tp=4, cp=4, cp_kind="hierarchical", micro_batch=1, num_micro_batches=4,
                     sequence_parallel=True, zero=3, recompute="full"), refused_by=("deepspeed",)),
+    # MoE: Mixtral-8x22B EP8 over TP2 x DP16 (expert-DP 4); DeepSeek-V3 with MLA, its 3 dense layers and EP64
+    # across nodes; Qwen3-30B-A3B with qk norm and EP8 inside a node.
+    ExportCase("mixtral-8x22b-ep8-tp2-pp8", "mixtral-8x22b", 256, 1024, 4096,
+               dict(dp=16, tp=2, pp=8, ep=8, micro_batch=1, num_micro_batches=64, sequence_parallel=True, zero=1,
+                    recompute="full"), refused_by=("torchtitan", "deepspeed")),
+    ExportCase("deepseek-v3-ep64-pp16", "deepseek-v3", 1024, 1024, 4096,
+               dict(dp=64, pp=16, ep=64, micro_batch=1, num_micro_batches=16, stage_layers=(3,) + (4,) * 14 + (2,),
+                    zero=1, recompute="full"), refused_by=("torchtitan", "deepspeed")),
+    ExportCase("qwen3-30b-a3b-ep8", "qwen3-30b-a3b", 16, 64, 4096,
+               dict(dp=16, ep=8, micro_batch=1, num_micro_batches=4, zero=1, recompute="selective"),
+               refused_by=("torchtitan", "deepspeed")),
 )

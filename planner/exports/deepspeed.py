@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 
+from specs.errors import PlannerError
 from specs.plan import Plan, zero_degrees
 from planner.exports.common import (Export, ExportContext, Refused, cover_sharding, dp_ranks_per_node, knob_table_gaps,
                                     launch_header, refuse, sharding_name, uniform_recompute)
@@ -25,6 +26,9 @@ VERSION = "DeepSpeed 0.19.8 (PyPI, 2026-10)"
 
 
 def export_deepspeed(plan: Plan, ctx: ExportContext) -> Export:
+    if ctx.problem.model.is_moe:
+        raise Refused(f"DeepSpeed export of mixture-of-experts model {ctx.problem.model.name} is not supported: "
+                           f"DeepSpeed MoE lives in the model code (deepspeed.moe.layer.MoE with its ep_size), not in ds_config; export it to megatron")
     problem = ctx.problem
     if plan.cp > 1:
         _refuse_context_parallel(plan, ctx)

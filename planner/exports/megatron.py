@@ -17,6 +17,13 @@ present in core_v0.16.1 (tests/fixtures/megatron/flags_*.json); the rules are pl
   --num-distributed-optimizer-instances dp/g; ZeRO-2/3 Megatron-FSDP optim_grads / optim_grads_params),
   --overlap-grad-reduce / --overlap-param-gather, --ddp-bucket-size; Adam as the job's (betas, eps, no
   weight decay, no clipping).
+- MoE models: --num-experts, --moe-ffn-hidden-size, --moe-router-topk, --moe-layer-freq for leading dense
+  layers, --moe-shared-expert-intermediate-size (with --moe-shared-expert-gate for Qwen2-MoE),
+  --moe-aux-loss-coeff with --moe-router-load-balancing-type seq_aux_loss (the engine's per-sequence
+  loss), --moe-expert-capacity-factor with --moe-token-drop-policy position (earliest positions kept) or
+  dropless, the alltoall dispatcher, grouped GEMMs and an fp32 router; Qwen3's --qk-layernorm, Qwen2's
+  --add-qkv-bias, DeepSeek-V3's --multi-latent-attention with its ranks and head dims; the plan's
+  --expert-model-parallel-size and --expert-tensor-parallel-size (Megatron-Core folds them as the plan does).
 - Environment: CUDA_DEVICE_MAX_CONNECTIONS=1 with tensor parallelism on pre-Blackwell GPUs (Megatron
   asserts it), and unset under Megatron-FSDP (which asserts the opposite).
 """
@@ -95,6 +102,44 @@ def _model_arguments(ctx: ExportContext) -> dict:
     args.update({"--norm-epsilon": model.norm_eps, "--attention-dropout": 0.0, "--hidden-dropout": 0.0})
     if not model.tied_embeddings:
         args["--untie-embeddings-and-output-weights"] = True
+    args.update(_attention_variant_arguments(model))
+    if model.is_moe:
+        args.update(_moe_arguments(model))
+    return args
+
+
+def _attention_variant_arguments(model) -> dict:
+    args: dict = {}
+    if model.qk_norm:
+        args["--qk-layernorm"] = True
+    if model.qkv_bias:
+        args["--add-qkv-bias"] = True
+    if model.uses_mla:
+        args.update({"--multi-latent-attention": True, "--kv-lora-rank": model.kv_lora_rank,
+                     "--qk-head-dim": model.qk_nope_head_dim, "--qk-pos-emb-head-dim": model.qk_rope_head_dim,
+                     "--v-head-dim": model.v_head_dim})
+        if model.q_lora_rank:
+            args["--q-lora-rank"] = model.q_lora_rank
+    return args
+
+
+def _moe_arguments(model) -> dict:
+    """The MoE layers as the engine runs them (runners/moe.py; module docstring)."""
+    args: dict = {"--num-experts": model.num_experts, "--moe-ffn-hidden-size": model.expert_ffn_hidden_size,
+                  "--moe-router-topk": model.num_experts_per_token, "--moe-token-dispatcher-type": "alltoall",
+                  "--moe-grouped-gemm": True, "--moe-router-dtype": "fp32"}
+    if model.num_dense_layers:
+        args["--moe-layer-freq"] = f"([0]*{model.num_dense_layers}+[1]*{model.num_moe_layers})"
+    if model.shared_expert_ffn_hidden_size:
+        args["--moe-shared-expert-intermediate-size"] = model.shared_expert_ffn_hidden_size
+        if model.shared_expert_gate:
+            args["--moe-shared-expert-gate"] = True
+    if model.aux_loss_coeff > 0:
+        args.update({"--moe-router-load-balancing-type": "seq_aux_loss", "--moe-aux-loss-coeff": model.aux_loss_coeff})
+    else:
+        args["--moe-router-load-balancing-type"] = "none"
+    if model.capacity_factor > 0:
+        args.update({"--moe-expert-capacity-factor": model.capacity_factor, "--moe-token-drop-policy": "position"})
     return args
 
 
@@ -104,6 +149,8 @@ def _arguments(plan: Plan, ctx: ExportContext) -> dict:
     args.update({"--tokenizer-type": "NullTokenizer", "--vocab-size": model.vocab_size,
                  "--make-vocab-size-divisible-by": vocab_divisor(model.vocab_size, plan.tp), "--mock-data": True})
     args.update({"--tensor-model-parallel-size": plan.tp, "--pipeline-model-parallel-size": plan.pp})
+    if model.is_moe:
+        args.update({"--expert-model-parallel-size": plan.ep, "--expert-tensor-parallel-size": plan.etp})
     args.update(_context_arguments(plan, ctx))
     if plan.sequence_parallel:
         args["--sequence-parallel"] = True

@@ -51,13 +51,17 @@ class ShardedDataParallel:
         stream_ordered: chain the gradient reductions on side streams instead of polling them
             (runners/sharding/streams.py; default: on CUDA under NCCL). True on CPU runs the same logic
             with no-op streams (for tests).
+        experts: None (every parameter, units = each chunk's `units`), False (all but MoE experts' parameters,
+            `is_expert`), or True (only those, each chunk's GroupedExperts modules as its units; `plan` and
+            `mesh` are then the expert views, runners/train.py): experts shard over their own expert-DP group.
     """
 
     def __init__(self, chunks, *, plan, mesh, comm, num_micro_batches: int, lr: float,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  defer_grad_sync: bool = False, param_dtype: torch.dtype | None = None,
                  grad_dtype: torch.dtype | None = None, device: torch.device | None = None,
-                 loss_scale: DynamicLossScale | None = None, stream_ordered: bool | None = None) -> None:
+                 loss_scale: DynamicLossScale | None = None, stream_ordered: bool | None = None,
+                 experts: bool | None = None) -> None:
         if num_micro_batches < 1:
             raise PlannerError(f"num_micro_batches must be at least 1, got {num_micro_batches}")
         self.chunks, self.plan, self.mesh, self.comm = list(chunks), plan, mesh, comm
@@ -67,6 +71,7 @@ class ShardedDataParallel:
         self.num_steps = 0
         self.loss_scale = loss_scale
         self.device = device
+        self.experts = experts
         self._build_units(param_dtype, grad_dtype)
         device = self.units[0].flat.device if self.units else torch.device("cpu")
         self.streams = SideStreams(device)
@@ -95,8 +100,8 @@ class ShardedDataParallel:
             for name, p in chunk.named_parameters():
                 self.names[id(p)] = f"{c}.{name}"
             units = []
-            for i, module in enumerate(chunk.units):
-                params = [p for p in module.parameters() if p.requires_grad]
+            for i, module in enumerate(self._unit_modules(chunk)):
+                params = [p for p in module.parameters() if p.requires_grad and self._selects(p)]
                 for p in params:
                     if id(p) in seen and self.degrees[0] > 1:
                         raise PlannerError(f"parameter {self.names.get(id(p))} is in two units ({seen[id(p)]} and "
@@ -119,6 +124,16 @@ class ShardedDataParallel:
                                       device=self.device))
             self.units_by_chunk.append(units)
         self.units = [u for units in self.units_by_chunk for u in units]
+
+    def _unit_modules(self, chunk) -> list[nn.Module]:
+        if self.experts:
+            from runners.moe import GroupedExperts
+
+            return [m for m in chunk.modules() if isinstance(m, GroupedExperts)]
+        return list(chunk.units)
+
+    def _selects(self, p: nn.Parameter) -> bool:
+        return self.experts is None or bool(getattr(p, "is_expert", False)) == self.experts
 
     def _register_hooks(self) -> None:
         for u in self.units:

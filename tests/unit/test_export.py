@@ -226,3 +226,20 @@ def test_gradient_reduction_dtype_is_expressed_as_each_target_can():
     zero2 = _export(_plan(grad_shard=8, optim_shard=8, reduce_fp32=True), "deepspeed")
     assert not zero2.expressed.reduce_fp32 and "data_types" not in zero2.settings["ds_config"]
     assert any(line.startswith("reduce_fp32=True") for line in zero2.cannot_express)
+
+
+def test_megatron_moe_flags_are_the_models_and_the_plans():
+    case = next(c for c in CASES if c.name == "deepseek-v3-ep64-pp16")
+    args = _export(case.build_plan(), "megatron", case.problem()).settings["args"]
+    assert (args["--num-experts"], args["--moe-router-topk"], args["--moe-ffn-hidden-size"]) == (256, 8, 2048)
+    assert args["--moe-layer-freq"] == "([0]*3+[1]*58)" and args["--moe-shared-expert-intermediate-size"] == 2048
+    assert args["--multi-latent-attention"] and (args["--q-lora-rank"], args["--kv-lora-rank"]) == (1536, 512)
+    assert (args["--qk-head-dim"], args["--qk-pos-emb-head-dim"], args["--v-head-dim"]) == (128, 64, 128)
+    assert (args["--expert-model-parallel-size"], args["--expert-tensor-parallel-size"]) == (64, 1)
+    assert args["--moe-router-load-balancing-type"] == "seq_aux_loss" and args["--moe-token-dispatcher-type"] == "alltoall"
+    qwen = next(c for c in CASES if c.name == "qwen3-30b-a3b-ep8")
+    qargs = _export(qwen.build_plan(), "megatron", qwen.problem()).settings["args"]
+    assert qargs["--qk-layernorm"] and qargs["--kv-channels"] == 128 and "--moe-layer-freq" not in qargs
+    for target in ("torchtitan", "deepspeed"):
+        with pytest.raises(Refused, match="mixture-of-experts model qwen3-30b-a3b is not supported"):
+            _export(qwen.build_plan(), target, qwen.problem())

@@ -1,0 +1,202 @@
+"""Price of an MoE layer's MLP: router and expert GEMMs at their real shapes, the token all-to-all, expert
+state memory under ep / etp and expert-DP sharding, and the layer's activations.
+
+Per micro-batch a rank holds `tokens` tokens (b x s / cp, / tp under sequence parallelism). Its EP group
+of ep ranks routes ep x tokens x k assignments over num_experts experts; a rank holds num_experts / ep of
+them, so each local expert sees ep x tokens x k / num_experts rows on average, etp x that with expert TP
+(the etp ranks of an expert all see its rows, each computing 1/etp of its width; Megatron-Core). The
+busiest expert sets the time every EP rank waits for: `imbalance` (max / mean rows per expert) multiplies
+the rows; 1 is perfect balance, and it is a parameter since it depends on the data and the router's
+training (runners/moe.py's tiny runs give it on CPU, benchmarks/moe.py). The GEMM model
+(cost_models/compute.gemm_time_s) prices the small, thin expert GEMMs at their own efficiency.
+
+All-to-all (runners/expert_parallel.py): dispatch sends each assignment's hidden vector to its expert's
+rank, combine sends it back; under uniform routing (ep - 1) / ep of the tokens x k assignments leave the
+rank, of which the share whose destination is on another node crosses nodes (EP ranks sit etp apart
+within a stage, `ep_ranks_per_node`). Forward is dispatch + combine, backward the same pair reversed;
+full recomputation repeats the forward pair.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+
+from cost_models.comm import flat_collective_time_s
+from cost_models.compute import Gemm, activation_bytes_per_element, gemm_time_s, memory_time_s
+from cost_models.memory import model_state_bytes
+from specs.hardware import Hardware
+from specs.model import ModelSpec
+
+
+def dense_view(model: ModelSpec) -> ModelSpec:
+    """The model's dense layer (attention and a dense MLP of ffn_hidden_size): its leading dense layers."""
+    return dataclasses.replace(model, num_experts=0, num_experts_per_token=0, expert_ffn_hidden_size=0,
+                               shared_expert_ffn_hidden_size=0, shared_expert_gate=False, num_dense_layers=0,
+                               capacity_factor=0.0, aux_loss_coeff=0.0)
+
+
+def attention_view(model: ModelSpec, *, tp: int) -> ModelSpec:
+    """The dense layer with an MLP of width 8 x tp: an MoE layer's part outside its MLP, priced by the
+    dense model (the remaining tiny MLP stands for the MoE layer's own elementwise ops and router input)."""
+    return dataclasses.replace(dense_view(model), ffn_hidden_size=8 * tp)
+
+
+def moe_fraction(model: ModelSpec) -> float:
+    """Share of the layers that are MoE layers (the per-layer prices average the two kinds)."""
+    return model.num_moe_layers / model.num_layers
+
+
+def nonexpert_layer_params_per_device(model: ModelSpec, *, tp: int) -> float:
+    """A layer's parameters outside the routed experts on one TP rank, averaged over the layers: attention
+    and MLPs split over TP (MLA's latent down-projections too, a slight undercount), norms and the router
+    replicated."""
+    phi = moe_fraction(model)
+    moe_mlp = model.router_params() + model.shared_expert_params() / tp
+    mlp = (1 - phi) * model.mlp_params() / tp + phi * moe_mlp
+    return model.attention_params() / tp + 2 * model.norm_params() + mlp
+
+
+def expert_plan_view(plan):
+    """The plan as the expert parameters' data parallelism sees it: expert-DP ranks as its DP group, spaced
+    ep x etp ranks apart (its `tp`, the stride cost_models/estimate.py's DP collectives use), sharded at
+    Plan.expert_shard_degrees; the engine's expert sharding engine runs the same view (runners/train.py)."""
+    s_p, s_g, s_os = plan.expert_shard_degrees
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return plan.replace(dp=plan.expert_dp, cp=1, tp=plan.ep * plan.etp, ep=1, etp=1, sequence_parallel=False,
+                            param_shard=s_p, grad_shard=s_g, optim_shard=s_os, param_cache="none")
+
+
+def rows_per_expert(model: ModelSpec, *, tokens: float, ep: int, etp: int = 1, imbalance: float = 1.0) -> float:
+    """Rows the busiest local expert processes in one micro-batch on one rank (see the module docstring)."""
+    return etp * ep * tokens * model.num_experts_per_token / model.num_experts * imbalance
+
+
+def moe_gemms(model: ModelSpec, *, tokens: int, ep: int, etp: int = 1, tp: int = 1,
+              imbalance: float = 1.0) -> dict[str, list[Gemm]]:
+    """Forward GEMMs of one MoE layer's MLP on one rank holding `tokens` tokens: 'router' (tokens x E from
+    h), 'experts' (gate, up, down of every local expert, batched over them) and 'shared' (the shared
+    expert, TP-split like a dense MLP over the tp x tokens of the gathered sequence)."""
+    h, f = model.hidden_size, model.expert_ffn_hidden_size // etp
+    m = round(rows_per_expert(model, tokens=tokens, ep=ep, etp=etp, imbalance=imbalance))
+    local = model.num_experts // ep
+    experts = [Gemm(m, f, h, local), Gemm(m, f, h, local), Gemm(m, h, f, local)] if m > 0 else []
+    fs = model.shared_expert_ffn_hidden_size
+    shared = [Gemm(tp * tokens, fs // tp, h), Gemm(tp * tokens, fs // tp, h), Gemm(tp * tokens, h, fs // tp)] if fs else []
+    return {"router": [Gemm(tokens, model.num_experts, h)], "experts": experts, "shared": shared}
+
+
+@dataclass(frozen=True)
+class MoETimes:
+    forward_s: float
+    backward_s: float
+
+
+def moe_compute_times(model: ModelSpec, hw: Hardware, *, tokens: int, ep: int, etp: int = 1, tp: int = 1,
+                      imbalance: float = 1.0, dtype: str) -> MoETimes:
+    """Forward and backward (input + weight gradients) GEMM seconds of one MoE layer's MLP on one rank; the
+    router runs in fp32 (runners/moe.py, Megatron-Core's --moe-router-dtype fp32)."""
+    gemms = moe_gemms(model, tokens=tokens, ep=ep, etp=etp, tp=tp, imbalance=imbalance)
+    fwd = bwd = 0.0
+    for group, items in gemms.items():
+        kind = "fp32" if group == "router" else dtype
+        fwd += sum(gemm_time_s(hw, g, dtype=kind) for g in items)
+        bwd += sum(gemm_time_s(hw, g2, dtype=kind) for g in items for g2 in g.backward())
+    return MoETimes(forward_s=fwd, backward_s=bwd)
+
+
+def ep_ranks_per_node(*, ep: int, etp: int, ranks_per_node: int) -> int:
+    """EP ranks of one group inside one node: the group's ranks sit etp apart (runners/mesh.py)."""
+    return max(1, min(ep, ranks_per_node // etp))
+
+
+@dataclass(frozen=True)
+class AllToAllBytes:
+    """Bytes one rank sends in one all-to-all of one MoE layer (dispatch or combine), by link class."""
+
+    intra_node: float
+    inter_node: float
+
+    @property
+    def total(self) -> float:
+        return self.intra_node + self.inter_node
+
+
+def all_to_all_bytes(model: ModelSpec, *, tokens: int, ep: int, etp: int = 1, ranks_per_node: int,
+                     precision: str) -> AllToAllBytes:
+    """One dispatch (or combine) under uniform routing: tokens x k x h x bytes, the (ep - 1) / ep that
+    leave the rank, split by whether the destination rank is in this node."""
+    if ep == 1:
+        return AllToAllBytes(0.0, 0.0)
+    per_dest = tokens * model.num_experts_per_token * model.hidden_size * activation_bytes_per_element(precision) / ep
+    inside = ep_ranks_per_node(ep=ep, etp=etp, ranks_per_node=ranks_per_node)
+    return AllToAllBytes(intra_node=per_dest * (inside - 1), inter_node=per_dest * (ep - inside))
+
+
+def all_to_all_time_s(model: ModelSpec, hw: Hardware, *, tokens: int, ep: int, etp: int = 1, ranks_per_node: int,
+                      precision: str) -> float:
+    """One dispatch (or combine): the rows for ranks in this node over the intra-node link while those for
+    other nodes leave over the NIC, at once (NCCL's all-to-all posts every pair's send together), so the
+    slower of the two; each part as point-to-point volume on its link (latency once per destination)."""
+    volume = all_to_all_bytes(model, tokens=tokens, ep=ep, etp=etp, ranks_per_node=ranks_per_node, precision=precision)
+    if volume.total == 0:
+        return 0.0
+    inside = ep_ranks_per_node(ep=ep, etp=etp, ranks_per_node=ranks_per_node)
+    parts = [(volume.intra_node, "intra_node", inside - 1), (volume.inter_node, "inter_node", ep - inside)]
+    return max(flat_collective_time_s(hw, collective="p2p", size_bytes=num_bytes, group_size=2, link=link)
+               + (peers - 1) * hw.link(link).latency_s for num_bytes, link, peers in parts if num_bytes > 0)
+
+
+def permutation_times_s(model: ModelSpec, hw: Hardware, *, tokens: int, ep: int, etp: int = 1,
+                        imbalance: float = 1.0, precision: str) -> MoETimes:
+    """The MoE layer's bandwidth-bound work outside its GEMMs, forward and backward (twice the bytes): the
+    router's softmax and top-k over tokens x E fp32 probabilities, the permutation of the tokens x k
+    assignments into expert order and back (read and write, each way), the experts' SwiGLU (two rows x F
+    inputs read, one written) and the weighted combine (tokens x k rows read, tokens rows written)."""
+    p, h, k = activation_bytes_per_element(precision), model.hidden_size, model.num_experts_per_token
+    rows = rows_per_expert(model, tokens=tokens, ep=ep, etp=etp, imbalance=imbalance) * model.num_experts / ep
+    f = model.expert_ffn_hidden_size / etp
+    router = 3 * 4 * tokens * model.num_experts
+    permute = 2 * 2 * p * tokens * k * h
+    swiglu = 3 * p * rows * f
+    combine = p * (tokens * k * h + tokens * h)
+    forward = memory_time_s(hw, router + permute + swiglu + combine, num_kernels=6 + model.num_experts // ep)
+    return MoETimes(forward_s=forward, backward_s=2 * forward)
+
+
+def all_to_alls_per_layer(policy: str) -> int:
+    """All-to-alls of one MoE layer per micro-batch: dispatch and combine forward and backward, and the
+    forward pair again under full recomputation."""
+    return 6 if policy == "full" else 4
+
+
+def expert_params_per_device(model: ModelSpec, *, num_moe_layers: int, ep: int, etp: int) -> float:
+    """Routed-expert parameters one rank holds for `num_moe_layers` MoE layers."""
+    return num_moe_layers * model.num_experts // ep * model.expert_params() / etp
+
+
+def expert_state_bytes(model: ModelSpec, *, num_moe_layers: int, ep: int, etp: int,
+                       expert_shard_degrees: tuple[int, int, int], precision: str) -> float:
+    """Weights, gradients and Adam states of a rank's experts, sharded over expert-DP at the plan's
+    expert_shard_degrees (runners/sharding/ over the expert view of the mesh)."""
+    s_p, s_g, s_os = expert_shard_degrees
+    params = expert_params_per_device(model, num_moe_layers=num_moe_layers, ep=ep, etp=etp)
+    return model_state_bytes(params, param_shard=s_p, grad_shard=s_g, optim_shard=s_os,
+                             precision=precision).total_bytes
+
+
+def moe_activation_bytes(model: ModelSpec, *, tokens: int, ep: int = 1, etp: int = 1, imbalance: float = 1.0,
+                         precision: str) -> float:
+    """Bytes one MoE layer's MLP keeps for backward per micro-batch without recomputation, as
+    runners/moe.py keeps them: the fp32 router probabilities (tokens x E), the dispatched rows (tokens x k x
+    h, by a rank's experts after the all-to-all), each expert's gate and up outputs and their SwiGLU
+    product (3 x rows x F / etp), the combined rows before weighting (tokens x k x h), and the shared
+    expert's input, gate, up and product."""
+    p, h, k = activation_bytes_per_element(precision), model.hidden_size, model.num_experts_per_token
+    rows = rows_per_expert(model, tokens=tokens, ep=ep, etp=etp, imbalance=imbalance) * model.num_experts / ep
+    f = model.expert_ffn_hidden_size / etp
+    routed = 4 * tokens * model.num_experts + p * (rows * h + 3 * rows * f + tokens * k * h)
+    fs = model.shared_expert_ffn_hidden_size
+    return routed + (p * tokens * (h + 3 * fs) if fs else 0.0)

@@ -1,0 +1,139 @@
+"""cost_models/moe.py against hand-computed values (Mixtral-8x7B and the tiny MoE model)."""
+
+import pytest
+
+from cost_models.compute import Gemm, gemm_time_s
+from cost_models.moe import (all_to_all_bytes, all_to_alls_per_layer, expert_params_per_device, expert_state_bytes,
+                             moe_activation_bytes, moe_compute_times, moe_gemms, rows_per_expert)
+from specs.hardware import PRESETS as HARDWARE_PRESETS
+from specs.model import PRESETS
+
+MIXTRAL = PRESETS["mixtral-8x7b"]
+TINY = PRESETS["tiny-moe"]
+
+
+def test_rows_per_expert():
+    # 4096 tokens per rank, ep 8: the group's 8 x 4096 x 2 assignments over 8 experts, one per rank.
+    assert rows_per_expert(MIXTRAL, tokens=4096, ep=8) == 8192
+    assert rows_per_expert(MIXTRAL, tokens=4096, ep=8, etp=2, imbalance=1.25) == 2 * 8192 * 1.25
+    assert rows_per_expert(MIXTRAL, tokens=4096, ep=1) == 1024
+
+
+def test_expert_gemms_at_their_real_shapes():
+    gemms = moe_gemms(MIXTRAL, tokens=4096, ep=4, etp=2)
+    # 2 local experts, 2 x 4 x 4096 x 2 / 8 = 8192 rows each, FFN 14336 / 2.
+    assert gemms["experts"] == [Gemm(8192, 7168, 4096, 2), Gemm(8192, 7168, 4096, 2), Gemm(8192, 4096, 7168, 2)]
+    assert gemms["router"] == [Gemm(4096, 8, 4096)]
+    assert gemms["shared"] == []
+    # Expert FLOPs per rank are the rank's own assignments' whatever the split: 6 x T x k x h x F.
+    flops = sum(g.flops for g in gemms["experts"])
+    assert flops == 6 * 4096 * 2 * 4096 * 14336
+    tiny = moe_gemms(TINY, tokens=64, ep=2, tp=2)
+    assert tiny["shared"] == [Gemm(128, 16, 64), Gemm(128, 16, 64), Gemm(128, 64, 16)]
+
+
+def test_compute_time_is_the_gemm_model_sum():
+    hw = HARDWARE_PRESETS["h100"]
+    times = moe_compute_times(MIXTRAL, hw, tokens=4096, ep=8, dtype="bf16")
+    g = Gemm(8192, 14336, 4096, 1)
+    down = Gemm(8192, 4096, 14336, 1)
+    router = Gemm(4096, 8, 4096)
+    expected = 2 * gemm_time_s(hw, g, dtype="bf16") + gemm_time_s(hw, down, dtype="bf16") + gemm_time_s(hw, router, dtype="fp32")
+    assert times.forward_s == pytest.approx(expected)
+    imbalanced = moe_compute_times(MIXTRAL, hw, tokens=4096, ep=8, imbalance=1.5, dtype="bf16")
+    assert imbalanced.forward_s > times.forward_s
+
+
+def test_all_to_all_bytes_by_top_k_and_node_boundary():
+    # tokens x k x h x 2 bytes = 4096 x 2 x 4096 x 2 = 64 MiB of assignments; 1/8 per destination.
+    per_dest = 4096 * 2 * 4096 * 2 / 8
+    inside_node = all_to_all_bytes(MIXTRAL, tokens=4096, ep=8, ranks_per_node=8, precision="bf16")
+    assert (inside_node.intra_node, inside_node.inter_node) == (7 * per_dest, 0.0)
+    # etp 2: EP ranks sit 2 apart, so 4 of the 8 share a node and 4 destinations are remote.
+    split = all_to_all_bytes(MIXTRAL, tokens=4096, ep=8, etp=2, ranks_per_node=8, precision="bf16")
+    assert (split.intra_node, split.inter_node) == (3 * per_dest, 4 * per_dest)
+    assert all_to_all_bytes(MIXTRAL, tokens=4096, ep=1, ranks_per_node=8, precision="bf16").total == 0
+    assert (all_to_alls_per_layer("none"), all_to_alls_per_layer("full")) == (4, 6)
+
+
+def test_expert_state_memory_under_ep_and_sharding():
+    # 32 MoE layers x 8 experts / ep 8 x 3 x 4096 x 14336 / etp 1.
+    params = 32 * 1 * 3 * 4096 * 14336
+    assert expert_params_per_device(MIXTRAL, num_moe_layers=32, ep=8, etp=1) == params
+    # bf16 ZeRO-1 over expert-DP 4: 2 + 2 + 12 / 4 bytes per parameter.
+    state = expert_state_bytes(MIXTRAL, num_moe_layers=32, ep=8, etp=1, expert_shard_degrees=(1, 1, 4), precision="bf16")
+    assert state == pytest.approx(params * (2 + 2 + 12 / 4))
+
+
+def test_activation_bytes_hand_count():
+    # tiny-moe, fp32, 64 tokens, ep 1: probs 4 x 64 x 8; rows = 64 x 2 = 128 assignments.
+    expected = 4 * 64 * 8 + 4 * (128 * 64 + 3 * 128 * 32 + 64 * 2 * 64) + 4 * 64 * (64 + 3 * 32)
+    assert moe_activation_bytes(TINY, tokens=64, precision="fp32") == expected
+
+
+def _problem(model, *, devices, global_batch, seq_len, hardware="cpu", per_node=None, precision="fp32"):
+    from specs.cluster import Cluster
+    from specs.job import Job
+    from specs.problem import Problem
+
+    per_node = per_node or devices
+    cluster = Cluster(num_nodes=devices // per_node, devices_per_node=per_node, hardware=HARDWARE_PRESETS[hardware])
+    return Problem(model=model, cluster=cluster, job=Job(global_batch=global_batch, seq_len=seq_len, precision=precision))
+
+
+def test_estimate_holds_experts_split_over_ep_and_sharded_over_expert_dp():
+    from cost_models.estimate import estimate
+    from specs.plan import Plan
+
+    problem = _problem(MIXTRAL, devices=64, per_node=8, global_batch=64, seq_len=4096, hardware="h100", precision="bf16")
+    kwargs = dict(model=MIXTRAL, cluster=problem.cluster, job=problem.job)
+    base = dict(dp=16, pp=4, micro_batch=1, num_micro_batches=4, recompute="full")
+    replicated = estimate(Plan(**base), **kwargs).breakdown
+    split = estimate(Plan(ep=8, **base), **kwargs).breakdown
+    # A stage holds 8 of the 32 layers: its experts are 8 x 8 x 3 h F weights, 2 bytes each, / ep.
+    experts = 8 * 8 * MIXTRAL.expert_params()
+    assert replicated["weights_bytes"] - split["weights_bytes"] == pytest.approx(2 * experts * (1 - 1 / 8), rel=1e-9)
+    # ZeRO-1 over dp 16: the experts' optimizer states over expert-DP 16 / 8 = 2.
+    zero1 = estimate(Plan(ep=8, optim_shard=16, **base), **kwargs).breakdown
+    dense_params = split["weights_bytes"] / 2 - experts / 8
+    assert zero1["optimizer_bytes"] == pytest.approx(12 * (dense_params / 16 + experts / 8 / 2), rel=1e-9)
+
+
+def test_search_enumerates_ep_and_proposes_only_what_the_engine_runs():
+    from planner.search import SearchOptions, search
+    from runners.transformer import check_moe_runnable
+    from specs.plan import check_plan
+
+    problem = _problem(TINY, devices=4, global_batch=8, seq_len=64)
+    result = search(problem, options=SearchOptions(top_k=200))
+    plans = [c.plan for c in result.candidates]
+    assert {p.ep for p in plans} == {1, 2, 4}
+    for plan in plans:
+        check_plan(plan, model=TINY, num_devices=4, job=problem.job)
+        check_moe_runnable(TINY, plan)
+        assert plan.cp == 1 and plan.etp == 1 and (plan.tp == 1 or plan.sequence_parallel)
+
+
+def test_all_to_all_time_is_the_slower_link():
+    from cost_models.comm import flat_collective_time_s
+    from cost_models.moe import all_to_all_time_s
+
+    hw = HARDWARE_PRESETS["h100"]
+    per_dest = 4096 * 2 * 4096 * 2 / 16
+    # ep 16 over two nodes of 8: 7 destinations over NVLink, 8 over the NIC; the NIC is the slower.
+    inter = flat_collective_time_s(hw, collective="p2p", size_bytes=8 * per_dest, group_size=2, link="inter_node")
+    expected = inter + 7 * hw.link("inter_node").latency_s
+    assert all_to_all_time_s(MIXTRAL, hw, tokens=4096, ep=16, ranks_per_node=8, precision="bf16") == pytest.approx(expected)
+    assert all_to_all_time_s(MIXTRAL, hw, tokens=4096, ep=1, ranks_per_node=8, precision="bf16") == 0.0
+
+
+def test_published_moe_rows_are_priced_with_their_expert_layout():
+    from planner.published import load_published
+
+    from pathlib import Path
+
+    runs, skipped = load_published(Path(__file__).resolve().parents[2] / "benchmarks" / "published" / "moe_runs.csv")
+    assert len(runs) == 15
+    assert {r.model.name for r in runs} >= {"qwen3-30b-a3b", "qwen3-235b-a22b", "GPT-OSS-120B"}
+    assert all(r.model.is_moe and r.plan.ep > 1 for r in runs)
+    assert any("engine 'other' has no pricing" in line for line in skipped)  # NeMo AutoModel: no engine model yet
