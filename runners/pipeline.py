@@ -79,6 +79,10 @@ class Step:
     message: Message | None = None
     action: Action | None = None
     chunk: int = -1
+    # HOOK only: the input-gradient send (`message`) must finish before the hook runs. Set where the
+    # chunk's last backward is the rank's last action, so waiting stalls no compute (Commshift: the
+    # reduction then leaves after the send instead of sharing the link with it, cost_models/linkshare.py).
+    after_send: bool = False
 
 
 def message_order(table: tuple[tuple[Action, ...], ...], *, num_chunks: int) -> dict[Message, int]:
@@ -181,7 +185,9 @@ def _cached_program(actions: tuple[Action, ...], table: tuple[tuple[Action, ...]
         if out is not None:
             issuer.issue(out, required=True)
         if last_backward.get(action.chunk) == k:
-            issuer.steps.append(Step(HOOK, chunk=action.chunk))
+            after_send = out is not None and k == len(actions) - 1
+            issuer.steps.append(Step(HOOK, message=out if after_send else None, chunk=action.chunk,
+                                     after_send=after_send))
     return tuple(issuer.steps)
 
 
@@ -211,6 +217,8 @@ class _Executor:
         self.outputs: dict[tuple[int, int], Tensor] = {}
         self.losses: dict[int, Tensor] = {}
         self.sends: list[tuple[object, Tensor]] = []
+        self.awaited: set[Message] = set()  # the sends a HOOK step waits for (Step.after_send)
+        self.send_work: dict[Message, object] = {}
 
     def tag(self, message: Message) -> int:
         return message_tag(message, num_chunks=self.num_chunks, num_micro_batches=len(self.micro_batches))
@@ -234,6 +242,8 @@ class _Executor:
         work = self.comm.isend(tensor, dst=self.rank_of_chunk(message.dst_chunk), tag=self.tag(message))
         # Keep the tensor alive until the transfer is done; drop finished sends to free memory early.
         self.sends = [(w, t) for w, t in self.sends if not w.is_completed()] + [(work, tensor)]
+        if message in self.awaited:
+            self.send_work[message] = work
 
     def forward(self, chunk: int, micro_batch: int) -> None:
         tokens, targets = self.micro_batches[micro_batch]
@@ -261,6 +271,7 @@ class _Executor:
             self.outbox[Message(GRADIENT, chunk, micro_batch)] = x.grad
 
     def run(self, program: tuple[Step, ...]) -> list[Tensor]:
+        self.awaited = {step.message for step in program if step.op == HOOK and step.after_send}
         for step in program:
             if step.op == POST:
                 self.post(step.message)
@@ -272,6 +283,8 @@ class _Executor:
             elif step.op == SEND:
                 self.send(step.message)
             elif step.op == HOOK and self.after_last_backward is not None:
+                if step.after_send:  # on NCCL this holds the stream back, not the CPU
+                    self.comm.wait(self.send_work[step.message])
                 self.after_last_backward(step.chunk)
         for work, _ in self.sends:
             self.comm.wait(work)
@@ -292,7 +305,8 @@ def run_pipeline(*, actions: list[Action], chunks: dict[int, nn.Module], micro_b
         actions: this rank's list, rank_actions(...)[pp_rank]; chunks: global chunk index -> module held
             here (chunk c on pipeline rank c % pp); pp_ranks[p]: global rank of pipeline rank p.
         activation_shape, dtype: of every message between chunks (hidden state and its gradient).
-        after_last_backward: called with chunk c right after c's last input-gradient send is issued.
+        after_last_backward: called with chunk c right after c's last input-gradient send is issued,
+            or once it is done where that backward is the rank's last action (Step.after_send).
         schedule_table: every pipeline rank's actions; required on NCCL, which matches by order.
     Returns:
         The detached per-micro-batch losses on the rank holding the last chunk, [] elsewhere.
