@@ -284,7 +284,10 @@ class _Executor:
                 self.send(step.message)
             elif step.op == HOOK and self.after_last_backward is not None:
                 if step.after_send:  # on NCCL this holds the stream back, not the CPU
-                    self.comm.wait(self.send_work[step.message])
+                    work = self.send_work.pop(step.message)
+                    self.comm.wait(work)
+                    # Waited once only: a second wait on a gloo send blocks for a send that never comes.
+                    self.sends = [(w, t) for w, t in self.sends if w is not work]
                 self.after_last_backward(step.chunk)
         for work, _ in self.sends:
             self.comm.wait(work)
