@@ -233,6 +233,22 @@ class _Executor:
 
     def wait(self, message: Message) -> None:
         self.comm.wait(self.received[message][1])
+        if self.acknowledges(message):
+            ack = torch.ones(1, device=self.device)
+            work = dist.isend(ack, dst=self.rank_of_chunk(message.src_chunk), tag=self.ack_tag(message))
+            self.sends.append((work, ack))
+
+    def acknowledges(self, message: Message) -> bool:
+        """Whether `message` is a rank's last input-gradient send that the sender's Commshift hook waits
+        for (Step.after_send: the last backward of chunk c < pp is rank c's last action). On gloo a send
+        is done once its last byte is in the TCP socket's buffer, still up to a few hundred KiB short of
+        the wire, so the receiver says when it has it: only then does the reduction stop sharing the
+        link with it. NCCL matches messages by order, not tag: no acknowledgement there."""
+        return (self.after_last_backward is not None and self.device.type != "cuda" and message.kind == GRADIENT
+                and 0 < message.src_chunk < self.pp and message.micro_batch == len(self.micro_batches) - 1)
+
+    def ack_tag(self, message: Message) -> int:
+        return 2 * self.num_chunks * len(self.micro_batches) + self.tag(message)  # past every message's tag
 
     def send(self, message: Message) -> None:
         tensor = self.outbox.pop(message)
@@ -288,6 +304,10 @@ class _Executor:
                     self.comm.wait(work)
                     # Waited once only: a second wait on a gloo send blocks for a send that never comes.
                     self.sends = [(w, t) for w, t in self.sends if w is not work]
+                    if self.acknowledges(step.message):
+                        ack = torch.empty(1, device=self.device)
+                        self.comm.wait(dist.irecv(ack, src=self.rank_of_chunk(step.message.dst_chunk),
+                                                  tag=self.ack_tag(step.message)))
                 self.after_last_backward(step.chunk)
         for work, _ in self.sends:
             self.comm.wait(work)
