@@ -754,7 +754,8 @@ def _step_end_durations(plan, cluster, *, chunks: list[_ChunkPrice], model, job)
     min(send wire, reduction wire) and the reduction by as much (linkshare.py).
 
     With commshift the engine issues the last micro-batch's reductions (reduce-scatters and all-reduce)
-    only once the chunk's last send is done, where that backward is the rank's last action (every chunk
+    only once the chunk's last send is done (on gloo, acknowledged by the receiver: a gloo send counts as
+    done when its bytes are in the socket buffer), where that backward is the rank's last action (every chunk
     of 1F1B and GPipe; under interleaving the first virtual stage: after any other chunk more compute
     follows, which the wait would stall, so the reduction is issued right after the send and shares the
     link with it as above). The send then goes at the full rate; the reduction starts one send later

@@ -1,8 +1,9 @@
 """Pipeline-parallel executor: runs one rank's schedule (specs.schedule action lists) over isend/irecv.
 
 The schedule is ours rather than torch.distributed.pipelining's so that data-parallel communication can
-be placed precisely inside it (Commshift: the DP gradient reduction of a chunk is issued right after the
-chunk's last input-gradient send, `after_last_backward`).
+be placed precisely inside it (Commshift: the DP gradient reduction of a chunk is issued after the
+chunk's last input-gradient send, `after_last_backward`; where nothing follows on the rank, once that send
+has arrived, so that the two do not share a link).
 
 Execution is a two-step affair. `rank_program` turns the action list into a flat program of
 point-to-point steps (post a receive, wait for it, run an action, send its output, call the hook); the
