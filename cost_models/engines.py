@@ -46,10 +46,6 @@ class EngineModel:
     # there (Megatron's distributed optimizer, DeepSpeed ZeRO-1/2), where sharded gradients (this
     # engine, FSDP) are reduce-scattered after every micro-batch.
     reduce_scatter_once: bool = False
-    # The DP reduction runs on its own process group's NCCL stream (Megatron's overlapped grad reduce,
-    # FSDP), so a pipeline send never queues behind it; this project's engine issues both on one ordered
-    # stream, the wait Commshift removes.
-    reduce_beside_sends: bool = False
     # Context parallelism: whether the engine runs it (Megatron-LM's --context-parallel-size,
     # torchtitan's context_parallel_degree; not the SC21 Megatron nor Megatron-DeepSpeed), and whether a
     # ring's partial blocks run on a fused attention kernel (Transformer Engine, torch's ring over SDPA)
@@ -65,7 +61,7 @@ ENGINES: dict[str, EngineModel] = {e.name: e for e in (
     EngineModel("megatron", "Megatron-LM / NeMo with Transformer Engine (2024+): fused kernels, cuDNN fused "
                 "attention, TP communication overlap, distributed optimizer with fp32 main gradients",
                 attention="flash3", fused_elementwise=True, tp_comm_hidden=0.8, reduce_fp32=True,
-                main_grads_fp32=True, reduce_scatter_once=True, reduce_beside_sends=True),
+                main_grads_fp32=True, reduce_scatter_once=True),
     EngineModel("megatron-sc21", "Megatron-LM of Narayanan et al., SC21 (2021): fused kernels, attention "
                 "scores materialised, no TP overlap, fp32 main gradients all-reduced after the pipeline schedule",
                 attention="materialized", fused_elementwise=True, tp_comm_hidden=0.0, reduce_fp32=True,
@@ -80,10 +76,10 @@ ENGINES: dict[str, EngineModel] = {e.name: e for e in (
     # (pytorch/torchtitan#1196, 2025-05).
     EngineModel("torchtitan", "torchtitan (FSDP2, eager, SDPA attention, fp32 gradient reduction)",
                 attention="flash2", fused_elementwise=False, tp_comm_hidden=0.0, reduce_fp32=True,
-                main_grads_fp32=False, reduce_beside_sends=True),
+                main_grads_fp32=False),
     EngineModel("fsdp", "PyTorch FSDP1 with FlashAttention-2 (llm-foundry / Composer), eager elementwise",
                 attention="flash2", fused_elementwise=False, tp_comm_hidden=0.0, reduce_fp32=False,
-                main_grads_fp32=False, gpt_dropout=False, reduce_beside_sends=True, context_parallel=False),
+                main_grads_fp32=False, gpt_dropout=False, context_parallel=False),
 )}
 
 if tuple(ENGINES) != ENGINE_NAMES:  # the names are declared once, in specs (a plan file records its engine)

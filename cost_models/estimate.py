@@ -50,6 +50,7 @@ from cost_models.memory import (ALLOCATOR_FRAGMENTATION, CPU_FRAMEWORK_RESERVE_B
                                 layer_params_per_device, logits_bytes, model_state_bytes, peak_from_profiles,
                                 state_bytes_per_param)
 from cost_models.engines import engine_model
+from cost_models.linkshare import shared_send_delay_s
 from specs.schedule import rank_actions
 from cost_models.timeline import ChunkDurations, simulate
 from specs.errors import PlannerError
@@ -408,6 +409,12 @@ class _ChunkPrice:
     # chunk's whole last-micro-batch reduction (reduce-scatter + all-reduce) issued after its last send.
     shift_backward_s: float = 0.0
     shift_reduce_s: float = 0.0
+    # Without commshift: the last backward with the SM share the boundary reduction's buckets take from
+    # it while they run beside it (GPUs; estimate._overlap), and the wire seconds (inter-node bandwidth
+    # terms, what shares a link with a send: linkshare.py) of the boundary reduction and of commshift's.
+    beside_backward_s: float = 0.0
+    reduce_wire_s: float = 0.0
+    shift_reduce_wire_s: float = 0.0
     forward_compute_s: float = 0.0  # one micro-batch's forward compute (window for hiding the redistribution)
     forward_comm_s: float = 0.0  # its parameter gathers, which compete for that window
     backward_compute_s: float = 0.0  # one micro-batch's backward compute (recomputation and TP included)
@@ -589,6 +596,12 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
     backward_s = comm.bwd_first_s + comm.rs_last_s + _overlap(
         backward, comm.bwd_rest_s + comm.rs_hideable_s, cluster,
         wire_s=gather_wire * comm.bwd_rest_s + rs_wire * comm.rs_hideable_s, efficiency=e_b)
+    dp_group = (plan.dp_cp, plan.tp) if plan.grad_shard == 1 else (plan.dp_cp // plan.grad_shard, plan.tp * plan.grad_shard)
+    reduce_wire = _wire_fraction(cluster, collective="all_reduce", size_bytes=num_params * grad_bytes / plan.grad_shard,
+                                 group_size=dp_group[0], stride=dp_group[1])
+    # The boundary buckets issued during the last backward (all but the last) run beside its compute.
+    beside = min(backward, max(0.0, reduce_s - last_bucket_s))
+    reduce_toll_s = _overlap(backward, beside, cluster, wire_s=reduce_wire * beside, efficiency=e_b) - backward
     return _ChunkPrice(
         forward_s=comm.fwd_first_s + _overlap(forward, comm.fwd_rest_s, cluster, wire_s=gather_wire * comm.fwd_rest_s,
                                               efficiency=e_f),
@@ -599,6 +612,8 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
         shift_backward_s=comm.bwd_first_s + _overlap(backward, comm.bwd_rest_s, cluster,
                                                      wire_s=gather_wire * comm.bwd_rest_s, efficiency=e_b),
         shift_reduce_s=comm.rs_s + reduce_s, forward_compute_s=forward, forward_comm_s=comm.fwd_first_s + comm.fwd_rest_s,
+        beside_backward_s=backward_s + reduce_toll_s, reduce_wire_s=reduce_wire * reduce_s,
+        shift_reduce_wire_s=rs_wire * comm.rs_s + reduce_wire * reduce_s,
         backward_compute_s=backward, comm=comm,
         cache_bytes=cache, host_cache_bytes=layer_bytes * tiers.count("host"),
         recompute_working_bytes=working + costs.cp_working_bytes, cp_comm_s=cp_comm, num_expert_params=expert_params)
@@ -711,15 +726,27 @@ def _chunk_prices(plan, costs: LayerCosts, cluster, *, model, job, eng=None) -> 
     return chunks
 
 
+def _p2p_bytes(plan, *, model, job) -> float:
+    """One activation (b x s / cp x h, sequence-sharded under SP) between adjacent stages."""
+    size = plan.micro_batch * (job.seq_len // plan.cp) * model.hidden_size * activation_bytes_per_element(job.precision)
+    return size / (plan.tp if plan.sequence_parallel else 1)
+
+
 def _p2p_time_s(plan, cluster, *, model, job) -> float:
-    """One activation (b x s / cp x h, sequence-sharded under SP) between adjacent stages, dp x cp x tp ranks
-    apart."""
+    """One activation between adjacent stages, dp x cp x tp ranks apart."""
     if plan.pp == 1:
         return 0.0
-    size = plan.micro_batch * (job.seq_len // plan.cp) * model.hidden_size * activation_bytes_per_element(job.precision)
-    size /= plan.tp if plan.sequence_parallel else 1
-    return collective_time_s(cluster, collective="p2p", size_bytes=size, group_size=2,
+    return collective_time_s(cluster, collective="p2p", size_bytes=_p2p_bytes(plan, model=model, job=job), group_size=2,
                              stride=plan.dp_cp * plan.tp)
+
+
+def _p2p_wire_s(plan, cluster, *, model, job) -> float:
+    """The part of one stage-to-stage transfer that is its inter-node bandwidth term (0 inside a node)."""
+    if plan.pp == 1:
+        return 0.0
+    size = _p2p_bytes(plan, model=model, job=job)
+    fraction = _wire_fraction(cluster, collective="p2p", size_bytes=size, group_size=2, stride=plan.dp_cp * plan.tp)
+    return fraction * _p2p_time_s(plan, cluster, model=model, job=job)
 
 
 def _redistribute_s(plan, cluster, *, num_params: float, param_bytes: int, first_chunk: _ChunkPrice) -> tuple[float, float]:
@@ -788,31 +815,51 @@ def _time_breakdown(plan, *, chunks: list[_ChunkPrice], pipe, tails, post_total_
         "critical_rank": float(rank)}
 
 
-def _step_end_durations(plan, cluster, *, chunks: list[_ChunkPrice], p2p_s: float,
-                        beside_sends: bool = False) -> tuple[ChunkDurations, bool]:
-    """The chunks' action durations and whether each chunk's step-end reduction leaves its last backward
-    (the timeline's commshift mode).
+def _step_end_durations(plan, cluster, *, chunks: list[_ChunkPrice], model, job) -> ChunkDurations:
+    """The chunks' action durations with each chunk's step-end reduction on the communication stream
+    (the timeline's `commshift=True` mode, which every plan runs: see below).
 
-    With commshift the last micro-batch's reduce-scatter and all-reduce are issued after the last send.
-    Without it, on GPUs (NCCL) the reduction shares the ordered stream with the pipeline's send, so the
-    send waits for it (what Commshift removes). gloo runs each process group's collectives on its own
-    threads, so on CPU the send does not wait: the reduction still overlaps the last backward, and the
-    part of it left when that backward ends, max(b, r - last bucket) + last bucket - b, runs beside the
-    rest of the pipeline; Commshift can then only start it later. An engine whose reduction runs on its
-    own process group's stream (`beside_sends`) behaves the same way on GPUs.
+    torch runs the DP reduction and the pipeline's sends on different process groups, each with its own
+    communicator: gloo's own threads per group, NCCL's own stream per communicator (p2p pairs get
+    theirs). So a send never queues behind the reduction, on CPUs or GPUs. What the two do share is the
+    link, where both cross nodes from one rank (its NIC: a node's one NIC on the emulated cluster, the
+    GPU's own rail on GPU nodes), and on GPUs the SMs, which a reduction's kernels hold while they run.
+
+    Without commshift, the boundary reduction's buckets run beside the last backward (all but the last
+    one; on GPUs they slow it by their SM share, `beside_backward_s`) and what is left of it when the
+    backward ends leaves together with the input-gradient send: per-flow sharing delays the send by
+    min(send wire, reduction wire) and the reduction by as much (linkshare.py).
+
+    With commshift the engine issues the last micro-batch's reductions (reduce-scatters and all-reduce)
+    only once the chunk's last send is done (on gloo, acknowledged by the receiver: a gloo send counts as
+    done when its bytes are in the socket buffer), where that backward is the rank's last action (every chunk
+    of 1F1B and GPipe; under interleaving the first virtual stage: after any other chunk more compute
+    follows, which the wait would stall, so the reduction is issued right after the send and shares the
+    link with it as above). The send then goes at the full rate; the reduction starts one send later
+    and runs whole, none of it hidden behind the backward.
     """
+    p2p_s = _p2p_time_s(plan, cluster, model=model, job=job)
+    p2p_wire_s = _p2p_wire_s(plan, cluster, model=model, job=job)
     forward_s, backward_s = tuple(c.forward_s for c in chunks), tuple(c.backward_s for c in chunks)
     last_bucket_s = tuple(c.last_bucket_s for c in chunks)
-    if plan.commshift:
-        reduce_s, shift_backward_s = tuple(c.shift_reduce_s for c in chunks), tuple(c.shift_backward_s for c in chunks)
-    elif cluster.hardware.device_type != "cuda" or beside_sends:
-        reduce_s = tuple(0.0 if c.reduce_s <= 0.0 else max(c.backward_s, c.reduce_s - c.last_bucket_s)
-                         + c.last_bucket_s - c.backward_s for c in chunks)
-        shift_backward_s = backward_s
-    else:
-        durations = ChunkDurations(forward_s, backward_s, p2p_s, tuple(c.reduce_s for c in chunks), last_bucket_s)
-        return durations, False
-    return ChunkDurations(forward_s, backward_s, p2p_s, reduce_s, last_bucket_s, shift_backward_s), True
+    reduce_s, send_delay_s, start_s, last_backward_s = [], [], [], []
+    for k, c in enumerate(chunks):
+        sends = k > 0  # chunk 0's last backward sends nothing upstream
+        waits_for_send = plan.commshift and sends and k < plan.pp
+        if plan.commshift:
+            total_s, wire_s = c.shift_reduce_s, c.shift_reduce_wire_s
+            last_backward_s.append(c.shift_backward_s)
+        else:
+            # What is left of the reduction when the last backward ends (its last bucket at least).
+            total_s = 0.0 if c.reduce_s <= 0.0 else max(c.backward_s, c.reduce_s - c.last_bucket_s) + c.last_bucket_s - c.backward_s
+            wire_s = c.reduce_wire_s * (total_s / c.reduce_s) if c.reduce_s > 0.0 else 0.0
+            last_backward_s.append(c.beside_backward_s)
+        delay_s = 0.0 if waits_for_send or not sends or total_s <= 0.0 else shared_send_delay_s(p2p_wire_s, other_wire_s=wire_s)
+        send_delay_s.append(delay_s)
+        reduce_s.append(0.0 if total_s <= 0.0 else total_s + delay_s)  # the reduction is slowed by as much
+        start_s.append(p2p_s if waits_for_send else 0.0)
+    return ChunkDurations(forward_s, backward_s, p2p_s, tuple(reduce_s), last_bucket_s, tuple(last_backward_s),
+                          last_send_delay_s=tuple(send_delay_s), reduce_start_s=tuple(start_s))
 
 
 def estimate(plan, *, model, cluster, job, engine: str = "ours") -> Estimate:
@@ -829,14 +876,13 @@ def estimate(plan, *, model, cluster, job, engine: str = "ours") -> Estimate:
         # The reduction waits until the pipeline drains (DeepSpeed's PipelineEngine): it leaves the
         # timeline and is paid whole at the step's end.
         after = [sum(c.reduce_s for c in chunks[r::pp]) for r in range(pp)]
-        chunks = [dataclasses.replace(c, reduce_s=0.0, last_bucket_s=0.0) for c in chunks]
+        chunks = [dataclasses.replace(c, reduce_s=0.0, last_bucket_s=0.0, beside_backward_s=c.backward_s) for c in chunks]
     else:
         after = [0.0] * pp
     p2p_s = _p2p_time_s(plan, cluster, model=model, job=job)
-    durations, off_the_send = _step_end_durations(plan, cluster, chunks=chunks, p2p_s=p2p_s,
-                                                  beside_sends=eng.reduce_beside_sends)
+    durations = _step_end_durations(plan, cluster, chunks=chunks, model=model, job=job)
     pipe = simulate(schedule=plan.schedule, pp=pp, virtual_stages=plan.virtual_stages,
-                    num_micro_batches=plan.num_micro_batches, durations=durations, commshift=off_the_send)
+                    num_micro_batches=plan.num_micro_batches, durations=durations, commshift=True)
     post_total_s: list[float] = []
     tails = _rank_tails(plan, cluster, chunks=chunks, job=job, model=model, totals=post_total_s)
     tails = [(optimizer_s + after[r], post_s) for r, (optimizer_s, post_s) in enumerate(tails)]

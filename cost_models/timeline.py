@@ -8,15 +8,17 @@ transfer delays only the receiver (sends overlap the sender's next compute).
 Durations are per chunk and already include the chunk's exposed TP communication and the part of its
 per-micro-batch DP/ZeRO communication (gathers, reduce-scatters) that the separate communication stream
 cannot hide. What is left is the step-end gradient reduction of each chunk (`reduce_s`), which the
-schedule places in one of two ways (Commshift):
+schedule places in one of two ways (the `commshift` argument names the second; estimate.py decides
+which one a plan runs, and with what durations):
 
-* without commshift, the reduction of chunk c is issued inside its last backward (bucket by bucket as
-  gradients become ready) and the send of that backward's input gradient waits for it: the action lasts
-  max(backward, reduction - last bucket) + last bucket, so every stage's reduction sits on the
-  critical path of the upstream stages' cool-down;
-* with commshift, the last backward ends and sends as usual; the reduction is issued after the send on
-  the rank's communication stream and overlaps the upstream stages' remaining backwards; the rank waits
-  for it just before the optimizer step.
+* inside the last backward: the reduction of chunk c is issued bucket by bucket as gradients become
+  ready and the send of that backward's input gradient waits for it, so the action lasts
+  max(backward, reduction - last bucket) + last bucket and every stage's reduction sits on the
+  critical path of the upstream stages' cool-down (an engine that queues both on one ordered stream);
+* on the communication stream: the last backward ends and sends; the reduction (or what is left of it)
+  runs on the rank's communication stream from `reduce_start_s` after that backward's end and overlaps
+  the upstream stages' remaining backwards; the rank waits for it just before the optimizer step. A
+  send that shares its link with the reduction arrives `last_send_delay_s` later (linkshare.py).
 
 A simulation of many micro-batches is long (pp = 16 and 1024 micro-batches are 32768 actions), and
 the makespan is not linear in the micro-batch count from any fixed count on (constant terms such as the
@@ -61,6 +63,18 @@ class ChunkDurations:
     # Under commshift, each chunk's last backward without the reductions it no longer issues (the
     # last micro-batch's reduce-scatter moves to reduce_s); None: the same as backward_s.
     shift_backward_s: tuple[float, ...] | None = None
+    # Extra seconds on the transfer of each chunk's last input gradient, on top of p2p_s: the send
+    # slowed by a reduction leaving beside it on the same link (cost_models/linkshare.py); None: 0.
+    last_send_delay_s: tuple[float, ...] | None = None
+    # In the commshift mode, seconds after each chunk's last backward ends at which its reduction starts
+    # on the communication stream (the engine issues it once the last send is done); None: 0.
+    reduce_start_s: tuple[float, ...] | None = None
+
+    def send_delay(self, chunk: int) -> float:
+        return self.last_send_delay_s[chunk] if self.last_send_delay_s is not None else 0.0
+
+    def reduce_start(self, chunk: int) -> float:
+        return self.reduce_start_s[chunk] if self.reduce_start_s is not None else 0.0
 
     def last_backward_s(self, commshift: bool) -> list[float]:
         """Each chunk's last backward: without commshift it carries its reduction (all but the last
@@ -173,11 +187,17 @@ def _run(compiled: _Compiled, pp: int, d: ChunkDurations, commshift: bool) -> tu
     end = [0.0] * len(ranks)
     rank_free = [0.0] * pp
     p2p = d.p2p_s
+    # Extra transfer seconds of the message each action sends (only last backwards have any).
+    extra = None
+    if d.last_send_delay_s is not None and any(d.last_send_delay_s):
+        extra = [0.0] * len(ranks)
+        for i in lasts:
+            extra[i] = d.last_send_delay_s[slots[i] - num_chunks]
     for i, rank in enumerate(ranks):
         start = rank_free[rank]
         dep = deps[i]
         if dep >= 0:
-            arrive = end[dep] + p2p
+            arrive = end[dep] + p2p if extra is None else end[dep] + p2p + extra[dep]
             if arrive > start:
                 start = arrive
         end[i] = rank_free[rank] = start + durations[i]
@@ -186,7 +206,7 @@ def _run(compiled: _Compiled, pp: int, d: ChunkDurations, commshift: bool) -> tu
         for i in lasts:  # in order, so each rank's reductions queue on its stream
             chunk = slots[i] - num_chunks
             if d.reduce_s[chunk] > 0.0:
-                comm_free[ranks[i]] = max(comm_free[ranks[i]], end[i]) + d.reduce_s[chunk]
+                comm_free[ranks[i]] = max(comm_free[ranks[i]], end[i] + d.reduce_start(chunk)) + d.reduce_s[chunk]
     busy = [0.0] * pp
     for rank, duration in zip(ranks, durations):
         busy[rank] += duration
@@ -246,8 +266,9 @@ def _gpipe_closed_form(*, pp: int, m: int, d: ChunkDurations, commshift: bool) -
     for r in reversed(range(pp)):
         g[r] = release[r] if r == pp - 1 else max(release[r], g[r + 1] + b[r + 1] + p)
         ride = g[r] + (m - 1) * b[r] + last[r]
-        h[r] = ride if r == pp - 1 else max(ride, h[r + 1] + last[r] + p)
-    comm = tuple(h[r] + d.reduce_s[r] if commshift and d.reduce_s[r] > 0.0 else 0.0 for r in range(pp))
+        h[r] = ride if r == pp - 1 else max(ride, h[r + 1] + last[r] + p + d.send_delay(r + 1))
+    comm = tuple(h[r] + d.reduce_start(r) + d.reduce_s[r] if commshift and d.reduce_s[r] > 0.0 else 0.0
+                 for r in range(pp))
     busy = tuple(m * (f[r] + b[r]) - b[r] + last[r] for r in range(pp))
     return PipelineResult(tuple(h), comm, busy)
 
@@ -336,13 +357,17 @@ def action_spans(*, schedule: str, pp: int, virtual_stages: int, num_micro_batch
     comm_free = [0.0] * pp
     spans: list[Span] = []
     for i, (rank, dep) in enumerate(zip(ranks, deps)):
-        start = rank_free[rank] if dep < 0 else max(rank_free[rank], end[dep] + durations.p2p_s)
+        if dep < 0:
+            start = rank_free[rank]
+        else:
+            delay = durations.send_delay(compiled.order[dep][2]) if compiled.order[dep][4] else 0.0
+            start = max(rank_free[rank], end[dep] + durations.p2p_s + delay)
         rank_free[rank] = end[i]
         action = per_rank[rank][position[i][1]]
         is_last = compiled.order[i][4]
         spans.append(Span(rank, action.kind, action.chunk, action.micro_batch, start, end[i], is_last))
         if is_last and commshift and durations.reduce_s[action.chunk] > 0.0:
-            begin = max(comm_free[rank], end[i])
+            begin = max(comm_free[rank], end[i] + durations.reduce_start(action.chunk))
             comm_free[rank] = begin + durations.reduce_s[action.chunk]
             spans.append(Span(rank, "R", action.chunk, action.micro_batch, begin, comm_free[rank]))
     return spans

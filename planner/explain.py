@@ -81,10 +81,9 @@ def explain(plan: Plan, problem: Problem) -> Explanation:
                               model=model, job=job)
     chunks = [_chunk_cost(c, q) for c, q in zip(priced, quiet)]
     # The very durations estimate() simulates, step-end reductions placed as it places them.
-    durations, off_the_send = est._step_end_durations(plan, cluster, chunks=priced,
-                                                      p2p_s=est._p2p_time_s(plan, cluster, model=model, job=job))
+    durations = est._step_end_durations(plan, cluster, chunks=priced, model=model, job=job)
     spans = action_spans(schedule=plan.schedule, pp=plan.pp, virtual_stages=plan.virtual_stages,
-                         num_micro_batches=plan.num_micro_batches, durations=durations, commshift=off_the_send)
+                         num_micro_batches=plan.num_micro_batches, durations=durations, commshift=True)
     tails = est._rank_tails(plan, cluster, chunks=priced, job=job, model=model)
     compute_end = tuple(max((s.end_s for s in spans if s.rank == r), default=0.0) for r in range(plan.pp))
     busy = [sum(s.end_s - s.start_s for s in spans if s.rank == r and s.kind != "R") for r in range(plan.pp)]

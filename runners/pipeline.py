@@ -1,8 +1,9 @@
 """Pipeline-parallel executor: runs one rank's schedule (specs.schedule action lists) over isend/irecv.
 
 The schedule is ours rather than torch.distributed.pipelining's so that data-parallel communication can
-be placed precisely inside it (Commshift: the DP gradient reduction of a chunk is issued right after the
-chunk's last input-gradient send, `after_last_backward`).
+be placed precisely inside it (Commshift: the DP gradient reduction of a chunk is issued after the
+chunk's last input-gradient send, `after_last_backward`; where nothing follows on the rank, once that send
+has arrived, so that the two do not share a link).
 
 Execution is a two-step affair. `rank_program` turns the action list into a flat program of
 point-to-point steps (post a receive, wait for it, run an action, send its output, call the hook); the
@@ -79,6 +80,10 @@ class Step:
     message: Message | None = None
     action: Action | None = None
     chunk: int = -1
+    # HOOK only: the input-gradient send (`message`) must finish before the hook runs. Set where the
+    # chunk's last backward is the rank's last action, so waiting stalls no compute (Commshift: the
+    # reduction then leaves after the send instead of sharing the link with it, cost_models/linkshare.py).
+    after_send: bool = False
 
 
 def message_order(table: tuple[tuple[Action, ...], ...], *, num_chunks: int) -> dict[Message, int]:
@@ -181,7 +186,9 @@ def _cached_program(actions: tuple[Action, ...], table: tuple[tuple[Action, ...]
         if out is not None:
             issuer.issue(out, required=True)
         if last_backward.get(action.chunk) == k:
-            issuer.steps.append(Step(HOOK, chunk=action.chunk))
+            after_send = out is not None and k == len(actions) - 1
+            issuer.steps.append(Step(HOOK, message=out if after_send else None, chunk=action.chunk,
+                                     after_send=after_send))
     return tuple(issuer.steps)
 
 
@@ -211,6 +218,8 @@ class _Executor:
         self.outputs: dict[tuple[int, int], Tensor] = {}
         self.losses: dict[int, Tensor] = {}
         self.sends: list[tuple[object, Tensor]] = []
+        self.awaited: set[Message] = set()  # the sends a HOOK step waits for (Step.after_send)
+        self.send_work: dict[Message, object] = {}
 
     def tag(self, message: Message) -> int:
         return message_tag(message, num_chunks=self.num_chunks, num_micro_batches=len(self.micro_batches))
@@ -225,6 +234,22 @@ class _Executor:
 
     def wait(self, message: Message) -> None:
         self.comm.wait(self.received[message][1])
+        if self.acknowledges(message):
+            ack = torch.ones(1, device=self.device)
+            work = dist.isend(ack, dst=self.rank_of_chunk(message.src_chunk), tag=self.ack_tag(message))
+            self.sends.append((work, ack))
+
+    def acknowledges(self, message: Message) -> bool:
+        """Whether `message` is a rank's last input-gradient send that the sender's Commshift hook waits
+        for (Step.after_send: the last backward of chunk c < pp is rank c's last action). On gloo a send
+        is done once its last byte is in the TCP socket's buffer, still up to a few hundred KiB short of
+        the wire, so the receiver says when it has it: only then does the reduction stop sharing the
+        link with it. NCCL matches messages by order, not tag: no acknowledgement there."""
+        return (self.after_last_backward is not None and self.device.type != "cuda" and message.kind == GRADIENT
+                and 0 < message.src_chunk < self.pp and message.micro_batch == len(self.micro_batches) - 1)
+
+    def ack_tag(self, message: Message) -> int:
+        return 2 * self.num_chunks * len(self.micro_batches) + self.tag(message)  # past every message's tag
 
     def send(self, message: Message) -> None:
         tensor = self.outbox.pop(message)
@@ -234,6 +259,8 @@ class _Executor:
         work = self.comm.isend(tensor, dst=self.rank_of_chunk(message.dst_chunk), tag=self.tag(message))
         # Keep the tensor alive until the transfer is done; drop finished sends to free memory early.
         self.sends = [(w, t) for w, t in self.sends if not w.is_completed()] + [(work, tensor)]
+        if message in self.awaited:
+            self.send_work[message] = work
 
     def forward(self, chunk: int, micro_batch: int) -> None:
         tokens, targets = self.micro_batches[micro_batch]
@@ -261,6 +288,7 @@ class _Executor:
             self.outbox[Message(GRADIENT, chunk, micro_batch)] = x.grad
 
     def run(self, program: tuple[Step, ...]) -> list[Tensor]:
+        self.awaited = {step.message for step in program if step.op == HOOK and step.after_send}
         for step in program:
             if step.op == POST:
                 self.post(step.message)
@@ -272,6 +300,15 @@ class _Executor:
             elif step.op == SEND:
                 self.send(step.message)
             elif step.op == HOOK and self.after_last_backward is not None:
+                if step.after_send:  # on NCCL this holds the stream back, not the CPU
+                    work = self.send_work.pop(step.message)
+                    self.comm.wait(work)
+                    # Waited once only: a second wait on a gloo send blocks for a send that never comes.
+                    self.sends = [(w, t) for w, t in self.sends if w is not work]
+                    if self.acknowledges(step.message):
+                        ack = torch.empty(1, device=self.device)
+                        self.comm.wait(dist.irecv(ack, src=self.rank_of_chunk(step.message.dst_chunk),
+                                                  tag=self.ack_tag(step.message)))
                 self.after_last_backward(step.chunk)
         for work, _ in self.sends:
             self.comm.wait(work)
@@ -292,7 +329,8 @@ def run_pipeline(*, actions: list[Action], chunks: dict[int, nn.Module], micro_b
         actions: this rank's list, rank_actions(...)[pp_rank]; chunks: global chunk index -> module held
             here (chunk c on pipeline rank c % pp); pp_ranks[p]: global rank of pipeline rank p.
         activation_shape, dtype: of every message between chunks (hidden state and its gradient).
-        after_last_backward: called with chunk c right after c's last input-gradient send is issued.
+        after_last_backward: called with chunk c right after c's last input-gradient send is issued,
+            or once it is done where that backward is the rank's last action (Step.after_send).
         schedule_table: every pipeline rank's actions; required on NCCL, which matches by order.
     Returns:
         The detached per-micro-batch losses on the rank holding the last chunk, [] elsewhere.

@@ -1,6 +1,8 @@
 """Commshift (Hosoki et al., CCGrid 2025): every gradient reduction of a chunk's last micro-batch (its
 reduce-scatter buckets and the boundary all-reduce) waits for `start(chunk)`, which the pipeline calls
-right after the chunk's last input-gradient send, so the reduction never delays that send."""
+after the chunk's last input-gradient send: once that send is done (on gloo, acknowledged by the
+receiver) where the chunk's last backward is the rank's last action, so the reduction never shares the
+link with it; right after issuing it otherwise (runners/pipeline.py, Step.after_send)."""
 
 from __future__ import annotations
 

@@ -92,3 +92,62 @@ def test_commshift_takes_the_reductions_off_the_critical_path():
     assert step_without == pytest.approx(step_bare + pp * 6.0)
     # With: the backwards run as usual; only rank 0's reduction, issued last, remains exposed.
     assert step_shifted == pytest.approx(step_bare + 8.0)
+
+
+# pp 2, m 2, 1F1B, f 1, b 2, p2p 0.5: rank 1 runs F0 1.5-2.5, B0 2.5-4.5, F1 4.5-5.5 and its last
+# backward B1 5.5-7.5; rank 0 runs B0 5-7 and B1 from the arrival of rank 1's last input gradient,
+# 7.5 + 0.5 (+ the send's delay). Each chunk's reduction alone takes 1.0 on the wire.
+def _two_stage(*, send_delay_s, reduce_s, reduce_start_s):
+    return ChunkDurations((1.0, 1.0), (2.0, 2.0), 0.5, reduce_s, (1.0, 1.0), (2.0, 2.0),
+                          last_send_delay_s=send_delay_s, reduce_start_s=reduce_start_s)
+
+
+def _makespan(d):
+    result = simulate_full(schedule="1f1b", pp=2, virtual_stages=1, num_micro_batches=2, durations=d, commshift=True)
+    return result, max(max(result.compute_end_s), max(result.comm_end_s))
+
+
+def test_a_send_sharing_its_link_with_the_reduction_arrives_one_send_later():
+    """Without commshift the reduction (1.0) and the last send (0.5) of chunk 1 leave together: per-flow
+    sharing delays the send by min(0.5, 1.0) = 0.5 and the reduction by as much (1.5). Rank 0's last
+    backward starts at 8.5 instead of 8, ends at 10.5, its own reduction at 11.5. With commshift the
+    reduction starts once the send is done (7.5 + 0.5) and takes 1.0: rank 0 ends 10, reduced at 11."""
+    shared, shared_step = _makespan(_two_stage(send_delay_s=(0.0, 0.5), reduce_s=(1.0, 1.5),
+                                                  reduce_start_s=(0.0, 0.0)))
+    assert shared.compute_end_s == pytest.approx((10.5, 7.5))
+    assert shared.comm_end_s == pytest.approx((11.5, 9.0))
+    shifted, shifted_step = _makespan(_two_stage(send_delay_s=(0.0, 0.0), reduce_s=(1.0, 1.0),
+                                                    reduce_start_s=(0.0, 0.5)))
+    assert shifted.compute_end_s == pytest.approx((10.0, 7.5))
+    assert shifted.comm_end_s == pytest.approx((11.0, 9.0))
+    assert shared_step - shifted_step == pytest.approx(0.5)  # one send
+
+
+def test_a_send_on_another_link_gains_nothing_from_commshift():
+    """The reduction inside the node, the send across: nothing shares, the send arrives at 8 either way;
+    commshift only starts chunk 1's reduction one send later (8 + 1 = 9 instead of 8.5), off the
+    critical path, which rank 0's reduction ends at 11."""
+    apart, apart_step = _makespan(_two_stage(send_delay_s=(0.0, 0.0), reduce_s=(1.0, 1.0),
+                                                reduce_start_s=(0.0, 0.0)))
+    shifted, shifted_step = _makespan(_two_stage(send_delay_s=(0.0, 0.0), reduce_s=(1.0, 1.0),
+                                                    reduce_start_s=(0.0, 0.5)))
+    assert apart.comm_end_s == pytest.approx((11.0, 8.5)) and shifted.comm_end_s == pytest.approx((11.0, 9.0))
+    assert apart_step == pytest.approx(shifted_step) == pytest.approx(11.0)
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2)])
+def test_send_delays_and_reduction_starts_agree_between_simulations(schedule, v):
+    """The shortened and closed-form simulations carry the per-chunk send delays and reduction starts
+    exactly as the full one does."""
+    rng = random.Random(3)
+    pp, m = 3, 12 if schedule != "interleaved-1f1b" else 9
+    n = pp * v
+    d = ChunkDurations(tuple(rng.uniform(0.5, 1.5) for _ in range(n)), tuple(rng.uniform(1, 3) for _ in range(n)),
+                       0.3, tuple(rng.uniform(0, 4) for _ in range(n)), (0.2,) * n,
+                       tuple(rng.uniform(1, 3) for _ in range(n)),
+                       last_send_delay_s=tuple(rng.uniform(0, 1) for _ in range(n)),
+                       reduce_start_s=tuple(rng.uniform(0, 1) for _ in range(n)))
+    full = simulate_full(schedule=schedule, pp=pp, virtual_stages=v, num_micro_batches=m, durations=d, commshift=True)
+    fast = simulate(schedule=schedule, pp=pp, virtual_stages=v, num_micro_batches=m, durations=d, commshift=True)
+    assert fast.compute_end_s == pytest.approx(full.compute_end_s)
+    assert fast.comm_end_s == pytest.approx(full.comm_end_s)
