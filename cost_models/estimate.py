@@ -234,6 +234,31 @@ def _with_op_overhead(model, times, ends, *, op_overhead_s: float):
     return times, ends
 
 
+def _tp_collectives_s(cluster, *, act_bytes: float, tp: int) -> tuple[float, float, float]:
+    """(all-gather, reduce-scatter, all-reduce) seconds of one b x s x h activation over the TP group.
+    Megatron: two all-reduces per layer forward, two backward; under sequence parallelism each becomes an
+    all-gather + reduce-scatter pair (the same ring volume)."""
+    return tuple(collective_time_s(cluster, collective=c, size_bytes=act_bytes, group_size=tp, stride=1)
+                 for c in ("all_gather", "reduce_scatter", "all_reduce"))
+
+
+def _layer_activations(plan, *, model, job, eng, hw, dims: dict, ring: int) -> dict[str, float]:
+    """Bytes one layer keeps per micro-batch under each recomputation policy, as `eng` runs it. This
+    engine's ring keeps no scores (its blocks are transient); a materialised core after the all-to-all
+    keeps the whole sequence's square for 1/cp of the heads."""
+    cp, b, tp = plan.cp, plan.micro_batch, plan.tp
+    fused = fused_attention(model, eng, hw) or (cp > 1 and ring > 1)
+    activation = {p: layer_activation_bytes(model, policy=p, **dims, fused=fused, fused_elementwise=eng.fused_elementwise,
+                                            dropout=eng.gpt_dropout) for p in POLICIES}
+    if cp > 1 and not fused:
+        square = _materialized_scores_bytes(model, micro_batch=b, seq_len=job.seq_len, heads_split=tp * cp,
+                                            precision=job.precision, dropout=eng.gpt_dropout)
+        local_square = _materialized_scores_bytes(model, micro_batch=b, seq_len=dims["seq_len"], heads_split=tp,
+                                                  precision=job.precision, dropout=eng.gpt_dropout)
+        activation = {p: v + (square - local_square if p == "none" else 0.0) for p, v in activation.items()}
+    return activation
+
+
 def layer_costs(plan, *, model, cluster, job, engine: str = "ours") -> LayerCosts:
     """Per-layer time and memory of `plan` as `engine` runs it (see LayerCosts); estimate() prices chunks
     as sums of these."""
@@ -255,15 +280,11 @@ def layer_costs(plan, *, model, cluster, job, engine: str = "ours") -> LayerCost
     share_f, share_b = times.forward_s / slow.forward_s, times.backward_s / slow.backward_s
     core_fwd_s = times.attention_core_forward_s
     times, ends = _with_op_overhead(model, times, ends, op_overhead_s=hw.calibration.get("op_overhead_s", 0.0))
-    act_bytes = b * s * model.hidden_size * activation_bytes_per_element(job.precision)
-    # Megatron: two all-reduces of the b x s x h activations per layer forward, two backward; with
-    # sequence parallelism each becomes an all-gather + reduce-scatter pair (the same ring volume).
-    gather_s = collective_time_s(cluster, collective="all_gather", size_bytes=act_bytes, group_size=tp, stride=1)
-    scatter_s = collective_time_s(cluster, collective="reduce_scatter", size_bytes=act_bytes, group_size=tp, stride=1)
-    reduce_s = collective_time_s(cluster, collective="all_reduce", size_bytes=act_bytes, group_size=tp, stride=1)
     # The share the engine hides behind its GEMMs (Transformer Engine's TP overlap) leaves the path, but
     # slows those GEMMs for the SMs it holds (see _overlap).
     exposed = 1.0 - eng.tp_comm_hidden * 0.5 * (share_f + share_b)
+    gather_s, scatter_s, reduce_s = _tp_collectives_s(cluster, act_bytes=b * s * model.hidden_size
+                                                      * activation_bytes_per_element(job.precision), tp=tp)
     one_s = exposed * (gather_s + scatter_s if sp else reduce_s)
     embed_comm_s = exposed * (scatter_s if sp else reduce_s)
     tp_fwd_s = 2 * one_s
@@ -280,17 +301,7 @@ def layer_costs(plan, *, model, cluster, job, engine: str = "ours") -> LayerCost
     tp_comm = {"none": 2 * tp_fwd_s, "selective": 2 * tp_fwd_s, "full": 3 * tp_fwd_s}
     tp_comm = {p: tp_comm[p] + cp_comm[p] for p in POLICIES}
     time_s = {p: times.forward_s + times.backward_s + recompute_s[p] + tp_comm[p] for p in POLICIES}
-    # This engine's ring keeps no scores (its blocks are transient); a materialised core after the
-    # all-to-all keeps the whole sequence's square for 1/cp of the heads.
-    fused = fused_attention(model, eng, hw) or (cp > 1 and ring > 1)
-    activation = {p: layer_activation_bytes(model, policy=p, **dims, fused=fused, fused_elementwise=eng.fused_elementwise,
-                                            dropout=eng.gpt_dropout) for p in POLICIES}
-    if cp > 1 and not fused:
-        square = _materialized_scores_bytes(model, micro_batch=b, seq_len=job.seq_len, heads_split=tp * cp,
-                                            precision=job.precision, dropout=eng.gpt_dropout)
-        local_square = _materialized_scores_bytes(model, micro_batch=b, seq_len=s, heads_split=tp,
-                                                  precision=job.precision, dropout=eng.gpt_dropout)
-        activation = {p: v + (square - local_square if p == "none" else 0.0) for p, v in activation.items()}
+    activation = _layer_activations(plan, model=model, job=job, eng=eng, hw=hw, dims=dims, ring=ring)
     shards = dict(param_shard=plan.param_shard, grad_shard=plan.grad_shard, optim_shard=plan.optim_shard,
                   precision=job.precision, reduce_fp32=plan.reduce_fp32)
     state = model_state_bytes(layer_params_per_device(model, tp=tp), **shards)
@@ -524,20 +535,25 @@ def _boundary_reduce(plan, cluster, *, grad_bytes: float, reduce_scatter_once: b
     return total, min(last, total)
 
 
-def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, layers: range,
-                 end_params: tuple[float, float], eng) -> _ChunkPrice:
-    policies = [plan.layer_recompute(i) for i in layers]
-    tiers = [plan.layer_cache(i) for i in layers]
-    first, last = chunk == 0, chunk == plan.num_chunks - 1
+@dataclass(frozen=True)
+class _ChunkSums:
+    """One chunk's per-micro-batch totals over its layers (and the embedding / head it holds)."""
+
+    forward_s: float
+    total_s: float
+    recompute_s: float
+    tp_comm_s: float
+    cp_comm_s: float
+    activation_bytes: float
+    num_params: float
+
+
+def _chunk_sums(costs: LayerCosts, policies: list[str], *, first: bool, last: bool, num_params: float,
+                end_params: tuple[float, float]) -> _ChunkSums:
     forward = sum(costs.forward_time_s[p] for p in policies)
     total = sum(costs.time_s[p] for p in policies)
-    recompute = sum(costs.recompute_time_s[p] for p in policies)
     tp_comm = sum(costs.tp_comm_s[p] for p in policies)
-    cp_comm = sum(costs.cp_comm_s.get(p, 0.0) for p in policies)
     activation = sum(costs.activation_bytes[p] for p in policies)
-    layer_params = (moe_cost.nonexpert_layer_params_per_device(model, tp=plan.tp) if model.is_moe
-                    else layer_params_per_device(model, tp=plan.tp))
-    num_params = len(layers) * layer_params
     if first:
         forward += costs.first_extra_forward_s
         total += costs.first_extra_time_s
@@ -550,6 +566,49 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
         tp_comm += costs.last_extra_tp_comm_s
         activation += costs.last_extra_activation_bytes
         num_params += end_params[1]
+    return _ChunkSums(forward_s=forward, total_s=total, recompute_s=sum(costs.recompute_time_s[p] for p in policies),
+                      tp_comm_s=tp_comm, cp_comm_s=sum(costs.cp_comm_s.get(p, 0.0) for p in policies),
+                      activation_bytes=activation, num_params=num_params)
+
+
+def _with_expert_comm(plan, cluster, comm, *, reduce_s: float, last_bucket_s: float, expert_params: float,
+                      num_moe: int, param_bytes: float, grad_bytes: float, eng):
+    """The chunk's sharding communication and boundary reduction with its experts' own, over expert-DP at
+    its sharding (cost_models/moe.expert_plan_view)."""
+    view = moe_cost.expert_plan_view(plan)
+    expert_comm = _sharding_comm(view, cluster, tiers=["none"] * num_moe, layer_bytes=expert_params / num_moe * param_bytes,
+                                 grad_bytes=expert_params * grad_bytes, end_bytes=0.0, num_end_units=0,
+                                 reduce_scatter_once=eng.reduce_scatter_once)
+    comm = _ShardingComm(*(a + b for a, b in zip(dataclasses.astuple(comm), dataclasses.astuple(expert_comm))))
+    expert_reduce_s, expert_last_s = _boundary_reduce(view, cluster, grad_bytes=expert_params * grad_bytes,
+                                                      reduce_scatter_once=eng.reduce_scatter_once)
+    return comm, reduce_s + expert_reduce_s, max(last_bucket_s, expert_last_s)
+
+
+def _chunk_wire_fractions(plan, cluster, *, layer_bytes: float, grad_bytes: float) -> tuple[float, float, float]:
+    """The parts of a chunk's overlapped parameter gathers, gradient reduce-scatters and boundary
+    all-reduce that wait on an inter-node wire (what may hide behind compute, and what shares a link)."""
+    gather = _wire_fraction(cluster, collective="all_gather", size_bytes=layer_bytes,
+                            group_size=plan.param_shard, stride=plan.tp)
+    scatter = _wire_fraction(cluster, collective="reduce_scatter", size_bytes=grad_bytes,
+                             group_size=plan.grad_shard, stride=plan.tp)
+    dp_group = (plan.dp_cp, plan.tp) if plan.grad_shard == 1 else (plan.dp_cp // plan.grad_shard, plan.tp * plan.grad_shard)
+    reduce = _wire_fraction(cluster, collective="all_reduce", size_bytes=grad_bytes / plan.grad_shard,
+                            group_size=dp_group[0], stride=dp_group[1])
+    return gather, scatter, reduce
+
+
+def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, layers: range,
+                 end_params: tuple[float, float], eng) -> _ChunkPrice:
+    policies = [plan.layer_recompute(i) for i in layers]
+    tiers = [plan.layer_cache(i) for i in layers]
+    first, last = chunk == 0, chunk == plan.num_chunks - 1
+    layer_params = (moe_cost.nonexpert_layer_params_per_device(model, tp=plan.tp) if model.is_moe
+                    else layer_params_per_device(model, tp=plan.tp))
+    sums = _chunk_sums(costs, policies, first=first, last=last, num_params=len(layers) * layer_params,
+                       end_params=end_params)
+    forward, total, recompute, tp_comm = sums.forward_s, sums.total_s, sums.recompute_s, sums.tp_comm_s
+    cp_comm, activation, num_params = sums.cp_comm_s, sums.activation_bytes, sums.num_params
     param_bytes, _, _ = state_bytes_per_param(job.precision)
     param_bytes = min(param_bytes, 2) if job.precision == "fp8" else param_bytes  # gathers move the bf16 copy
     # Gradients reduce in their own dtype: fp32 under the reduce_fp32 knob or where the engine reduces
@@ -573,32 +632,20 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
     num_moe = sum(model.is_moe_layer(i) for i in layers)
     expert_params = moe_cost.expert_params_per_device(model, num_moe_layers=num_moe, ep=plan.ep, etp=plan.etp)
     if num_moe:
-        # The experts' own DP communication, over expert-DP at its sharding (cost_models/moe.expert_plan_view).
-        view = moe_cost.expert_plan_view(plan)
-        expert_comm = _sharding_comm(view, cluster, tiers=["none"] * num_moe, layer_bytes=expert_params / num_moe * param_bytes,
-                                     grad_bytes=expert_params * grad_bytes, end_bytes=0.0, num_end_units=0,
-                                     reduce_scatter_once=eng.reduce_scatter_once)
-        comm = _ShardingComm(*(a + b for a, b in zip(dataclasses.astuple(comm), dataclasses.astuple(expert_comm))))
-        expert_reduce_s, expert_last_s = _boundary_reduce(view, cluster, grad_bytes=expert_params * grad_bytes,
-                                                          reduce_scatter_once=eng.reduce_scatter_once)
-        reduce_s, last_bucket_s = reduce_s + expert_reduce_s, max(last_bucket_s, expert_last_s)
+        comm, reduce_s, last_bucket_s = _with_expert_comm(
+            plan, cluster, comm, reduce_s=reduce_s, last_bucket_s=last_bucket_s, expert_params=expert_params,
+            num_moe=num_moe, param_bytes=param_bytes, grad_bytes=grad_bytes, eng=eng)
     per_node = cluster.ranks_per_node_in_group(size=plan.param_shard, stride=plan.tp)
     # MAZ3 (module doc of runners/sharding/): one kept copy per layer, the full layer on the device
     # tier, the node's 1/per_node slice of it on the secondary tier, the full layer in host memory.
     cache = layer_bytes * (tiers.count("device") + tiers.count("secondary") / per_node)
     working = max((costs.activation_bytes["none"] - costs.activation_bytes[p] for p in policies), default=0.0)
-    # The parts of the overlapped gathers and reduce-scatters that wait on an inter-node wire.
-    gather_wire = _wire_fraction(cluster, collective="all_gather", size_bytes=layer_bytes,
-                                 group_size=plan.param_shard, stride=plan.tp)
-    rs_wire = _wire_fraction(cluster, collective="reduce_scatter", size_bytes=num_params * grad_bytes,
-                             group_size=plan.grad_shard, stride=plan.tp)
+    gather_wire, rs_wire, reduce_wire = _chunk_wire_fractions(plan, cluster, layer_bytes=layer_bytes,
+                                                              grad_bytes=num_params * grad_bytes)
     e_f, e_b = costs.overlap_efficiency_forward, costs.overlap_efficiency_backward
     backward_s = comm.bwd_first_s + comm.rs_last_s + _overlap(
         backward, comm.bwd_rest_s + comm.rs_hideable_s, cluster,
         wire_s=gather_wire * comm.bwd_rest_s + rs_wire * comm.rs_hideable_s, efficiency=e_b)
-    dp_group = (plan.dp_cp, plan.tp) if plan.grad_shard == 1 else (plan.dp_cp // plan.grad_shard, plan.tp * plan.grad_shard)
-    reduce_wire = _wire_fraction(cluster, collective="all_reduce", size_bytes=num_params * grad_bytes / plan.grad_shard,
-                                 group_size=dp_group[0], stride=dp_group[1])
     # The boundary buckets issued during the last backward (all but the last) run beside its compute.
     beside = min(backward, max(0.0, reduce_s - last_bucket_s))
     reduce_toll_s = _overlap(backward, beside, cluster, wire_s=reduce_wire * beside, efficiency=e_b) - backward
