@@ -76,7 +76,7 @@ def _watch_collectives(records: list):
 
 def _trainer_checks(rank: int, world: int, tmp: str) -> dict:
     """Trainer runs: fp16, stream-ordered reduction, sharded initialisation, the collective watch, checkpoint."""
-    import runners.transformer as transformer
+    import runners.param_init as param_init
     from runners import checkpoint
 
     out: dict = {}
@@ -94,14 +94,14 @@ def _trainer_checks(rank: int, world: int, tmp: str) -> dict:
     # Sharded initialisation: count the elements each rank draws and its peak resident memory, with blocks
     # small enough that "half of every weight" is visible (the default block is 2^20 elements).
     drawn = {"n": 0}
-    original, block_size = transformer._seeded_block, transformer.INIT_BLOCK
+    original, block_size = param_init._seeded_block, param_init.INIT_BLOCK
 
     def counting(**kwargs):
         block = original(**kwargs)
         drawn["n"] += block.numel()
         return block
 
-    transformer._seeded_block, transformer.INIT_BLOCK = counting, INIT_TEST_BLOCK
+    param_init._seeded_block, param_init.INIT_BLOCK = counting, INIT_TEST_BLOCK
     big = big_config()
     from runners.train import Trainer, reset_peak_memory, peak_memory_bytes
 
@@ -110,7 +110,7 @@ def _trainer_checks(rank: int, world: int, tmp: str) -> dict:
     before = peak_memory_bytes(torch.device("cpu"))
     trainer = Trainer(big, device=torch.device("cpu"))
     grown = peak_memory_bytes(torch.device("cpu")) - before
-    transformer._seeded_block = original
+    param_init._seeded_block = original
     out["init"] = {"drawn": drawn["n"], "grown_bytes": grown, "state_bytes": sum(trainer.engine.state_bytes().values()),
                    "largest_unit_bytes": max(u.flat_bytes for u in trainer.engine.units),
                    "model_params": big.model.num_params()}
@@ -118,7 +118,7 @@ def _trainer_checks(rank: int, world: int, tmp: str) -> dict:
     gc.collect()
     metrics, _ = _train(big)
     out["init"]["losses"] = metrics.losses
-    transformer.INIT_BLOCK = block_size
+    param_init.INIT_BLOCK = block_size
     # Every tensor handed to torch.distributed: ZeRO-3 with MAZ3's host tier, Lins' redistribution (1, 1, 2),
     # TP with sequence parallelism, a pipeline; and a checkpoint write.
     records: list = []
@@ -289,10 +289,10 @@ def test_bf16_with_fp32_gradient_reduction_sums_like_one_process_in_fp32(results
 
 
 def test_parameters_are_initialised_already_sharded(results, monkeypatch):
-    import runners.transformer as transformer
+    import runners.param_init as param_init
     from runners.reference import train_reference
 
-    monkeypatch.setattr(transformer, "INIT_BLOCK", INIT_TEST_BLOCK)  # the workers' blocks
+    monkeypatch.setattr(param_init, "INIT_BLOCK", INIT_TEST_BLOCK)  # the workers' blocks
     big = big_config()
     for rank in (0, 1):
         init = results[rank]["trainer"]["init"]
