@@ -9,27 +9,18 @@ model; about a minute or two each on a loaded 2-core machine.
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 import threading
 from pathlib import Path
 
 import pytest
 
+from tests.integration.netns_support import netns_skip_reason
+
 PREFIX = "plelastic"
 
 
 def _skip_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces)"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "needs iproute2 (ip, tc)"
-    probe = subprocess.run(["ip", "netns", "add", f"{PREFIX}-probe"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return f"cannot create network namespaces here: {probe.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", f"{PREFIX}-probe"], capture_output=True)
-    return None
+    return netns_skip_reason(PREFIX)
 
 
 pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))

@@ -151,18 +151,9 @@ def test_ten_kills_restart_and_resume_with_identical_losses(tmp_path):
 
 # --- a whole node of the emulated cluster dies or drops off the network ---------------------------------------
 def _netns_skip_reason() -> str | None:
-    import shutil
-    import subprocess
+    from tests.integration.netns_support import netns_skip_reason
 
-    if os.geteuid() != 0:
-        return "needs root (network namespaces)"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "needs iproute2 (ip, tc)"
-    probe = subprocess.run(["ip", "netns", "add", "plfault-probe"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return f"cannot create network namespaces here: {probe.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", "plfault-probe"], capture_output=True)
-    return None
+    return netns_skip_reason("plfault")
 
 
 @pytest.mark.skipif(_netns_skip_reason() is not None, reason=str(_netns_skip_reason()))

@@ -5,8 +5,6 @@ Needs root and iproute2 (`ip`, `tc`); skipped with the reason otherwise.
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 import time
@@ -16,19 +14,13 @@ import pytest
 from specs.errors import PlannerError
 from runners import netns_cluster as nc
 
+from tests.integration.netns_support import netns_skip_reason
+
 PREFIX = "pltest"
 
 
 def _skip_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces and tc)"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "needs iproute2 (ip, tc): apt-get install -y iproute2"
-    probe = subprocess.run(["ip", "netns", "add", f"{PREFIX}-probe"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return f"cannot create network namespaces here: {probe.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", f"{PREFIX}-probe"], capture_output=True)
-    return None
+    return netns_skip_reason(PREFIX)
 
 
 pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
