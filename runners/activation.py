@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import gc
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -85,12 +84,11 @@ class SavedBytes:
 
 def resident_bytes(device: torch.device) -> int:
     """Memory in use now: the resident set on CPU, the allocated bytes on CUDA."""
+    from runners.train import proc_status_bytes
+
     if device.type == "cuda":
         return int(torch.cuda.memory_allocated(device))
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    return proc_status_bytes("VmRSS")
 
 
 def probe(cfg, *, device: torch.device) -> MemoryProbe:

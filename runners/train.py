@@ -38,13 +38,18 @@ def reset_peak_memory(device: torch.device) -> None:
         pass
 
 
+def proc_status_bytes(key: str) -> int:
+    """A memory figure of this process from /proc/self/status (VmRSS: now, VmHWM: peak), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    return proc_status_bytes("VmHWM")
 
 
 # --- the step loop ----------------------------------------------------------------------------------------
