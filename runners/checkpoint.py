@@ -20,8 +20,10 @@ engine copies master into them after every Adam step), so a load sets both from 
 
 Beside the tensors, `planner_meta.json` holds the step count (which is also the data position, since
 the data of step k is a pure function of (seed, k), runners/data.py), the run's model, job, seed and
-data path (a resume must train the same thing), the saving plan (for the record) and every rank's RNG
-state.
+data path (a resume must train the same thing), the saving plan (for the record), every rank's RNG
+state, and the records (loss, step time) of the steps trained since the previous checkpoint: a worker
+stopped between a save and reporting its step (an elastic restart) has trained a step nobody heard of,
+and the resume replays those records (runners/train.py) so the run's history has every step.
 
 Atomicity: a checkpoint is written into `step-N.tmp/`, renamed to `step-N/` by rank 0 only after every
 rank's DCP write has finished (DCP's final collective) and the metadata is on disk, and only then is
@@ -60,6 +62,7 @@ from specs.job import Job
 from specs.jsonio import check_keys, read_json_file, write_json_atomic
 from specs.model import ModelSpec
 from specs.plan import Plan
+from runners.config import StepRecord
 from runners.sharding import shard_chunks
 
 log = logging.getLogger(__name__)
@@ -89,17 +92,20 @@ class CheckpointMeta:
     world_size: int
     rng_states: tuple[str, ...]  # base64 torch CPU generator state of each saving rank, in rank order
     format: int = CHECKPOINT_FORMAT
+    # The steps trained since the previous checkpoint, (step, loss, step time); absent in older files.
+    records: tuple[StepRecord, ...] = ()
 
     def to_dict(self) -> dict:
         return {"format": self.format, "step": self.step, "seed": self.seed, "model": self.model.to_dict(),
                 "job": self.job.to_dict(), "data": self.data, "plan": self.plan.to_dict(),
-                "world_size": self.world_size, "rng_states": list(self.rng_states)}
+                "world_size": self.world_size, "rng_states": list(self.rng_states),
+                "records": [[r.step, r.loss, r.step_time_s] for r in self.records]}
 
     @classmethod
     def from_dict(cls, data: object, *, what: str = "checkpoint metadata") -> "CheckpointMeta":
         """Any JSON value gives a CheckpointMeta or a PlannerError naming the bad key."""
         names = {f.name for f in dataclasses.fields(cls)}
-        check_keys(data, allowed=names, required=names, what=what)
+        check_keys(data, allowed=names, required=names - {"records"}, what=what)
         assert isinstance(data, dict)
         if data["format"] != CHECKPOINT_FORMAT or isinstance(data["format"], bool):
             raise PlannerError(f"{what}: format {data['format']!r} is not {CHECKPOINT_FORMAT} (written by another version)")
@@ -122,7 +128,8 @@ class CheckpointMeta:
         return cls(step=data["step"], seed=data["seed"], model=ModelSpec.from_dict(data["model"], what=f"{what}.model"),
                    job=Job.from_dict(data["job"], what=f"{what}.job"), data=data["data"],
                    plan=Plan.from_dict(data["plan"], what=f"{what}.plan"), world_size=data["world_size"],
-                   rng_states=tuple(rng), format=data["format"])
+                   rng_states=tuple(rng), format=data["format"],
+                   records=_records_from_json(data.get("records", []), step=data["step"], what=f"{what}.records"))
 
     def check_compatible(self, cfg) -> None:
         """Raise PlannerError unless `cfg` (a RunConfig) continues the run this checkpoint is from: the same
@@ -140,6 +147,20 @@ class CheckpointMeta:
             raise PlannerError(f"checkpoint at step {self.step} was saved with {what} {saved_s}, this run has {now_s}")
         if self.step >= cfg.steps:
             raise PlannerError(f"checkpoint is at step {self.step} and --steps is {cfg.steps}: nothing left to train")
+
+
+def _records_from_json(value: object, *, step: int, what: str) -> tuple[StepRecord, ...]:
+    """[[step, loss, step time], ...] of steps before `step` to StepRecords, or a PlannerError."""
+    if not isinstance(value, list):
+        raise PlannerError(f"{what}: expected a list of [step, loss, step time], got {type(value).__name__}")
+    records = []
+    for item in value:
+        ok = (isinstance(item, list) and len(item) == 3 and isinstance(item[0], int) and not isinstance(item[0], bool)
+              and 0 <= item[0] < step and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in item[1:]))
+        if not ok:
+            raise PlannerError(f"{what}: expected [step < {step}, loss, step time], got {item!r}")
+        records.append(StepRecord(step=item[0], loss=float(item[1]), step_time_s=float(item[2])))
+    return tuple(records)
 
 
 def load_meta(folder: Path) -> CheckpointMeta:
@@ -342,8 +363,9 @@ def _rng_state_b64() -> str:
     return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
 
 
-def save_checkpoint(trainer, cfg, *, step: int, keep: int = 2) -> Path:
-    """Write the checkpoint after `step` optimizer steps (collective over every rank); returns its folder."""
+def save_checkpoint(trainer, cfg, *, step: int, keep: int = 2, records: tuple[StepRecord, ...] = ()) -> Path:
+    """Write the checkpoint after `step` optimizer steps (collective over every rank); returns its folder.
+    `records`: the steps trained since the previous checkpoint (kept in its metadata)."""
     root = Path(cfg.checkpoint_dir)
     rank = dist.get_rank()
     tmp = root / (step_dir_name(step) + ".tmp")
@@ -362,7 +384,7 @@ def save_checkpoint(trainer, cfg, *, step: int, keep: int = 2) -> Path:
     # dcp.save returns on every rank only after the coordinator wrote .metadata, i.e. every rank's data is on disk.
     if rank == 0:
         meta = CheckpointMeta(step=step, seed=cfg.seed, model=cfg.model, job=cfg.job, data=cfg.data, plan=cfg.plan,
-                              world_size=dist.get_world_size(), rng_states=tuple(rng))
+                              world_size=dist.get_world_size(), rng_states=tuple(rng), records=tuple(records))
         write_json_atomic(tmp / META_FILE, meta.to_dict())
         if final.exists():  # a resumed run writing a step again: replace the older copy
             old = root / (step_dir_name(step) + ".old")
@@ -504,8 +526,9 @@ def _check_against_metadata(folder: Path, wanted: dict) -> None:
             raise PlannerError(f"checkpoint {folder}: {key} has shape {tuple(md.size)}, this model needs {tuple(shape)}")
 
 
-def restore_checkpoint(trainer, cfg, folder: Path) -> int:
-    """Load `folder` into the trainer (collective over every rank); returns the step to continue from."""
+def restore_checkpoint(trainer, cfg, folder: Path) -> CheckpointMeta:
+    """Load `folder` into the trainer (collective over every rank); returns its metadata (`.step`: the
+    step to continue from)."""
     meta = load_meta(folder)
     meta.check_compatible(cfg)
     wanted, buffers = load_pieces(trainer, plan=cfg.plan)
@@ -524,7 +547,7 @@ def restore_checkpoint(trainer, cfg, folder: Path) -> int:
         state[f"unit{i}.exp_avg_sq"] = bufs["exp_avg_sq"]
     trainer.engine.load_local_state(state)
     _restore_rng(meta, rank=dist.get_rank())
-    return meta.step
+    return meta
 
 
 def _restore_rng(meta: CheckpointMeta, *, rank: int) -> None:
@@ -555,11 +578,12 @@ def remove_partial_writes(root: str | Path) -> list[Path]:
     return partial
 
 
-def maybe_restore(trainer, cfg) -> int:
-    """The step to start from: the checkpoint's if resuming from one, else 0. Rank 0 picks the folder and
-    broadcasts it, so every rank loads the same one even while files change."""
+def maybe_restore(trainer, cfg) -> tuple[int, tuple[StepRecord, ...]]:
+    """(the step to start from, the records of the steps the checkpoint trained since the one before it):
+    the checkpoint's if resuming from one, else (0, ()). Rank 0 picks the folder and broadcasts it, so
+    every rank loads the same one even while files change."""
     if not resume_requested(cfg):
-        return 0
+        return 0, ()
     choice = [None]
     if dist.get_rank() == 0:
         for folder in remove_partial_writes(cfg.checkpoint_dir):
@@ -570,8 +594,9 @@ def maybe_restore(trainer, cfg) -> int:
     if choice[0] is None:
         if dist.get_rank() == 0 and (cfg.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0):
             log.warning("no complete checkpoint in %s; starting from step 0", cfg.checkpoint_dir)
-        return 0
-    return restore_checkpoint(trainer, cfg, Path(choice[0]))
+        return 0, ()
+    meta = restore_checkpoint(trainer, cfg, Path(choice[0]))
+    return meta.step, meta.records
 
 
 def save_due(cfg, *, step: int) -> bool:

@@ -99,9 +99,12 @@ class ElasticLog:
         """Take one worker event; returns the ElasticEvents it made (to print)."""
         kind, wall_s = event.get("kind"), event.get("time")
         if kind == "step":
+            # A replayed step (from the checkpoint a start resumed from) is the record of the attempt the
+            # run continues from; it may be one that attempt was stopped before reporting.
             self.steps[event["step"]] = StepRecord(step=event["step"], loss=event["loss"],
                                                    step_time_s=event["step_time_s"])
-            self.steps_done = max(self.steps_done, event["step"] + 1)
+            if not event.get("replayed"):
+                self.steps_done = max(self.steps_done, event["step"] + 1)
             return []
         if kind == "failed":
             return self.lost(str(event.get("message", "")), wall_s=wall_s)

@@ -337,7 +337,7 @@ def launch(cfg, *, where: Where, on_step: Callable[[dict], None] | None = None, 
         with lock:
             if where.elastic is not None:
                 changed(log.on_event(event))
-            if event.get("kind") == "step" and on_step is not None:
+            if event.get("kind") == "step" and not event.get("replayed") and on_step is not None:
                 on_step(event)
 
     def on_node_exit(node: int, code: int) -> None:

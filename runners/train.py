@@ -296,21 +296,23 @@ def make_trainer(cfg: RunConfig, *, device: torch.device):
 
 def train(cfg: RunConfig, *, device: torch.device, on_step=None, on_start=None) -> tuple[RunMetrics, object]:
     """Train `cfg.steps` steps in the current process group; returns (metrics, trainer), the metrics the
-    same on every rank. `on_start(step)` runs once the trainer is built and any checkpoint restored."""
+    same on every rank. `on_start(step, records)` runs once the trainer is built and any checkpoint
+    restored, with the records the checkpoint kept of the steps it trained since the one before it."""
     from runners.data import make_data
     from runners.faults import post_progress
 
     set_matmul_precision(device, allow_tf32=cfg.allow_tf32)
     trainer = make_trainer(cfg, device=device)
     data = make_data(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.job.seq_len, seed=cfg.seed)
-    start_step = 0
+    start_step, replayed = 0, ()
     if cfg.checkpoint_dir:
         from runners import checkpoint
 
-        start_step = checkpoint.maybe_restore(trainer, cfg)
+        start_step, replayed = checkpoint.maybe_restore(trainer, cfg)
     if on_start is not None:
-        on_start(start_step)
+        on_start(start_step, replayed)
     records: list[StepRecord] = []
+    since_save: list[StepRecord] = []
     for step in range(start_step, cfg.steps):
         post_progress(step)  # lets a rank whose collective times out name the rank that stopped
         if step == start_step + 1 or start_step == cfg.steps - 1:
@@ -319,9 +321,13 @@ def train(cfg: RunConfig, *, device: torch.device, on_step=None, on_start=None) 
         record = timed_step(trainer, data.global_batch(step, cfg.job.global_batch), device=device)
         record = StepRecord(step=step, loss=record.loss, step_time_s=record.step_time_s)
         records.append(record)
+        since_save.append(record)
         if cfg.checkpoint_dir and checkpoint.save_due(cfg, step=step + 1):
             # Before the step is reported: a launcher that has seen step k knows checkpoint k is complete.
-            checkpoint.save_checkpoint(trainer, cfg, step=step + 1, keep=cfg.checkpoint_keep)
+            # A worker stopped between the two has trained steps it never reported: the checkpoint keeps
+            # their records and the resume replays them.
+            checkpoint.save_checkpoint(trainer, cfg, step=step + 1, keep=cfg.checkpoint_keep, records=tuple(since_save))
+            since_save = []
         if on_step is not None:
             on_step(record)
     return RunMetrics(plan=cfg.plan, steps=tuple(records), summary=_summary(cfg, trainer, records, device),
@@ -406,9 +412,11 @@ def run_task(spec: dict) -> RunMetrics | dict | None:
         if rank == 0:
             emit_event("step", step=record.step, loss=record.loss, step_time_s=record.step_time_s)
 
-    def on_start(step: int) -> None:
+    def on_start(step: int, replayed) -> None:
         if rank == 0:
             emit_event("resumed", step=step, world_size=world)
+            for record in replayed:  # the checkpoint's steps, which the attempt that saved it may not have reported
+                emit_event("step", step=record.step, loss=record.loss, step_time_s=record.step_time_s, replayed=True)
 
     results = []
     for cfg in cfgs:

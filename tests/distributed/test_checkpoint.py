@@ -120,6 +120,8 @@ def test_resume_under_another_plan_continues_exactly(name, ckpt_root):
     assert ck.find_latest(folder) == folder / ck.step_dir_name(6)
     meta = ck.load_meta(folder / ck.step_dir_name(6))
     assert meta.step == 6 and meta.plan == resume_cfg.plan and meta.world_size == resume_cfg.plan.world_size
+    # It keeps the records of the steps it trained since checkpoint 4, for a resume to replay.
+    assert [(r.step, r.loss) for r in meta.records] == [(s.step, s.loss) for s in resume_metrics.steps[-2:]]
 
 
 def test_checkpoint_holds_each_canonical_tensor_once(ckpt_root):

@@ -106,6 +106,23 @@ def test_elastic_log_records_lost_replanned_resumed_and_scaled_up():
     assert [r.loss for r in log.merged_steps()] == [1.0, 2.0, 3.0, 4.0, 5.0, -5.0, 7.0]
 
 
+def test_elastic_log_takes_the_steps_a_checkpoint_replays():
+    """A start stopped between saving checkpoint 10 and reporting step 9 trained a step nobody heard of:
+    the next start resumes from 10 and replays the checkpoint's records, which fill the gap without
+    counting as progress of the new start."""
+    log = ElasticLog(start_wall_s=0.0)
+    log.on_event({"kind": "plan", "time": 1, "world_size": 2, "plan": "dp2"})
+    for step in range(9):
+        log.on_event({"kind": "step", "time": 2, "step": step, "loss": float(step), "step_time_s": 0.1})
+    log.on_event({"kind": "plan", "time": 3, "world_size": 4, "plan": "dp4"})
+    log.on_event({"kind": "resumed", "time": 4, "step": 10, "world_size": 4})
+    for step in range(5, 10):
+        log.on_event({"kind": "step", "time": 4, "step": step, "loss": 100.0 + step, "step_time_s": 0.1, "replayed": True})
+    assert log.steps_done == 10
+    assert [r.step for r in log.merged_steps()] == list(range(10))
+    assert [r.loss for r in log.merged_steps()][4:] == [4.0, 105.0, 106.0, 107.0, 108.0, 109.0]
+
+
 def test_node_ranges_and_torchrun_arguments():
     assert parse_node_range("1:2") == (1, 2) and parse_node_range("3") == (3, 3)
     for bad in ("2:1", "0:2", "a:b", "1:2:3", ""):
