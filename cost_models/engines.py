@@ -52,6 +52,14 @@ class EngineModel:
     # rather than written out (this engine's log-sum-exp blocks, cost_models/compute.py).
     context_parallel: bool = True
     fused_ring_blocks: bool = True
+    # MoE token dispatch (Megatron-Core --moe-token-dispatcher-type / --moe-flex-dispatcher-backend):
+    # "alltoall" sends every (token, expert) assignment to its expert's rank, duplicates included (NCCL
+    # all-to-all of the permuted rows); "deepep" / "hybridep" (the flex dispatcher) send a token once per
+    # destination node over the NIC and fan it out to the node's experts over NVLink (cost_models/moe.py).
+    moe_dispatcher: str = "alltoall"
+    # Megatron-Core's EP communication overlap (--overlap-moe-expert-parallel-comm, the combined 1F1B
+    # schedule): one micro-batch's dispatch and combine run beside another's forward or backward compute.
+    moe_a2a_overlap: bool = False
 
 
 ENGINES: dict[str, EngineModel] = {e.name: e for e in (

@@ -345,12 +345,18 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
     times = moe_cost.MoETimes(forward_s=times.forward_s + elementwise.forward_s,
                               backward_s=times.backward_s + elementwise.backward_s)
     buffer = tokens * model.num_experts_per_token * model.hidden_size * p
+    eng = engine_model(engine)
     a2a_s = moe_cost.all_to_all_time_s(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp,
-                                       ranks_per_node=cluster.devices_per_node, precision=job.precision)
+                                       ranks_per_node=cluster.devices_per_node, precision=job.precision,
+                                       dispatcher=eng.moe_dispatcher)
     # Expert TP: the etp ranks of an expert gather its rows before and reduce-scatter its outputs after.
     etp_s = 2 * collective_time_s(cluster, collective="all_gather", size_bytes=buffer * plan.etp, group_size=plan.etp,
                                   stride=1)
     comm = {pol: moe_cost.all_to_alls_per_layer(pol) / 2 * (2 * a2a_s + etp_s) for pol in POLICIES}
+    if eng.moe_a2a_overlap:
+        comm = _hidden_ep_comm(comm, layer_compute_s=attn.time_s["none"] - attn.tp_comm_s["none"]
+                               + times.forward_s + times.backward_s, cluster=cluster,
+                               efficiency=0.5 * (attn.overlap_efficiency_forward + attn.overlap_efficiency_backward))
     act = moe_cost.moe_activation_bytes(model, tokens=tokens, ep=plan.ep, etp=plan.etp, imbalance=imbalance,
                                         precision=job.precision)
     state = model_state_bytes(moe_cost.nonexpert_layer_params_per_device(model, tp=plan.tp), precision=job.precision,
@@ -369,6 +375,15 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
 
     return dataclasses.replace(dense, state_bytes=state, **{name: mix(name) for name in (
         "time_s", "activation_bytes", "forward_time_s", "tp_comm_s", "cp_comm_s", "recompute_time_s")})
+
+
+def _hidden_ep_comm(comm: dict[str, float], *, layer_compute_s: float, cluster, efficiency: float) -> dict[str, float]:
+    """The MoE layer's dispatch and combine under Megatron-Core's EP overlap (--overlap-moe-expert-parallel-comm):
+    the combined 1F1B schedule splits a layer into attention, dispatch, experts and combine and runs one
+    micro-batch's communication beside the other's forward or backward compute, so what shows is the part
+    of it the layer's compute (forward + backward, attention and experts) cannot cover (`_overlap`; the SMs
+    the all-to-all holds slow that compute by the GPU's contention share)."""
+    return {pol: _overlap(layer_compute_s, c, cluster, efficiency=efficiency) - layer_compute_s for pol, c in comm.items()}
 
 
 def _context_comm_s(plan, cluster, *, model, job, core_forward_s: float) -> tuple[float, float]:

@@ -20,6 +20,7 @@ full recomputation repeats the forward pair.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from dataclasses import dataclass
 
@@ -124,23 +125,50 @@ class AllToAllBytes:
         return self.intra_node + self.inter_node
 
 
+DISPATCHERS = ("alltoall", "deepep", "hybridep")
+
+
+def share_of_groups_hit(*, num_experts: int, top_k: int, group_experts: int) -> float:
+    """Probability that a token's k distinct experts (uniform routing) include at least one of a given
+    group of `group_experts` experts: 1 - C(E - g, k) / C(E, k)."""
+    miss = 1.0
+    for i in range(top_k):
+        miss *= max(0.0, (num_experts - group_experts - i) / (num_experts - i))
+    return 1.0 - miss
+
+
 def all_to_all_bytes(model: ModelSpec, *, tokens: int, ep: int, etp: int = 1, ranks_per_node: int,
-                     precision: str) -> AllToAllBytes:
-    """One dispatch (or combine) under uniform routing: tokens x k x h x bytes, the (ep - 1) / ep that
-    leave the rank, split by whether the destination rank is in this node."""
+                     precision: str, dispatcher: str = "alltoall") -> AllToAllBytes:
+    """One dispatch (or combine) under uniform routing, split by whether the destination rank is in this
+    node. "alltoall" (Megatron-Core's MoEAlltoAllTokenDispatcher permutes the tokens x k assignments
+    first): tokens x k x h x bytes, the (ep - 1) / ep that leave the rank. "deepep" / "hybridep" (the
+    flex dispatcher; DeepSeek-AI's DeepEP, NVIDIA's HybridEP): a token crosses the NIC once per other
+    node holding one of its experts and is fanned out over NVLink once per destination rank (Zhao et
+    al., DeepEP README: "tokens ... sent to the same-index GPU on each node, then forwarded via NVLink"),
+    so its copies are the nodes and ranks its k experts hit, not k."""
     if ep == 1:
         return AllToAllBytes(0.0, 0.0)
-    per_dest = tokens * model.num_experts_per_token * model.hidden_size * activation_bytes_per_element(precision) / ep
+    if dispatcher not in DISPATCHERS:
+        raise ValueError(f"unknown MoE dispatcher {dispatcher!r}; choose from {', '.join(DISPATCHERS)}")
+    row = tokens * model.hidden_size * activation_bytes_per_element(precision)
     inside = ep_ranks_per_node(ep=ep, etp=etp, ranks_per_node=ranks_per_node)
-    return AllToAllBytes(intra_node=per_dest * (inside - 1), inter_node=per_dest * (ep - inside))
+    if dispatcher == "alltoall":
+        per_dest = row * model.num_experts_per_token / ep
+        return AllToAllBytes(intra_node=per_dest * (inside - 1), inter_node=per_dest * (ep - inside))
+    hit = functools.partial(share_of_groups_hit, num_experts=model.num_experts, top_k=model.num_experts_per_token)
+    local = model.num_experts // ep
+    rank_copies = (ep - 1) * hit(group_experts=local)  # other ranks a token reaches
+    node_copies = (ep // inside - 1) * hit(group_experts=local * inside)  # other nodes it crosses to
+    return AllToAllBytes(intra_node=row * max(0.0, rank_copies - node_copies), inter_node=row * node_copies)
 
 
 def all_to_all_time_s(model: ModelSpec, hw: Hardware, *, tokens: int, ep: int, etp: int = 1, ranks_per_node: int,
-                      precision: str) -> float:
+                      precision: str, dispatcher: str = "alltoall") -> float:
     """One dispatch (or combine): the rows for ranks in this node over the intra-node link while those for
     other nodes leave over the NIC, at once (NCCL's all-to-all posts every pair's send together), so the
     slower of the two; each part as point-to-point volume on its link (latency once per destination)."""
-    volume = all_to_all_bytes(model, tokens=tokens, ep=ep, etp=etp, ranks_per_node=ranks_per_node, precision=precision)
+    volume = all_to_all_bytes(model, tokens=tokens, ep=ep, etp=etp, ranks_per_node=ranks_per_node,
+                              precision=precision, dispatcher=dispatcher)
     if volume.total == 0:
         return 0.0
     inside = ep_ranks_per_node(ep=ep, etp=etp, ranks_per_node=ranks_per_node)
