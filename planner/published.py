@@ -41,6 +41,7 @@ from specs.job import Job
 from specs.model import PRESETS, ModelSpec
 from specs.plan import Plan, check_plan, zero_degrees
 from cost_models.engines import ENGINES, EngineModel
+from cost_models.moe import DISPATCHERS
 
 PUBLISHED_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "published"
 DEFAULT_CSV = PUBLISHED_DIR / "dense_runs.csv"
@@ -55,9 +56,11 @@ ENGINE_OF = {"megatron": "megatron", "nemo": "megatron", "deepspeed": "deepspeed
 # al. 2021 without the recompute term) or "hardware" (the same plus the recomputed forward of every layer
 # under full recomputation: Megatron-DeepSpeed's and SC21's 96 B s l h^2 (...) count).
 FLOP_CONVENTIONS = {"megatron_readme_h100": "model", "bloom_tr11_prequel": "hardware", "bloom_tr11_readme": "hardware",
-                    # Megatron-Core's MoE ModelZoo prints Megatron's num_floating_point_operations (the k routed
-                    # and the shared experts, the router, full-square attention; model_flops_per_step's MoE count).
-                    "mcore_moe_modelzoo_qwen3": "model"}
+                    # Megatron-Core's MoE ModelZoo (2025-26 code) prints Megatron's num_floating_point_operations
+                    # as it is since 2025: causal attention counted as half the square, the k routed and the
+                    # shared experts, no router (`megatron_core_flops_per_step`); its printed step times
+                    # (the CSV's step_time_s) agree with it to 0.5%, with the full square not (13% off at 4k).
+                    "mcore_moe_modelzoo_qwen3": "megatron-core"}
 # MoE rows whose model is a preset (its config.json has what the CSV's columns cannot say: Qwen3's
 # head_dim and qk norm, DeepSeek-V3's MLA and dense layers).
 MOE_PRESET_OF = {"Qwen3-30B-A3B": "qwen3-30b-a3b", "Qwen3-235B-A22B": "qwen3-235b-a22b", "DeepSeek-V3 671B": "deepseek-v3"}
@@ -82,13 +85,18 @@ class PublishedRun:
     # attention_kernel: llm-foundry's tables before 2024 ran FlashAttention-1's Triton kernel); empty: the
     # engine's own.
     attention_kernel: str = ""
+    # The MoE token dispatcher and EP overlap the run's recipe sets (the CSV's moe_dispatcher and
+    # moe_a2a_overlap; empty: the engine's own, cost_models/engines.py).
+    moe_dispatcher: str = ""
+    moe_a2a_overlap: bool | None = None
 
     @property
     def priced_engine(self) -> str | EngineModel:
-        """The engine as this run ran it: its name, or a variant with the run's attention kernel."""
-        if not self.attention_kernel:
-            return self.engine
-        return dataclasses.replace(ENGINES[self.engine], attention=self.attention_kernel)
+        """The engine as this run ran it: its name, or a variant with the run's attention kernel and MoE
+        dispatch."""
+        changes = {k: v for k, v in (("attention", self.attention_kernel), ("moe_dispatcher", self.moe_dispatcher),
+                                     ("moe_a2a_overlap", self.moe_a2a_overlap)) if v not in ("", None)}
+        return dataclasses.replace(ENGINES[self.engine], **changes) if changes else self.engine
 
 
 @dataclass(frozen=True)
@@ -153,7 +161,9 @@ def _model(row: dict) -> ModelSpec:
         return resolve_model(name)
     num_experts = _int(row, "num_experts", 0)
     if num_experts and row.get("model_name") in MOE_PRESET_OF:
-        return PRESETS[MOE_PRESET_OF[row["model_name"]]]
+        preset = PRESETS[MOE_PRESET_OF[row["model_name"]]]
+        # The source trained at its seq_len (Qwen3 with YaRN rope scaling past its 40,960 positions).
+        return dataclasses.replace(preset, max_seq_len=max(preset.max_seq_len, _int(row, "seq_len")))
     # An MoE model outside the presets: a llama block (SwiGLU experts) with the CSV's expert columns.
     arch = "llama" if num_experts else row["arch"] if row["arch"] in ("llama", "gpt2") else "gpt2"
     hidden, heads = _int(row, "hidden_size"), _int(row, "num_heads")
@@ -162,10 +172,11 @@ def _model(row: dict) -> ModelSpec:
     ffn = _int(row, "ffn_hidden_size", expert_ffn or 4 * hidden)
     moe = dict(num_experts=num_experts, num_experts_per_token=_int(row, "top_k"), expert_ffn_hidden_size=expert_ffn,
                shared_expert_ffn_hidden_size=_int(row, "shared_experts", 0) * expert_ffn) if num_experts else {}
+    # head_dim: a width the source's config sets apart from hidden / heads (GPT-OSS: 64 x 64 heads on 2880).
     return ModelSpec(name=row["model_name"], arch=arch, num_layers=_int(row, "num_layers"), hidden_size=hidden,
                      num_heads=heads, num_kv_heads=_int(row, "num_kv_heads", heads), ffn_hidden_size=ffn,
                      vocab_size=_int(row, "vocab_size", 50257), max_seq_len=max(seq, 2048),
-                     tied_embeddings=arch == "gpt2", **moe)
+                     tied_embeddings=arch == "gpt2", attention_head_dim=_int(row, "head_dim", 0), **moe)
 
 
 def _cluster(row: dict, hardware=None) -> Cluster:
@@ -244,6 +255,27 @@ def _plan(row: dict, engine: str) -> Plan:
                 ep=_int(row, "expert_parallel", 1), etp=_int(row, "expert_tensor_parallel", 1))
 
 
+def megatron_core_flops_per_step(model: ModelSpec, *, global_batch: int, seq_len: int) -> float:
+    """Megatron-Core's num_floating_point_operations (megatron/training/training.py, 2025+; Megatron-Bridge's
+    flop_utils.py the same): 3 x 2 x 2 per multiply-add pair of GEMMs, the attention square halved (causal),
+    the dense and the routed (k experts) and shared-expert MLPs at 3/2 for SwiGLU, MLA's projections by
+    its ranks, the logits; no router, no recomputation."""
+    h, n, L = model.hidden_size, model.num_heads, model.num_layers
+    glu = 1.5 if model.gated_mlp else 1.0
+    dense_layers = L - model.num_moe_layers if model.is_moe else L
+    mlp = 12 * h * glu * (dense_layers * model.ffn_hidden_size + model.num_moe_layers * (
+        model.num_experts_per_token * model.expert_ffn_hidden_size + model.shared_expert_ffn_hidden_size))
+    if model.uses_mla:
+        qk, rope, v = model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim
+        q = h * n * (qk + rope) if not model.q_lora_rank else model.q_lora_rank * (h + n * (qk + rope) + 1)
+        attn = 6 * L * (q + model.kv_lora_rank * (h + n * (qk + v) + 1) + h * rope + n * v * h
+                        + seq_len * n * (qk + rope) / 2 + seq_len * n * v / 2)
+    else:
+        q_dim = n * model.head_dim
+        attn = 12 * L * h * h * (1 + model.num_kv_heads / n + seq_len / h / 2) * q_dim / h
+    return global_batch * seq_len * (mlp + attn + 6 * h * model.vocab_size)
+
+
 def _measured_step_time_s(row: dict, *, model: ModelSpec, job: Job, plan: Plan, num_gpus: int) -> float:
     from cost_models.compute import model_flops_per_step
 
@@ -257,6 +289,9 @@ def _measured_step_time_s(row: dict, *, model: ModelSpec, job: Job, plan: Plan, 
         convention = FLOP_CONVENTIONS.get(row["source_id"])
         if convention is None:
             raise PlannerError(f"source {row['source_id']} reports TFLOP/s with no known FLOP convention")
+        if convention == "megatron-core":
+            return megatron_core_flops_per_step(model, global_batch=job.global_batch, seq_len=job.seq_len) / (
+                value * 1e12 * num_gpus)
         policies = (plan.recompute,) * model.num_layers if convention == "hardware" else None
         flops = model_flops_per_step(model, global_batch=job.global_batch, seq_len=job.seq_len,
                                      recompute_layers=policies)
@@ -285,10 +320,17 @@ def _run(row: dict, *, hardware=None) -> PublishedRun:
     kernel = (row.get("attention_kernel") or "").strip()
     if kernel not in ATTENTION_KERNELS:
         raise PlannerError(f"attention_kernel {kernel!r} is not priced; priced: {', '.join(ATTENTION_KERNELS[1:])}")
+    dispatcher = (row.get("moe_dispatcher") or "").strip().lower()
+    if dispatcher and dispatcher not in DISPATCHERS:
+        raise PlannerError(f"moe_dispatcher {dispatcher!r} is not priced; priced: {', '.join(DISPATCHERS)}")
+    overlap = (row.get("moe_a2a_overlap") or "").strip().lower()
+    if overlap not in ("", "true", "false"):
+        raise PlannerError(f"moe_a2a_overlap must be true, false or empty, got {overlap!r}")
     return PublishedRun(source_id=source, label=label, group=group, hardware=label_hw, model=model,
                         cluster=cluster, job=job, plan=plan, engine=engine, measured_step_time_s=measured,
                         measured_peak_memory_bytes=float(peak) * 1024**3 if peak else None,
-                        attention_kernel=kernel)
+                        attention_kernel=kernel, moe_dispatcher=dispatcher,
+                        moe_a2a_overlap=None if not overlap else overlap == "true")
 
 
 def load_published(path: str | Path = DEFAULT_CSV, *, hardware=None,
