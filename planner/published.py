@@ -202,6 +202,9 @@ CP_KIND_OF = {"": "ring", "p2p": "ring", "ring": "ring", "a2a": "all-to-all", "a
               "a2a+p2p": "hierarchical", "hierarchical": "hierarchical"}
 # A row's attention_kernel column (empty: the engine's own kernel).
 ATTENTION_KERNELS = ("", "flash1", "flash2", "flash3", "materialized")
+# A row's reduce_dtype column (empty: the engine's own; bf16 the same for an engine that reduces in the
+# compute dtype, fp16/bf16 runs).
+REDUCE_DTYPES = ("", "fp32", "bf16")
 # Sources that print a local batch (sequences per data-parallel rank per step) instead of a global one:
 # torchtitan's `training.local_batch_size`, micro-batched into pipeline micro-batches of 1 sequence
 # (its default pipeline micro-batch size).
@@ -237,11 +240,17 @@ def _plan(row: dict, engine: str) -> Plan:
     recompute = "selective" if recompute.startswith("partial") else recompute
     recompute = recompute if recompute in ("none", "selective", "full") else "full"
     s_p, s_g, s_os = _shards(row.get("sharding", ""), dp * cp, engine)
+    # The dtype the run reduced gradients in where its source says (llm-foundry's "FSDP MP Mode": Composer's
+    # DEFAULT reduces in fp32, PURE in the compute dtype); empty: the engine's own.
+    reduce_dtype = (row.get("reduce_dtype") or "").strip().lower()
+    if reduce_dtype not in REDUCE_DTYPES:
+        raise PlannerError(f"reduce_dtype {reduce_dtype!r} is not priced; priced: {', '.join(REDUCE_DTYPES[1:])}")
     return Plan(dp=dp, cp=cp, cp_kind=CP_KIND_OF[comm_type], tp=tp, pp=pp, virtual_stages=vp, micro_batch=micro_batch,
                 num_micro_batches=global_batch // (dp * micro_batch),
                 schedule="interleaved-1f1b" if vp > 1 else "1f1b", recompute=recompute,
                 sequence_parallel=sequence_parallel, param_shard=s_p, grad_shard=s_g, optim_shard=s_os,
-                ep=_int(row, "expert_parallel", 1), etp=_int(row, "expert_tensor_parallel", 1))
+                ep=_int(row, "expert_parallel", 1), etp=_int(row, "expert_tensor_parallel", 1),
+                reduce_fp32=reduce_dtype == "fp32")
 
 
 def _measured_step_time_s(row: dict, *, model: ModelSpec, job: Job, plan: Plan, num_gpus: int) -> float:

@@ -298,3 +298,31 @@ def test_every_published_run_that_states_its_recomputation_fits_the_memory_it_ra
     for run in runs:
         e = estimate(run.plan, model=run.model, cluster=run.cluster, job=run.job, engine=run.priced_engine)
         assert e.peak_memory_bytes <= run.cluster.hardware.memory_bytes, (run.label, e.peak_memory_bytes / 2**30)
+
+
+def test_a_row_reduced_in_fp32_moves_twice_the_gradient_bytes(tmp_path):
+    """Composer's FSDP 'DEFAULT' mixed precision reduces in fp32 (llm-foundry's H100 and A100 80GB tables),
+    'PURE' in bf16: the reduce-scatter of ZeRO-3 on one 8-GPU node moves 7/8 x 2 more bytes per parameter,
+    at the H100 preset's 370 GB/s NVLink bus bandwidth (the latency term is the same)."""
+    path = tmp_path / "runs.csv"
+    row = "llama3-8b,8,8,llm-foundry/composer-fsdp,1,1,8,1,8,2048,zero3,full,bf16,1.0,,"
+    path.write_text(RUNS_HEADER.strip() + ",reduce_dtype\n" + row + "fp32\n" + row + "bf16\n")
+    fp32, bf16 = load_published(path, hardware=HW["h100"], strict=True)[0]
+    assert (fp32.plan.reduce_fp32, bf16.plan.reduce_fp32) == (True, False)
+    comm = [estimate(r.plan, model=r.model, cluster=r.cluster, job=r.job, engine=r.priced_engine).breakdown["dp_comm_s"]
+            for r in (fp32, bf16)]
+    assert comm[0] - comm[1] == pytest.approx(7 / 8 * 2 * PRESETS["llama3-8b"].num_params() / 370e9, rel=1e-9)
+    path.write_text(RUNS_HEADER.strip() + ",reduce_dtype\n" + row + "fp16\n")
+    with pytest.raises(PlannerError, match="reduce_dtype 'fp16'"):
+        load_published(path, hardware=HW["h100"], strict=True)
+
+
+def test_llm_foundry_rows_reduce_in_the_dtype_their_fsdp_mode_names():
+    import csv
+
+    rows = [r for r in csv.DictReader(line for line in DEFAULT_CSV.read_text().splitlines() if not line.startswith("#"))
+            if r["source_id"] == "llmfoundry_bench"]
+    for r in rows:
+        expected = "fp32" if "FSDP MP Mode='DEFAULT'" in r["notes"] else "bf16"
+        assert r["reduce_dtype"] == expected, r["location_in_source"]
+    assert {r["reduce_dtype"] for r in rows} == {"fp32", "bf16"}
