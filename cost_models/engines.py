@@ -52,6 +52,19 @@ class EngineModel:
     # rather than written out (this engine's log-sum-exp blocks, cost_models/compute.py).
     context_parallel: bool = True
     fused_ring_blocks: bool = True
+    # HBM bytes the optimizer step moves per parameter of the rank's shard (estimate.ADAM_BYTES_PER_PARAM:
+    # one fused pass, 28), more where the engine's optimizer runs one unfused kernel per operation.
+    optimizer_bytes_per_param: float = 28.0  # == estimate.ADAM_BYTES_PER_PARAM
+
+
+# Composer's DecoupledAdamW (composer/optim/decoupled_weight_decay.py, `adamw`), which llm-foundry's MPT yamls
+# name (`optimizer: name: decoupled_adamw`), updates each fp32 shard in a Python loop of unfused in-place
+# kernels, bytes read + written per element: param.mul_ 8, exp_avg.mul_ 8, exp_avg.add_(grad) 12,
+# exp_avg_sq.mul_ 8, exp_avg_sq.addcmul_(grad, grad) 12, exp_avg_sq.sqrt() 8, / sqrt(bias_correction2) 8,
+# .add_(eps) 8, param.addcdiv_(exp_avg, denom) 16: 88. The same yamls clip the gradient norm
+# (`algorithms: gradient_clipping: clipping_type: norm`), FSDP's clip_grad_norm_: a norm pass (4) and an
+# in-place scale (8) over every gradient shard: 12.
+COMPOSER_ADAMW_BYTES_PER_PARAM = 88.0 + 12.0
 
 
 ENGINES: dict[str, EngineModel] = {e.name: e for e in (
@@ -79,7 +92,8 @@ ENGINES: dict[str, EngineModel] = {e.name: e for e in (
                 main_grads_fp32=False),
     EngineModel("fsdp", "PyTorch FSDP1 with FlashAttention-2 (llm-foundry / Composer), eager elementwise",
                 attention="flash2", fused_elementwise=False, tp_comm_hidden=0.0, reduce_fp32=False,
-                main_grads_fp32=False, gpt_dropout=False, context_parallel=False),
+                main_grads_fp32=False, gpt_dropout=False, context_parallel=False,
+                optimizer_bytes_per_param=COMPOSER_ADAMW_BYTES_PER_PARAM),
 )}
 
 if tuple(ENGINES) != ENGINE_NAMES:  # the names are declared once, in specs (a plan file records its engine)
