@@ -82,13 +82,19 @@ class PublishedRun:
     # attention_kernel: llm-foundry's tables before 2024 ran FlashAttention-1's Triton kernel); empty: the
     # engine's own.
     attention_kernel: str = ""
+    # The dtype the run reduced (and accumulated) gradients in where its source says (the CSV's reduce_dtype):
+    # fp32 is the plan's reduce_fp32 knob; a 16-bit one also overrides an engine that would keep fp32 main
+    # gradients (Megatron-DeepSpeed's fp16 runs before its BF16 optimizer); empty: the engine's own.
+    reduce_dtype: str = ""
 
     @property
     def priced_engine(self) -> str | EngineModel:
-        """The engine as this run ran it: its name, or a variant with the run's attention kernel."""
-        if not self.attention_kernel:
-            return self.engine
-        return dataclasses.replace(ENGINES[self.engine], attention=self.attention_kernel)
+        """The engine as this run ran it: its name, or a variant with the run's attention kernel and its
+        16-bit gradients."""
+        changes = {"attention": self.attention_kernel} if self.attention_kernel else {}
+        if self.reduce_dtype in ("bf16", "fp16"):
+            changes.update(reduce_fp32=False, main_grads_fp32=False)
+        return dataclasses.replace(ENGINES[self.engine], **changes) if changes else self.engine
 
 
 @dataclass(frozen=True)
@@ -202,9 +208,9 @@ CP_KIND_OF = {"": "ring", "p2p": "ring", "ring": "ring", "a2a": "all-to-all", "a
               "a2a+p2p": "hierarchical", "hierarchical": "hierarchical"}
 # A row's attention_kernel column (empty: the engine's own kernel).
 ATTENTION_KERNELS = ("", "flash1", "flash2", "flash3", "materialized")
-# A row's reduce_dtype column (empty: the engine's own; bf16 the same for an engine that reduces in the
-# compute dtype, fp16/bf16 runs).
-REDUCE_DTYPES = ("", "fp32", "bf16")
+# A row's reduce_dtype column (empty: the engine's own; bf16 / fp16: 2-byte gradients whatever the engine
+# would keep).
+REDUCE_DTYPES = ("", "fp32", "bf16", "fp16")
 # Sources that print a local batch (sequences per data-parallel rank per step) instead of a global one:
 # torchtitan's `training.local_batch_size`, micro-batched into pipeline micro-batches of 1 sequence
 # (its default pipeline micro-batch size).
@@ -297,7 +303,7 @@ def _run(row: dict, *, hardware=None) -> PublishedRun:
     return PublishedRun(source_id=source, label=label, group=group, hardware=label_hw, model=model,
                         cluster=cluster, job=job, plan=plan, engine=engine, measured_step_time_s=measured,
                         measured_peak_memory_bytes=float(peak) * 1024**3 if peak else None,
-                        attention_kernel=kernel)
+                        attention_kernel=kernel, reduce_dtype=(row.get("reduce_dtype") or "").strip().lower())
 
 
 def load_published(path: str | Path = DEFAULT_CSV, *, hardware=None,

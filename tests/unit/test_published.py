@@ -312,8 +312,8 @@ def test_a_row_reduced_in_fp32_moves_twice_the_gradient_bytes(tmp_path):
     comm = [estimate(r.plan, model=r.model, cluster=r.cluster, job=r.job, engine=r.priced_engine).breakdown["dp_comm_s"]
             for r in (fp32, bf16)]
     assert comm[0] - comm[1] == pytest.approx(7 / 8 * 2 * PRESETS["llama3-8b"].num_params() / 370e9, rel=1e-9)
-    path.write_text(RUNS_HEADER.strip() + ",reduce_dtype\n" + row + "fp16\n")
-    with pytest.raises(PlannerError, match="reduce_dtype 'fp16'"):
+    path.write_text(RUNS_HEADER.strip() + ",reduce_dtype\n" + row + "fp8\n")
+    with pytest.raises(PlannerError, match="reduce_dtype 'fp8'"):
         load_published(path, hardware=HW["h100"], strict=True)
 
 
@@ -341,3 +341,30 @@ def test_llm_foundry_steps_composer_adamw_in_unfused_passes():
     cluster, job = Cluster(num_nodes=1, devices_per_node=8, hardware=hw), Job(global_batch=8, seq_len=2048)
     optimizer_s = estimate(plan, model=model, cluster=cluster, job=job, engine="fsdp").breakdown["optimizer_s"]
     assert optimizer_s == pytest.approx(model.num_params() / 8 * 100 / (3.35e12 * 0.8), rel=1e-9)
+
+
+def test_the_bloom_prequel_rows_carry_the_vocabulary_their_size_column_implies():
+    """chronicles-prequel.md sizes its models as l (12 h^2 + 13 h) + v h + s h + 2 h: with the 250k BigScience
+    vocabulary 72 x 14336 comes to the table's 181B and 96 x 12288 to its 177B (GPT-2's 50257: 178B, 175B)."""
+    runs = [r for r in load_published()[0] if r.source_id == "bloom_tr11_prequel"]
+    assert len(runs) == 21
+    for run in runs:
+        l, h, v = run.model.num_layers, run.model.hidden_size, run.model.vocab_size
+        size_billion = (l * (12 * h**2 + 13 * h) + v * h + 2048 * h + 2 * h) / 1e9
+        assert v == 250680
+        assert round(size_billion) == {72: 181, 96: 177}[l]
+
+
+def test_a_row_with_16_bit_gradients_keeps_no_fp32_main_gradients(tmp_path):
+    """Megatron-DeepSpeed before its BF16 optimizer accumulated and all-reduced 16-bit gradients (the BLOOM
+    prequel's 02-25 rows): 2 bytes per parameter held where the engine's default keeps 4 (ZeRO-1 does not
+    shard them), and the step-end all-reduce over one 8-GPU node moves 2 x 7/8 x 2 bytes per parameter less
+    at the H100 preset's 370 GB/s."""
+    path = tmp_path / "runs.csv"
+    row = "llama3-8b,8,8,deepspeed,1,1,8,1,8,2048,zero1,full,bf16,1.0,,"
+    path.write_text(RUNS_HEADER.strip() + ",reduce_dtype\n" + row + "fp16\n" + row + "\n")
+    half, default = load_published(path, hardware=HW["h100"], strict=True)[0]
+    n = PRESETS["llama3-8b"].num_params()
+    est = [estimate(r.plan, model=r.model, cluster=r.cluster, job=r.job, engine=r.priced_engine) for r in (half, default)]
+    assert [e.breakdown["grads_bytes"] / n for e in est] == [2.0, 4.0]
+    assert est[1].step_time_s - est[0].step_time_s == pytest.approx(2 * 7 / 8 * 2 * n / 370e9, rel=1e-6)
