@@ -60,12 +60,31 @@ class EngineModel:
     # Megatron-Core's EP communication overlap (--overlap-moe-expert-parallel-comm, the combined 1F1B
     # schedule): one micro-batch's dispatch and combine run beside another's forward or backward compute.
     moe_a2a_overlap: bool = False
+    # HBM bytes the optimizer step moves per parameter of the rank's shard (estimate.ADAM_BYTES_PER_PARAM:
+    # one fused pass, 28), more where the engine's optimizer runs one unfused kernel per operation.
+    optimizer_bytes_per_param: float = 28.0  # == estimate.ADAM_BYTES_PER_PARAM
+
+
+# Composer's DecoupledAdamW (composer/optim/decoupled_weight_decay.py, `adamw`), which llm-foundry's MPT yamls
+# name (`optimizer: name: decoupled_adamw`), updates each fp32 shard in a Python loop of unfused in-place
+# kernels, bytes read + written per element: param.mul_ 8, exp_avg.mul_ 8, exp_avg.add_(grad) 12,
+# exp_avg_sq.mul_ 8, exp_avg_sq.addcmul_(grad, grad) 12, exp_avg_sq.sqrt() 8, / sqrt(bias_correction2) 8,
+# .add_(eps) 8, param.addcdiv_(exp_avg, denom) 16: 88. The same yamls clip the gradient norm
+# (`algorithms: gradient_clipping: clipping_type: norm`), FSDP's clip_grad_norm_: a norm pass (4) and an
+# in-place scale (8) over every gradient shard: 12.
+COMPOSER_ADAMW_BYTES_PER_PARAM = 88.0 + 12.0
+# This project's engine (runners/sharding/adam.py, adam_update) runs torch.optim.Adam's single-tensor
+# arithmetic on each unit's fp32 shard: the 2-byte reduced gradient copied to fp32 (optim_grad: 6), then
+# exp_avg.lerp_ 12, exp_avg_sq.mul_ 8, .addcmul_ 12, sqrt 8, / 8, .add_(eps) 8, master.addcdiv_ 16 and the
+# compute-dtype slice refreshed from the master (6): 84. (Under fp32 gradients the first copy is a no-op:
+# 78; not told apart here.)
+OURS_ADAM_BYTES_PER_PARAM = 6.0 + 12 + 8 + 12 + 8 + 8 + 8 + 16 + 6
 
 
 ENGINES: dict[str, EngineModel] = {e.name: e for e in (
     EngineModel("ours", "this project's engine (runners/): eager PyTorch, SDPA attention, bf16 reduction",
                 attention="by-arch", fused_elementwise=False, tp_comm_hidden=0.0, reduce_fp32=False,
-                main_grads_fp32=False, fused_ring_blocks=False),
+                main_grads_fp32=False, fused_ring_blocks=False, optimizer_bytes_per_param=OURS_ADAM_BYTES_PER_PARAM),
     EngineModel("megatron", "Megatron-LM / NeMo with Transformer Engine (2024+): fused kernels, cuDNN fused "
                 "attention, TP communication overlap, distributed optimizer with fp32 main gradients",
                 attention="flash3", fused_elementwise=True, tp_comm_hidden=0.8, reduce_fp32=True,
@@ -87,7 +106,8 @@ ENGINES: dict[str, EngineModel] = {e.name: e for e in (
                 main_grads_fp32=False),
     EngineModel("fsdp", "PyTorch FSDP1 with FlashAttention-2 (llm-foundry / Composer), eager elementwise",
                 attention="flash2", fused_elementwise=False, tp_comm_hidden=0.0, reduce_fp32=False,
-                main_grads_fp32=False, gpt_dropout=False, context_parallel=False),
+                main_grads_fp32=False, gpt_dropout=False, context_parallel=False,
+                optimizer_bytes_per_param=COMPOSER_ADAMW_BYTES_PER_PARAM),
 )}
 
 if tuple(ENGINES) != ENGINE_NAMES:  # the names are declared once, in specs (a plan file records its engine)

@@ -164,8 +164,9 @@ def num_ops(model) -> dict[str, int]:
     norm = 7 if model.arch == "llama" else 1
     return {"layer": len(gemms["dense"]) + core + _elementwise_kernels(model), "core": core, "embed": 1,
             "head": norm + 1 + 4}
-# Adam touches per parameter of its shard: the gradient (read), fp32 master, m and v (read + write) and
-# the compute-dtype parameter (write): 2 + 24 + 2 bytes mixed precision, 4 + 8 + 16 for fp32.
+# A fused Adam touches per parameter of its shard: the gradient (read), fp32 master, m and v (read + write)
+# and the compute-dtype parameter (write): 2 + 24 + 2 bytes mixed precision, 4 + 8 + 16 for fp32. An
+# engine whose optimizer is unfused says so (EngineModel.optimizer_bytes_per_param).
 ADAM_BYTES_PER_PARAM = 28
 
 
@@ -833,11 +834,12 @@ def _redistribute_s(plan, cluster, *, num_params: float, param_bytes: int, first
 
 
 def _rank_tails(plan, cluster, *, chunks: list[_ChunkPrice], job, model=None,
-                totals: list[float] | None = None) -> list[tuple[float, float]]:
+                totals: list[float] | None = None, eng=None) -> list[tuple[float, float]]:
     """Per pipeline rank: (optimizer step, exposed redistribution of updated shards when optim_shard >
     param_shard; see _redistribute_s), appending each rank's total redistribution seconds to `totals`. The optimizer step carries the calibrated per-step
     overhead and its ops' overhead (one flat unit per layer, embedding and head: ADAM_OPS_PER_UNIT each)."""
     param_bytes = state_bytes_per_param(job.precision)[0]
+    optimizer_bytes = (eng or engine_model("ours")).optimizer_bytes_per_param
     calibration = cluster.hardware.calibration
     op_overhead_s, step_overhead_s = calibration.get("op_overhead_s", 0.0), calibration.get("step_overhead_s", 0.0)
     counts = plan.chunk_layer_counts(model.num_layers) if model is not None else (0,) * plan.num_chunks
@@ -847,7 +849,7 @@ def _rank_tails(plan, cluster, *, chunks: list[_ChunkPrice], job, model=None,
         num_units = sum(counts[c] + (c == 0) + (c == plan.num_chunks - 1) for c in range(r, plan.num_chunks, plan.pp))
         expert_params = sum(c.num_expert_params for c in chunks[r::plan.pp])
         optimizer_s = memory_time_s(cluster.hardware, (num_params / plan.optim_shard + expert_params
-                                                       / plan.expert_shard_degrees[2]) * ADAM_BYTES_PER_PARAM)
+                                                       / plan.expert_shard_degrees[2]) * optimizer_bytes)
         optimizer_s += step_overhead_s + op_overhead_s * ADAM_OPS_PER_UNIT * num_units
         post_exposed_s, post_s = _redistribute_s(plan, cluster, num_params=num_params, param_bytes=param_bytes,
                                                  first_chunk=chunks[r])
@@ -946,7 +948,7 @@ def estimate(plan, *, model, cluster, job, engine: str = "ours") -> Estimate:
     pipe = simulate(schedule=plan.schedule, pp=pp, virtual_stages=plan.virtual_stages,
                     num_micro_batches=plan.num_micro_batches, durations=durations, commshift=True)
     post_total_s: list[float] = []
-    tails = _rank_tails(plan, cluster, chunks=chunks, job=job, model=model, totals=post_total_s)
+    tails = _rank_tails(plan, cluster, chunks=chunks, job=job, model=model, totals=post_total_s, eng=eng)
     tails = [(optimizer_s + after[r], post_s) for r, (optimizer_s, post_s) in enumerate(tails)]
     ends = [max(pipe.compute_end_s[r], pipe.comm_end_s[r]) + sum(tails[r]) for r in range(pp)]
     step_time_s = max(ends)

@@ -89,13 +89,19 @@ class PublishedRun:
     # moe_a2a_overlap; empty: the engine's own, cost_models/engines.py).
     moe_dispatcher: str = ""
     moe_a2a_overlap: bool | None = None
+    # The dtype the run reduced (and accumulated) gradients in where its source says (the CSV's reduce_dtype):
+    # fp32 is the plan's reduce_fp32 knob; a 16-bit one also overrides an engine that would keep fp32 main
+    # gradients (Megatron-DeepSpeed's fp16 runs before its BF16 optimizer); empty: the engine's own.
+    reduce_dtype: str = ""
 
     @property
     def priced_engine(self) -> str | EngineModel:
-        """The engine as this run ran it: its name, or a variant with the run's attention kernel and MoE
-        dispatch."""
+        """The engine as this run ran it: its name, or a variant with the run's attention kernel, MoE
+        dispatch and 16-bit gradients."""
         changes = {k: v for k, v in (("attention", self.attention_kernel), ("moe_dispatcher", self.moe_dispatcher),
                                      ("moe_a2a_overlap", self.moe_a2a_overlap)) if v not in ("", None)}
+        if self.reduce_dtype in ("bf16", "fp16"):
+            changes.update(reduce_fp32=False, main_grads_fp32=False)
         return dataclasses.replace(ENGINES[self.engine], **changes) if changes else self.engine
 
 
@@ -213,6 +219,9 @@ CP_KIND_OF = {"": "ring", "p2p": "ring", "ring": "ring", "a2a": "all-to-all", "a
               "a2a+p2p": "hierarchical", "hierarchical": "hierarchical"}
 # A row's attention_kernel column (empty: the engine's own kernel).
 ATTENTION_KERNELS = ("", "flash1", "flash2", "flash3", "materialized")
+# A row's reduce_dtype column (empty: the engine's own; bf16 / fp16: 2-byte gradients whatever the engine
+# would keep).
+REDUCE_DTYPES = ("", "fp32", "bf16", "fp16")
 # Sources that print a local batch (sequences per data-parallel rank per step) instead of a global one:
 # torchtitan's `training.local_batch_size`, micro-batched into pipeline micro-batches of 1 sequence
 # (its default pipeline micro-batch size).
@@ -248,11 +257,17 @@ def _plan(row: dict, engine: str) -> Plan:
     recompute = "selective" if recompute.startswith("partial") else recompute
     recompute = recompute if recompute in ("none", "selective", "full") else "full"
     s_p, s_g, s_os = _shards(row.get("sharding", ""), dp * cp, engine)
+    # The dtype the run reduced gradients in where its source says (llm-foundry's "FSDP MP Mode": Composer's
+    # DEFAULT reduces in fp32, PURE in the compute dtype); empty: the engine's own.
+    reduce_dtype = (row.get("reduce_dtype") or "").strip().lower()
+    if reduce_dtype not in REDUCE_DTYPES:
+        raise PlannerError(f"reduce_dtype {reduce_dtype!r} is not priced; priced: {', '.join(REDUCE_DTYPES[1:])}")
     return Plan(dp=dp, cp=cp, cp_kind=CP_KIND_OF[comm_type], tp=tp, pp=pp, virtual_stages=vp, micro_batch=micro_batch,
                 num_micro_batches=global_batch // (dp * micro_batch),
                 schedule="interleaved-1f1b" if vp > 1 else "1f1b", recompute=recompute,
                 sequence_parallel=sequence_parallel, param_shard=s_p, grad_shard=s_g, optim_shard=s_os,
-                ep=_int(row, "expert_parallel", 1), etp=_int(row, "expert_tensor_parallel", 1))
+                ep=_int(row, "expert_parallel", 1), etp=_int(row, "expert_tensor_parallel", 1),
+                reduce_fp32=reduce_dtype == "fp32")
 
 
 def megatron_core_flops_per_step(model: ModelSpec, *, global_batch: int, seq_len: int) -> float:
@@ -330,7 +345,8 @@ def _run(row: dict, *, hardware=None) -> PublishedRun:
                         cluster=cluster, job=job, plan=plan, engine=engine, measured_step_time_s=measured,
                         measured_peak_memory_bytes=float(peak) * 1024**3 if peak else None,
                         attention_kernel=kernel, moe_dispatcher=dispatcher,
-                        moe_a2a_overlap=None if not overlap else overlap == "true")
+                        moe_a2a_overlap=None if not overlap else overlap == "true",
+                        reduce_dtype=(row.get("reduce_dtype") or "").strip().lower())
 
 
 def load_published(path: str | Path = DEFAULT_CSV, *, hardware=None,

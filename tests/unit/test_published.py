@@ -323,3 +323,87 @@ def test_moe_rows_are_priced_with_their_dispatcher_and_overlap():
     assert len(overlap) == 1 and overlap[0].priced_engine.moe_a2a_overlap
     assert overlap[0].priced_engine.moe_dispatcher == "deepep"
     assert all(r.source_id != "nemo_automodel_perf" for r in runs)  # use=no: its engine has no pricing
+
+
+def test_a_row_reduced_in_fp32_moves_twice_the_gradient_bytes(tmp_path):
+    """Composer's FSDP 'DEFAULT' mixed precision reduces in fp32 (llm-foundry's H100 and A100 80GB tables),
+    'PURE' in bf16: the reduce-scatter of ZeRO-3 on one 8-GPU node moves 7/8 x 2 more bytes per parameter,
+    at the H100 preset's 370 GB/s NVLink bus bandwidth (the latency term is the same)."""
+    path = tmp_path / "runs.csv"
+    row = "llama3-8b,8,8,llm-foundry/composer-fsdp,1,1,8,1,8,2048,zero3,full,bf16,1.0,,"
+    path.write_text(RUNS_HEADER.strip() + ",reduce_dtype\n" + row + "fp32\n" + row + "bf16\n")
+    fp32, bf16 = load_published(path, hardware=HW["h100"], strict=True)[0]
+    assert (fp32.plan.reduce_fp32, bf16.plan.reduce_fp32) == (True, False)
+    comm = [estimate(r.plan, model=r.model, cluster=r.cluster, job=r.job, engine=r.priced_engine).breakdown["dp_comm_s"]
+            for r in (fp32, bf16)]
+    assert comm[0] - comm[1] == pytest.approx(7 / 8 * 2 * PRESETS["llama3-8b"].num_params() / 370e9, rel=1e-9)
+    path.write_text(RUNS_HEADER.strip() + ",reduce_dtype\n" + row + "fp8\n")
+    with pytest.raises(PlannerError, match="reduce_dtype 'fp8'"):
+        load_published(path, hardware=HW["h100"], strict=True)
+
+
+def test_llm_foundry_rows_reduce_in_the_dtype_their_fsdp_mode_names():
+    import csv
+
+    rows = [r for r in csv.DictReader(line for line in DEFAULT_CSV.read_text().splitlines() if not line.startswith("#"))
+            if r["source_id"] == "llmfoundry_bench"]
+    for r in rows:
+        expected = "fp32" if "FSDP MP Mode='DEFAULT'" in r["notes"] else "bf16"
+        assert r["reduce_dtype"] == expected, r["location_in_source"]
+    assert {r["reduce_dtype"] for r in rows} == {"fp32", "bf16"}
+
+
+def test_llm_foundry_steps_composer_adamw_in_unfused_passes():
+    """Composer's DecoupledAdamW loops over the shards with nine unfused kernels (88 bytes per fp32
+    element read + written) and FSDP's clip_grad_norm_ reads and scales every gradient (12): 100 bytes per
+    parameter of the optimizer shard at 80% of the H100's 3.35 TB/s, where a fused Adam moves 28."""
+    from cost_models.engines import ENGINES
+
+    assert ENGINES["fsdp"].optimizer_bytes_per_param == 8 + 8 + 12 + 8 + 12 + 8 + 8 + 8 + 16 + 4 + 8
+    assert ENGINES["megatron"].optimizer_bytes_per_param == 28
+    model, hw = PRESETS["llama3-8b"], HW["h100"]
+    plan = Plan(dp=8, micro_batch=1, num_micro_batches=1, recompute="full", param_shard=8, grad_shard=8, optim_shard=8)
+    cluster, job = Cluster(num_nodes=1, devices_per_node=8, hardware=hw), Job(global_batch=8, seq_len=2048)
+    optimizer_s = estimate(plan, model=model, cluster=cluster, job=job, engine="fsdp").breakdown["optimizer_s"]
+    assert optimizer_s == pytest.approx(model.num_params() / 8 * 100 / (3.35e12 * 0.8), rel=1e-9)
+
+
+def test_the_bloom_prequel_rows_carry_the_vocabulary_their_size_column_implies():
+    """chronicles-prequel.md sizes its models as l (12 h^2 + 13 h) + v h + s h + 2 h: with the 250k BigScience
+    vocabulary 72 x 14336 comes to the table's 181B and 96 x 12288 to its 177B (GPT-2's 50257: 178B, 175B)."""
+    runs = [r for r in load_published()[0] if r.source_id == "bloom_tr11_prequel"]
+    assert len(runs) == 21
+    for run in runs:
+        l, h, v = run.model.num_layers, run.model.hidden_size, run.model.vocab_size
+        size_billion = (l * (12 * h**2 + 13 * h) + v * h + 2048 * h + 2 * h) / 1e9
+        assert v == 250680
+        assert round(size_billion) == {72: 181, 96: 177}[l]
+
+
+def test_a_row_with_16_bit_gradients_keeps_no_fp32_main_gradients(tmp_path):
+    """Megatron-DeepSpeed before its BF16 optimizer accumulated and all-reduced 16-bit gradients (the BLOOM
+    prequel's 02-25 rows): 2 bytes per parameter held where the engine's default keeps 4 (ZeRO-1 does not
+    shard them), and the step-end all-reduce over one 8-GPU node moves 2 x 7/8 x 2 bytes per parameter less
+    at the H100 preset's 370 GB/s."""
+    path = tmp_path / "runs.csv"
+    row = "llama3-8b,8,8,deepspeed,1,1,8,1,8,2048,zero1,full,bf16,1.0,,"
+    path.write_text(RUNS_HEADER.strip() + ",reduce_dtype\n" + row + "fp16\n" + row + "\n")
+    half, default = load_published(path, hardware=HW["h100"], strict=True)[0]
+    n = PRESETS["llama3-8b"].num_params()
+    est = [estimate(r.plan, model=r.model, cluster=r.cluster, job=r.job, engine=r.priced_engine) for r in (half, default)]
+    assert [e.breakdown["grads_bytes"] / n for e in est] == [2.0, 4.0]
+    assert est[1].step_time_s - est[0].step_time_s == pytest.approx(2 * 7 / 8 * 2 * n / 370e9, rel=1e-6)
+
+
+def test_this_engine_steps_adam_as_its_runner_does():
+    """runners/sharding/adam.py: the 2-byte gradient copied to fp32 (6 bytes per element), lerp_ 12, mul_ 8,
+    addcmul_ 12, sqrt 8, / 8, add_ 8, addcdiv_ 16, the compute-dtype slice refreshed (6): 84 bytes per
+    parameter of the optimizer shard, at 80% of the A100's 2.039 TB/s."""
+    from cost_models.engines import ENGINES
+
+    assert ENGINES["ours"].optimizer_bytes_per_param == 84
+    model, hw = PRESETS["llama3-8b"], HW["a100"]
+    plan = Plan(dp=8, micro_batch=1, num_micro_batches=1, recompute="full", param_shard=1, grad_shard=1, optim_shard=8)
+    cluster, job = Cluster(num_nodes=1, devices_per_node=8, hardware=hw), Job(global_batch=8, seq_len=2048)
+    optimizer_s = estimate(plan, model=model, cluster=cluster, job=job, engine="ours").breakdown["optimizer_s"]
+    assert optimizer_s == pytest.approx(model.num_params() / 8 * 84 / (2.039e12 * 0.8), rel=1e-9)
