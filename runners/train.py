@@ -60,10 +60,10 @@ class Trainer:
         from runners import mutations
         from runners.comm import Comm
         from runners.context_parallel import CPContext
+        from runners.expert_parallel import EPContext
         from runners.mesh import build_mesh
-        from runners.sharding import ShardedDataParallel
         from runners.sharding.loss_scale import DynamicLossScale
-        from runners.transformer import LMHead, build_local_chunks, canonical_names, compute_dtype
+        from runners.transformer import build_local_chunks, canonical_names, compute_dtype
         from runners.tensor_parallel import TPContext
 
         self.cfg, self.plan, self.device = cfg, cfg.plan, device
@@ -86,8 +86,6 @@ class Trainer:
         # where that weight is never sharded away between the two uses (param_shard 1).
         share_tied = self.plan.pp == 1 and self.plan.param_shard == 1
         self.cp = CPContext.from_mesh(self.mesh, comm=self.comm)
-        from runners.expert_parallel import EPContext
-
         self.ep = EPContext.from_mesh(self.mesh, comm=self.comm)
         self.chunk_ids, self.chunks = build_local_chunks(cfg, pp_rank=self.mesh.pp_rank, tp=tp, device=device,
                                                          deferred=True, share_tied=share_tied, cp=self.cp, ep=self.ep)
@@ -95,36 +93,48 @@ class Trainer:
         dtype = compute_dtype(cfg.job.precision)
         # fp16 gradients of a loss averaged over the global batch's tokens underflow: scale the loss.
         self.loss_scale = DynamicLossScale() if dtype == torch.float16 else None
-        engine_args = dict(num_micro_batches=self.plan.num_micro_batches, lr=cfg.lr,
-                           defer_grad_sync=self.plan.commshift and self.plan.pp > 1,
-                           param_dtype=dtype,  # bf16/fp16: 2-byte params (and grads, unless reduce_fp32)
-                           grad_dtype=torch.float32 if self.plan.reduce_fp32 else None,
-                           device=device, loss_scale=self.loss_scale, stream_ordered=cfg.stream_ordered)
-        self.engine = ShardedDataParallel(self.chunks, plan=self.plan, mesh=self.mesh, comm=self.comm,
-                                          experts=False if moe else None, **engine_args)
-        # MoE experts: their own engine over expert-DP (Megatron-Core's expert data-parallel group).
-        self.expert_engine = ShardedDataParallel(self.chunks, plan=expert_plan(self.plan), mesh=self.mesh.expert_view(),
-                                                 comm=self.comm, experts=True, **engine_args) if moe else None
-        self.engines = [e for e in (self.engine, self.expert_engine) if e is not None]
-        self.expert_keys = {key for c, chunk in zip(self.chunk_ids, self.chunks)
-                            for key, p in ((f"{c}.{n}", p) for n, p in chunk.named_parameters())
-                            if getattr(p, "is_expert", False)}
+        self._build_engines(dtype=dtype, moe=moe)
         if mutation and mutation.kind == "scale_grad":
             mutations.scale_gradients(self.chunks, mutation)
         if mutation and mutation.kind == "skip_reduction":
             reducer = self.engine.reducer
             reducer.skip_unit, reducer.skip_micro_batch = self.engine.units_by_chunk[0][mutation.unit], mutation.micro_batch
-        from runners.moe import MoE
+        self._find_loss_heads()
+        self.holds_loss = self.chunk_ids[-1] == self.plan.num_chunks - 1 and self.mesh.tp_rank == 0
+        self.tied_units, self.tied_group = self._tied_embedding_units()
 
-        # Scaled alike by the fp16 loss scale: the heads' loss and the MoE layers' aux loss gradient.
+    def _build_engines(self, *, dtype: torch.dtype, moe: bool) -> None:
+        """The sharding engine of the dense parameters and, for an MoE model, a second one of the experts
+        over expert-DP (Megatron-Core's expert data-parallel group)."""
+        from runners.sharding import ShardedDataParallel
+
+        plan, cfg = self.plan, self.cfg
+        engine_args = dict(num_micro_batches=plan.num_micro_batches, lr=cfg.lr,
+                           defer_grad_sync=plan.commshift and plan.pp > 1,
+                           param_dtype=dtype,  # bf16/fp16: 2-byte params (and grads, unless reduce_fp32)
+                           grad_dtype=torch.float32 if plan.reduce_fp32 else None,
+                           device=self.device, loss_scale=self.loss_scale, stream_ordered=cfg.stream_ordered)
+        self.engine = ShardedDataParallel(self.chunks, plan=plan, mesh=self.mesh, comm=self.comm,
+                                          experts=False if moe else None, **engine_args)
+        self.expert_engine = ShardedDataParallel(self.chunks, plan=expert_plan(plan), mesh=self.mesh.expert_view(),
+                                                 comm=self.comm, experts=True, **engine_args) if moe else None
+        self.engines = [e for e in (self.engine, self.expert_engine) if e is not None]
+        self.expert_keys = {key for c, chunk in zip(self.chunk_ids, self.chunks)
+                            for key, p in ((f"{c}.{n}", p) for n, p in chunk.named_parameters())
+                            if getattr(p, "is_expert", False)}
+
+    def _find_loss_heads(self) -> None:
+        """The modules whose loss the fp16 loss scale multiplies alike: the LM heads' loss and the MoE
+        layers' auxiliary loss (whose routing counters go to this rank's Comm)."""
+        from runners.moe import MoE
+        from runners.transformer import LMHead
+
         self.heads = [u for chunk in self.chunks for u in chunk.units if isinstance(u, LMHead)]
         self.heads += [m for chunk in self.chunks for m in chunk.modules() if isinstance(m, MoE)]
         self.base_loss_scales = [h.loss_scale if isinstance(h, LMHead) else h.aux_scale for h in self.heads]
         for m in self.heads:
             if isinstance(m, MoE):
                 m.counters = self.comm.counters
-        self.holds_loss = self.chunk_ids[-1] == self.plan.num_chunks - 1 and self.mesh.tp_rank == 0
-        self.tied_units, self.tied_group = self._tied_embedding_units()
 
     def _tied_embedding_units(self):
         """The token embedding and LM head units this rank holds when the model ties them, and the group

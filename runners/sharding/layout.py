@@ -96,28 +96,7 @@ class FlatUnit:
         for p in params:
             self.offsets.append(offset)
             offset += p.numel()
-        shard = self.padded // s_p
-        self.param_shard = torch.empty(shard, dtype=dtype, device=device)
-        # Read the parameters' values (their own storage or their ParamInit) before they become views.
-        start = self.p_chunk * shard
-        with torch.no_grad():
-            for lo in range(0, shard, INIT_COPY_ELEMENTS):
-                hi = min(shard, lo + INIT_COPY_ELEMENTS)
-                self.param_shard[lo:hi].copy_(flat_values(params, self.offsets, start + lo, start + hi))
-        # The optimizer's slice of my parameter shard, and its fp32 master (the slice itself if fp32).
-        k = s_os // s_p
-        self.param_slice = self.param_shard.view(k, -1)[self.o_chunk % k]
-        if dtype == torch.float32:
-            self.master = self.param_slice
-        else:
-            size = self.padded // s_os
-            self.master = flat_values(params, self.offsets, self.o_chunk * size, (self.o_chunk + 1) * size).to(device)
-        self.flat = torch.empty(self.padded, dtype=dtype, device=device) if s_p > 1 else self.param_shard
-        self.flat_bytes = self.flat.untyped_storage().nbytes()
-        for p, off in zip(params, self.offsets):
-            p.data = self.flat[off:off + p.numel()].view(p.shape)
-        if s_p > 1:
-            self.flat.untyped_storage().resize_(0)  # one unit at a time is ever whole while building
+        self._shard_parameters(dtype=dtype, device=device)
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         # Gradients in the compute dtype (ZeRO's 2-byte gradients under mixed precision), or in fp32 under
@@ -144,6 +123,35 @@ class FlatUnit:
         self.num_backward = 0
         self.boundary_done = False   # its num_micro_batches-th backward has run
         self.rs_reduced = s_g == 1   # its boundary reduce-scatter has landed in self.grad
+
+    def _shard_parameters(self, *, dtype: torch.dtype, device: torch.device) -> None:
+        """Copy my 1/s_p of the parameters' values into param_shard, take the optimizer's slice of it and
+        its fp32 master, and make every parameter a view of the unit's flat buffer (freed at once when
+        parameters are sharded: one unit at a time is ever whole while building)."""
+        params = self.params
+        s_p, _, s_os = self.degrees
+        shard = self.padded // s_p
+        self.param_shard = torch.empty(shard, dtype=dtype, device=device)
+        # Read the parameters' values (their own storage or their ParamInit) before they become views.
+        start = self.p_chunk * shard
+        with torch.no_grad():
+            for lo in range(0, shard, INIT_COPY_ELEMENTS):
+                hi = min(shard, lo + INIT_COPY_ELEMENTS)
+                self.param_shard[lo:hi].copy_(flat_values(params, self.offsets, start + lo, start + hi))
+        # The optimizer's slice of my parameter shard, and its fp32 master (the slice itself if fp32).
+        k = s_os // s_p
+        self.param_slice = self.param_shard.view(k, -1)[self.o_chunk % k]
+        if dtype == torch.float32:
+            self.master = self.param_slice
+        else:
+            size = self.padded // s_os
+            self.master = flat_values(params, self.offsets, self.o_chunk * size, (self.o_chunk + 1) * size).to(device)
+        self.flat = torch.empty(self.padded, dtype=dtype, device=device) if s_p > 1 else self.param_shard
+        self.flat_bytes = self.flat.untyped_storage().nbytes()
+        for p, off in zip(params, self.offsets):
+            p.data = self.flat[off:off + p.numel()].view(p.shape)
+        if s_p > 1:
+            self.flat.untyped_storage().resize_(0)  # one unit at a time is ever whole while building
 
     def optim_grad(self) -> torch.Tensor:
         """The gradient of my optimizer shard, in fp32 (a copy when gradients are in a 2-byte dtype)."""
