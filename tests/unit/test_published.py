@@ -353,6 +353,15 @@ def test_llm_foundry_rows_reduce_in_the_dtype_their_fsdp_mode_names():
     assert {r["reduce_dtype"] for r in rows} == {"fp32", "bf16"}
 
 
+def _optimizer_s_on_one_node(engine: str, hw, *, param_shard: int) -> float:
+    """optimizer_s of llama3-8b under dp8 on one 8-GPU node, optimizer states sharded 8 ways."""
+    model = PRESETS["llama3-8b"]
+    plan = Plan(dp=8, micro_batch=1, num_micro_batches=1, recompute="full", param_shard=param_shard,
+                grad_shard=param_shard, optim_shard=8)
+    cluster, job = Cluster(num_nodes=1, devices_per_node=8, hardware=hw), Job(global_batch=8, seq_len=2048)
+    return estimate(plan, model=model, cluster=cluster, job=job, engine=engine).breakdown["optimizer_s"]
+
+
 def test_llm_foundry_steps_composer_adamw_in_unfused_passes():
     """Composer's DecoupledAdamW loops over the shards with nine unfused kernels (88 bytes per fp32
     element read + written) and FSDP's clip_grad_norm_ reads and scales every gradient (12): 100 bytes per
@@ -361,11 +370,8 @@ def test_llm_foundry_steps_composer_adamw_in_unfused_passes():
 
     assert ENGINES["fsdp"].optimizer_bytes_per_param == 8 + 8 + 12 + 8 + 12 + 8 + 8 + 8 + 16 + 4 + 8
     assert ENGINES["megatron"].optimizer_bytes_per_param == 28
-    model, hw = PRESETS["llama3-8b"], HW["h100"]
-    plan = Plan(dp=8, micro_batch=1, num_micro_batches=1, recompute="full", param_shard=8, grad_shard=8, optim_shard=8)
-    cluster, job = Cluster(num_nodes=1, devices_per_node=8, hardware=hw), Job(global_batch=8, seq_len=2048)
-    optimizer_s = estimate(plan, model=model, cluster=cluster, job=job, engine="fsdp").breakdown["optimizer_s"]
-    assert optimizer_s == pytest.approx(model.num_params() / 8 * 100 / (3.35e12 * 0.8), rel=1e-9)
+    optimizer_s = _optimizer_s_on_one_node("fsdp", HW["h100"], param_shard=8)
+    assert optimizer_s == pytest.approx(PRESETS["llama3-8b"].num_params() / 8 * 100 / (3.35e12 * 0.8), rel=1e-9)
 
 
 def test_the_bloom_prequel_rows_carry_the_vocabulary_their_size_column_implies():
@@ -402,8 +408,5 @@ def test_this_engine_steps_adam_as_its_runner_does():
     from cost_models.engines import ENGINES
 
     assert ENGINES["ours"].optimizer_bytes_per_param == 84
-    model, hw = PRESETS["llama3-8b"], HW["a100"]
-    plan = Plan(dp=8, micro_batch=1, num_micro_batches=1, recompute="full", param_shard=1, grad_shard=1, optim_shard=8)
-    cluster, job = Cluster(num_nodes=1, devices_per_node=8, hardware=hw), Job(global_batch=8, seq_len=2048)
-    optimizer_s = estimate(plan, model=model, cluster=cluster, job=job, engine="ours").breakdown["optimizer_s"]
-    assert optimizer_s == pytest.approx(model.num_params() / 8 * 84 / (2.039e12 * 0.8), rel=1e-9)
+    optimizer_s = _optimizer_s_on_one_node("ours", HW["a100"], param_shard=1)
+    assert optimizer_s == pytest.approx(PRESETS["llama3-8b"].num_params() / 8 * 84 / (2.039e12 * 0.8), rel=1e-9)
