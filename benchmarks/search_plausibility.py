@@ -3,7 +3,7 @@
 Is what the search promises believable? For each Llama 3 setting that published H100 runs measured
 (benchmarks/published/: NeMo, Megatron-Bridge and Megatron-LM's Llama example, priced as Megatron-LM
 runs them), the search's winner for the same model, GPU count, sequence, global batch and precision,
-priced as the same engine, has a predicted MFU; the best published run of that setting has a measured
+priced as the same engine run the way that run's recipe ran it, has a predicted MFU; the best published run of that setting has a measured
 one (model FLOPs with no recomputation, cost_models.compute.model_flops_per_step, over the measured step
 time, the GPU count and the bf16 peak the estimate's MFU also divides by). Target: within 10% (relative)
 of each other, and the winner keeps the memory headroom (its peak at most the device memory less
@@ -84,7 +84,9 @@ def check(key: tuple, runs: list[PublishedRun]) -> Plausibility:
     preset, gpus, seq, batch, precision, engine = key
     best = max(runs, key=_measured_mfu)
     problem = Problem(model=PRESETS[preset], cluster=best.cluster, job=best.job)
-    result = search(problem, options=SearchOptions(), cost=default_cost_model(engine))
+    # The search prices every plan as the best run's recipe ran its engine (its gradient dtype and fp8
+    # weights: PublishedRun.priced_engine), so the winner and the published plan meet on equal terms.
+    result = search(problem, options=SearchOptions(), cost=default_cost_model(best.priced_engine))
     est, hw = result.winner.estimate, best.cluster.hardware
     return Plausibility(
         setting=f"{preset} {gpus}x{best.hardware} seq {seq} batch {batch} {precision}",

@@ -63,6 +63,11 @@ class EngineModel:
     # HBM bytes the optimizer step moves per parameter of the rank's shard (estimate.ADAM_BYTES_PER_PARAM:
     # one fused pass, 28), more where the engine's optimizer runs one unfused kernel per operation.
     optimizer_bytes_per_param: float = 28.0  # == estimate.ADAM_BYTES_PER_PARAM
+    # fp8 weights kept only as fp8 (Megatron's --fp8-param-gather, Megatron-Bridge's fp8 mixed-precision
+    # configs' fp8_param_gather=True): no bf16 copy, the fp8 weight and its transpose (memory.py,
+    # state_bytes_per_param), and the distributed optimizer all-gathers 1-byte parameters. Off by default:
+    # Megatron-LM keeps bf16 weights unless the flag is given; a run's recipe turns it on (planner/published.py).
+    fp8_param_gather: bool = False
 
 
 # Composer's DecoupledAdamW (composer/optim/decoupled_weight_decay.py, `adamw`), which llm-foundry's MPT yamls

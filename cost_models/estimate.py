@@ -45,8 +45,8 @@ from cost_models.compute import (FUSED_BACKWARD_RATIO, _elementwise_kernels, act
                                  fused_attention, layer_compute_times, layer_gemms, memory_time_s,
                                  model_flops_per_step)
 from cost_models import moe as moe_cost
-from cost_models.memory import (ALLOCATOR_FRAGMENTATION, CPU_FRAMEWORK_RESERVE_BYTES, end_activation_bytes, gpu_runtime_bytes,
-                                end_params_per_device, in_flight_profiles, layer_activation_bytes,
+from cost_models.memory import (ALLOCATOR_FRAGMENTATION, CPU_FRAMEWORK_RESERVE_BYTES, StateBytes, end_activation_bytes,
+                                gpu_runtime_bytes, end_params_per_device, in_flight_profiles, layer_activation_bytes,
                                 layer_params_per_device, logits_bytes, model_state_bytes, peak_from_profiles,
                                 state_bytes_per_param)
 from cost_models.engines import engine_model
@@ -178,6 +178,15 @@ def reduce_bytes_per_param(precision: str, eng, *, reduce_fp32: bool = False) ->
     return 4 if eng.reduce_fp32 else grad_bytes
 
 
+def gathered_param_bytes(precision: str, eng) -> int:
+    """Bytes per parameter a parameter all-gather moves: the compute-dtype weight; in fp8 the bf16 copy, or
+    the 1-byte fp8 weight where the engine keeps only that (EngineModel.fp8_param_gather: Megatron's
+    distributed optimizer gathers the uint8 parameter buffer, param_and_grad_buffer.py)."""
+    if precision == "fp8":
+        return 1 if eng.fp8_param_gather else 2
+    return state_bytes_per_param(precision)[0]
+
+
 @dataclass(frozen=True)
 class LayerCosts:
     """Per-layer prices for the search's ILP, on one device under the plan's TP, SP and sharding.
@@ -304,7 +313,7 @@ def layer_costs(plan, *, model, cluster, job, engine: str = "ours") -> LayerCost
     time_s = {p: times.forward_s + times.backward_s + recompute_s[p] + tp_comm[p] for p in POLICIES}
     activation = _layer_activations(plan, model=model, job=job, eng=eng, hw=hw, dims=dims, ring=ring)
     shards = dict(param_shard=plan.param_shard, grad_shard=plan.grad_shard, optim_shard=plan.optim_shard,
-                  precision=job.precision, reduce_fp32=plan.reduce_fp32)
+                  precision=job.precision, reduce_fp32=plan.reduce_fp32, fp8_params=eng.fp8_param_gather)
     state = model_state_bytes(layer_params_per_device(model, tp=tp), **shards)
     first_params, last_params = end_params_per_device(model, tp=tp, pp=plan.pp)
     first_act, last_act = end_activation_bytes(model, **dims)
@@ -625,8 +634,7 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
                        end_params=end_params)
     forward, total, recompute, tp_comm = sums.forward_s, sums.total_s, sums.recompute_s, sums.tp_comm_s
     cp_comm, activation, num_params = sums.cp_comm_s, sums.activation_bytes, sums.num_params
-    param_bytes, _, _ = state_bytes_per_param(job.precision)
-    param_bytes = min(param_bytes, 2) if job.precision == "fp8" else param_bytes  # gathers move the bf16 copy
+    param_bytes = gathered_param_bytes(job.precision, eng)
     # Gradients reduce in their own dtype: fp32 under the reduce_fp32 knob or where the engine reduces
     # fp32 main gradients (Megatron, torchtitan): 4-byte reductions.
     grad_bytes = reduce_bytes_per_param(job.precision, eng, reduce_fp32=plan.reduce_fp32)
@@ -714,31 +722,58 @@ def _memory_profiles(schedule: str, pp: int, virtual_stages: int, num_micro_batc
     return tuple(in_flight_profiles(actions) for actions in per_rank)
 
 
-def _rank_memory(plan, cluster, *, model, job, chunks: list[_ChunkPrice], rank: int, eng=None) -> dict[str, float]:
-    """Bytes on one device of pipeline rank `rank`: model states, peak activations, buffers, reserve."""
-    mine = [c for c in range(plan.num_chunks) if c % plan.pp == rank]
-    num_params = sum(chunks[c].num_params for c in mine)
+def _rank_state_bytes(plan, *, job, eng, num_params: float, expert_params: float) -> StateBytes:
+    """Weights, gradients and optimizer states of a rank's `num_params` (+ `expert_params`) as `eng` holds them."""
+    shards = dict(precision=job.precision, reduce_fp32=plan.reduce_fp32, fp8_params=eng.fp8_param_gather)
     states = model_state_bytes(num_params, param_shard=plan.param_shard, grad_shard=plan.grad_shard,
-                               optim_shard=plan.optim_shard, precision=job.precision, reduce_fp32=plan.reduce_fp32)
-    expert_params = sum(chunks[c].num_expert_params for c in mine)
+                               optim_shard=plan.optim_shard, **shards)
     if expert_params:  # the experts' states, sharded over expert-DP (Plan.expert_shard_degrees)
         e_p, e_g, e_o = plan.expert_shard_degrees
-        experts = model_state_bytes(expert_params, param_shard=e_p, grad_shard=e_g, optim_shard=e_o,
-                                    precision=job.precision, reduce_fp32=plan.reduce_fp32)
+        experts = model_state_bytes(expert_params, param_shard=e_p, grad_shard=e_g, optim_shard=e_o, **shards)
         states = dataclasses.replace(states, weights_bytes=states.weights_bytes + experts.weights_bytes,
                                      grads_bytes=states.grads_bytes + experts.grads_bytes,
                                      optimizer_bytes=states.optimizer_bytes + experts.optimizer_bytes)
-    if eng is not None and eng.main_grads_fp32 and job.precision != "fp32":
-        # Megatron's fp32 main-gradient buffer holds every local parameter's gradient (the distributed
-        # optimizer shards the optimizer states, not this buffer).
-        states = dataclasses.replace(states, grads_bytes=4.0 * (num_params + expert_params))
+    if job.precision == "fp32" or not eng.reduce_scatter_once:
+        return states
+    if plan.param_shard > 1:
+        # Megatron-FSDP shards its gradient buffer (fp32 main gradients where the engine keeps them) with the
+        # parameters (megatron_fsdp/param_and_grad_buffer.py, _init_each_parameter_group_buffers:
+        # is_grad_buffer_distributed under optim_grads and optim_grads_params) and copies nothing: the
+        # optimizer reads that shard (distrib_optimizer.py, _copy_model_grads_to_main_grads returns early).
+        if not eng.main_grads_fp32:
+            return states
+        return dataclasses.replace(states, grads_bytes=4.0 * (num_params / plan.grad_shard + (
+            expert_params / plan.expert_shard_degrees[1] if expert_params else 0.0)))
+    # Megatron's distributed optimizer keeps every local parameter's gradient in one buffer (fp32 main
+    # gradients, or 16-bit under --grad-reduce-in-bf16) and reduce-scatters it in place at the accumulation
+    # boundary (megatron/core/distributed/param_and_grad_buffer.py): the buffer is not sharded.
+    grad_bytes = 4 if eng.main_grads_fp32 or plan.reduce_fp32 else 2
+    states = dataclasses.replace(states, grads_bytes=grad_bytes * (num_params + expert_params))
+    if grad_bytes == 4:
+        return states
+    # A 16-bit buffer: the optimizer gives each fp32 main parameter of its shard an fp32 copy of the reduced
+    # gradient shard (_copy_model_grads_to_main_grads: shard_model_grad.float(); DeepSpeed ZeRO-1/2 the same,
+    # deepspeed/runtime/zero/stage_1_and_2.py, step: single_grad_partition ... .to(fp32)), 4 bytes per
+    # parameter over the optimizer's shard group beside the master and moments; an fp32 buffer is its own.
+    copy_bytes = 4.0 * (num_params / plan.optim_shard + (expert_params / plan.expert_shard_degrees[2]
+                                                          if expert_params else 0.0))
+    return dataclasses.replace(states, optimizer_bytes=states.optimizer_bytes + copy_bytes)
+
+
+def _rank_memory(plan, cluster, *, model, job, chunks: list[_ChunkPrice], rank: int, eng=None) -> dict[str, float]:
+    """Bytes on one device of pipeline rank `rank`: model states, peak activations, buffers, reserve."""
+    eng = eng or engine_model("ours")
+    mine = [c for c in range(plan.num_chunks) if c % plan.pp == rank]
+    num_params = sum(chunks[c].num_params for c in mine)
+    expert_params = sum(chunks[c].num_expert_params for c in mine)
+    states = _rank_state_bytes(plan, job=job, eng=eng, num_params=num_params, expert_params=expert_params)
     if plan.schedule == "gpipe":  # all forwards first: every micro-batch in flight at once
         activations = sum(plan.num_micro_batches * chunks[c].activation_bytes + chunks[c].cache_bytes for c in mine)
     else:
         profiles = _memory_profiles(plan.schedule, plan.pp, plan.virtual_stages, plan.num_micro_batches)[rank]
         activations = peak_from_profiles(profiles, chunk_bytes={c: chunks[c].activation_bytes for c in mine},
                                          chunk_cache_bytes={c: chunks[c].cache_bytes for c in mine})
-    param_bytes = state_bytes_per_param(job.precision)[0]
+    param_bytes = state_bytes_per_param(job.precision, fp8_params=eng.fp8_param_gather)[0]
     layer_bytes = (moe_cost.nonexpert_layer_params_per_device(model, tp=plan.tp) if model.is_moe
                    else layer_params_per_device(model, tp=plan.tp)) * param_bytes
     gathered = (plan.prefetch_depth + 1) * layer_bytes if plan.param_shard > 1 else 0.0
@@ -838,8 +873,9 @@ def _rank_tails(plan, cluster, *, chunks: list[_ChunkPrice], job, model=None,
     """Per pipeline rank: (optimizer step, exposed redistribution of updated shards when optim_shard >
     param_shard; see _redistribute_s), appending each rank's total redistribution seconds to `totals`. The optimizer step carries the calibrated per-step
     overhead and its ops' overhead (one flat unit per layer, embedding and head: ADAM_OPS_PER_UNIT each)."""
-    param_bytes = state_bytes_per_param(job.precision)[0]
-    optimizer_bytes = (eng or engine_model("ours")).optimizer_bytes_per_param
+    eng = eng or engine_model("ours")
+    param_bytes = gathered_param_bytes(job.precision, eng)
+    optimizer_bytes = eng.optimizer_bytes_per_param
     calibration = cluster.hardware.calibration
     op_overhead_s, step_overhead_s = calibration.get("op_overhead_s", 0.0), calibration.get("step_overhead_s", 0.0)
     counts = plan.chunk_layer_counts(model.num_layers) if model is not None else (0,) * plan.num_chunks

@@ -46,13 +46,19 @@ def gpu_runtime_bytes(*, num_communicators: int, transient_bytes: float) -> floa
     return CUDA_CONTEXT_BYTES + NCCL_BYTES_PER_COMMUNICATOR * num_communicators + ALLOCATOR_FRAGMENTATION * transient_bytes
 
 
-def state_bytes_per_param(precision: str, *, reduce_fp32: bool = False) -> tuple[int, int, int]:
+def state_bytes_per_param(precision: str, *, reduce_fp32: bool = False,
+                          fp8_params: bool = False) -> tuple[int, int, int]:
     """(parameter, gradient, optimizer) bytes per parameter for Adam; `reduce_fp32` (the plan's knob) keeps
     mixed-precision gradients in fp32 (4 bytes, as torch FSDP's reduce_dtype=float32); fp8 keeps bf16
-    weights plus their fp8 copy."""
+    weights plus their fp8 copy, or, with `fp8_params` (Megatron's --fp8-param-gather: the weights live only
+    as Transformer Engine Float8Tensors, a 1-byte parameter buffer in megatron/core/distributed/
+    param_and_grad_buffer.py, group_params_for_buffers), the fp8 weight and its fp8 transpose, which Hopper's
+    fp8 GEMMs need for the backward (megatron/core/fp8_utils.py, post_all_gather_processing): 2 bytes; the
+    fp32 master stays in the optimizer's 12."""
     if precision == "fp32":
         return (4, 4, 8)
-    return (3 if precision == "fp8" else 2, 4 if reduce_fp32 else 2, 12)
+    weight = (2 if fp8_params else 3) if precision == "fp8" else 2
+    return (weight, 4 if reduce_fp32 else 2, 12)
 
 
 @dataclass(frozen=True)
@@ -67,9 +73,9 @@ class StateBytes:
 
 
 def model_state_bytes(num_params: float, *, param_shard: int, grad_shard: int, optim_shard: int,
-                      precision: str, reduce_fp32: bool = False) -> StateBytes:
+                      precision: str, reduce_fp32: bool = False, fp8_params: bool = False) -> StateBytes:
     """Bytes of weights, gradients and optimizer states of `num_params` parameters under the sharding."""
-    p, g, o = state_bytes_per_param(precision, reduce_fp32=reduce_fp32)
+    p, g, o = state_bytes_per_param(precision, reduce_fp32=reduce_fp32, fp8_params=fp8_params)
     return StateBytes(num_params * p / param_shard, num_params * g / grad_shard, num_params * o / optim_shard)
 
 

@@ -93,6 +93,9 @@ class PublishedRun:
     # fp32 is the plan's reduce_fp32 knob; a 16-bit one also overrides an engine that would keep fp32 main
     # gradients (Megatron-DeepSpeed's fp16 runs before its BF16 optimizer); empty: the engine's own.
     reduce_dtype: str = ""
+    # Whether the run kept its fp8 weights only as fp8 (the CSV's fp8_param_gather: Megatron's
+    # --fp8-param-gather, Megatron-Bridge's fp8 mixed-precision configs); empty: the engine's own.
+    fp8_param_gather: bool = False
 
     @property
     def priced_engine(self) -> str | EngineModel:
@@ -102,6 +105,8 @@ class PublishedRun:
                                      ("moe_a2a_overlap", self.moe_a2a_overlap)) if v not in ("", None)}
         if self.reduce_dtype in ("bf16", "fp16"):
             changes.update(reduce_fp32=False, main_grads_fp32=False)
+        if self.fp8_param_gather:
+            changes.update(fp8_param_gather=True)
         return dataclasses.replace(ENGINES[self.engine], **changes) if changes else self.engine
 
 
@@ -341,12 +346,16 @@ def _run(row: dict, *, hardware=None) -> PublishedRun:
     overlap = (row.get("moe_a2a_overlap") or "").strip().lower()
     if overlap not in ("", "true", "false"):
         raise PlannerError(f"moe_a2a_overlap must be true, false or empty, got {overlap!r}")
+    fp8_params = (row.get("fp8_param_gather") or "").strip().lower()
+    if fp8_params not in ("", "true", "false"):
+        raise PlannerError(f"fp8_param_gather must be true, false or empty, got {fp8_params!r}")
     return PublishedRun(source_id=source, label=label, group=group, hardware=label_hw, model=model,
                         cluster=cluster, job=job, plan=plan, engine=engine, measured_step_time_s=measured,
                         measured_peak_memory_bytes=float(peak) * 1024**3 if peak else None,
                         attention_kernel=kernel, moe_dispatcher=dispatcher,
                         moe_a2a_overlap=None if not overlap else overlap == "true",
-                        reduce_dtype=(row.get("reduce_dtype") or "").strip().lower())
+                        reduce_dtype=(row.get("reduce_dtype") or "").strip().lower(),
+                        fp8_param_gather=fp8_params == "true")
 
 
 def load_published(path: str | Path = DEFAULT_CSV, *, hardware=None,

@@ -166,7 +166,11 @@ def schedule_options(*, pp: int, num_micro_batches: int, num_layers: int, max_v:
     """(schedule, virtual stages) worth pricing for one pipeline depth and micro-batch count.
 
     Interleaving needs the micro-batches to divide by pp (Plan's rule) and, as in Megatron, the layers to
-    divide by pp x v. GPipe has 1F1B's bubble and keeps all micro-batches in flight, so it can only tie
+    divide by pp x v, or the layers plus two: Megatron-Core's account_for_embedding_in_pipeline_split and
+    account_for_loss_in_pipeline_split count the embedding and the loss as a layer each
+    (megatron/core/transformer/transformer_config.py, __post_init__; Megatron-Bridge's Llama 3.1 405B
+    recipe sets both), so the first and last chunk hold one layer fewer, which is Plan.chunk_layer_counts'
+    even split of such a count. GPipe has 1F1B's bubble and keeps all micro-batches in flight, so it can only tie
     or win when there are no more micro-batches than stages (then both keep every micro-batch in flight).
     """
     if pp == 1:
@@ -174,7 +178,7 @@ def schedule_options(*, pp: int, num_micro_batches: int, num_layers: int, max_v:
     out = [("1f1b", 1)]
     v = 2
     while v <= max_v and pp * v <= num_layers:
-        if num_micro_batches % pp == 0 and num_layers % (pp * v) == 0:
+        if num_micro_batches % pp == 0 and (num_layers % (pp * v) == 0 or (num_layers + 2) % (pp * v) == 0):
             out.append(("interleaved-1f1b", v))
         v *= 2
     if num_micro_batches <= pp:

@@ -177,3 +177,28 @@ def test_capped_action_lists_give_the_full_peak(schedule, pp, v):
                 cache = {c: rng.choice([0.0, rng.uniform(0, 5)]) for c in chunks}
                 assert peak_from_profiles(capped[rank], chunk_bytes=weights, chunk_cache_bytes=cache) == \
                     pytest.approx(peak_live_bytes(full[rank], chunk_bytes=weights, chunk_cache_bytes=cache))
+
+
+def test_fp8_params_keep_the_fp8_weight_and_its_transpose_not_a_bf16_copy():
+    """Megatron's --fp8-param-gather holds each weight as a Float8Tensor (1-byte buffer) plus the fp8
+    transpose Hopper's GEMMs read in backward: 2 bytes, where bf16 weights with their fp8 cast take 3; the
+    gradient and the 12 optimizer bytes are unchanged."""
+    from cost_models.memory import state_bytes_per_param
+
+    assert state_bytes_per_param("fp8") == (3, 2, 12)
+    assert state_bytes_per_param("fp8", fp8_params=True) == (2, 2, 12)
+    assert state_bytes_per_param("bf16", fp8_params=True) == (2, 2, 12)  # only fp8 weights change
+    s = model_state_bytes(1000, param_shard=1, grad_shard=1, optim_shard=16, precision="fp8", fp8_params=True)
+    assert (s.weights_bytes, s.grads_bytes, s.optimizer_bytes) == (2000, 2000, 750)
+
+
+def test_interleaved_first_rank_holds_megatrons_in_flight_micro_batches():
+    """Megatron-LM's report_theoretical_memory (megatron/training/theoretical_memory_usage.py) scales the
+    pp micro-batches of the first stage by 1 + (pp - 1) / (pp v) under interleaving; its schedule warms up
+    (pp - 1) x 2 + (v - 1) x pp chunk-forwards on rank 0 and runs one more before the first backward. For
+    pp = v = 8 (Llama 3.1 405B's recipe): 14 + 56 + 1 = 71 chunks of 1/v of the rank's layers, which is
+    pp x v x (1 + 7/64) = 71."""
+    actions = rank_actions(schedule="interleaved-1f1b", pp=8, virtual_stages=8, num_micro_batches=64)[0]
+    chunks = {a.chunk for a in actions}
+    peak = peak_live_bytes(actions, chunk_bytes=dict.fromkeys(chunks, 1.0), chunk_cache_bytes=dict.fromkeys(chunks, 0.0))
+    assert peak == 71 == 8 * 8 * (1 + Fraction(7, 64))

@@ -3,6 +3,7 @@ cluster's own runs, the memory headroom and the GPU mechanisms (waves, contentio
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 
 from cost_models.compute import contended, gemm_efficiency
 from cost_models.estimate import estimate
-from cost_models.memory import CUDA_CONTEXT_BYTES, NCCL_BYTES_PER_COMMUNICATOR
+from cost_models.memory import CUDA_CONTEXT_BYTES, NCCL_BYTES_PER_COMMUNICATOR, layer_params_per_device
 from planner.published import (DEFAULT_CSV, LOSO_SCALES, _scale_curves, fit_compute_scale, leave_one_source_out,
                                load_published, price)
 from specs.cluster import Cluster
@@ -193,6 +194,17 @@ def test_megatron_keeps_fp32_main_gradients():
     ours = estimate(plan, model=model, cluster=cluster, job=job).breakdown
     assert megatron["grads_bytes"] == pytest.approx(4 * model.num_params(), rel=0.05)
     assert ours["grads_bytes"] < megatron["grads_bytes"] / 8
+
+
+def test_megatron_fsdp_shards_its_fp32_main_gradients():
+    """Megatron-FSDP (optim_grads_params) distributes its gradient buffer with the parameters
+    (megatron_fsdp/param_and_grad_buffer.py, _init_each_parameter_group_buffers): 4 bytes per parameter over
+    the 8 shards, where the distributed optimizer (params whole) keeps all 4."""
+    model, cluster = PRESETS["llama3-8b"], Cluster(num_nodes=1, devices_per_node=8, hardware=HW["h100"])
+    plan, job = Plan(dp=8, num_micro_batches=4, param_shard=8, grad_shard=8, optim_shard=8), Job(global_batch=32, seq_len=2048)
+    fsdp = estimate(plan, model=model, cluster=cluster, job=job, engine="megatron").breakdown
+    assert fsdp["grads_bytes"] == pytest.approx(4 * model.num_params() / 8, rel=1e-9)
+    assert fsdp["optimizer_bytes"] == pytest.approx(12 * model.num_params() / 8, rel=1e-9)
 
 
 # --- GPU mechanisms -------------------------------------------------------------------------------------------
@@ -410,3 +422,83 @@ def test_this_engine_steps_adam_as_its_runner_does():
     assert ENGINES["ours"].optimizer_bytes_per_param == 84
     optimizer_s = _optimizer_s_on_one_node("ours", HW["a100"], param_shard=1)
     assert optimizer_s == pytest.approx(PRESETS["llama3-8b"].num_params() / 8 * 84 / (2.039e12 * 0.8), rel=1e-9)
+
+
+def _llama405b_middle_rank_params(*, tp: int) -> float:
+    """Parameters of a middle pipeline rank of Llama 3.1 405B on pp8 v8, by hand from Megatron's
+    compute_weight_and_optimizer_memory terms: per layer 2h^2 + 2h kv (attention, GQA) + 3hf (SwiGLU) split
+    over TP, 2h of RMSNorm weights replicated; 126 layers in 64 chunks with the first and last one layer short
+    (account_for_embedding/loss_in_pipeline_split), so ranks 1-6 hold 8 chunks of 2 layers. Their 16 layers
+    outweigh rank 0's 15 and the embedding (16032 x 16384 < one layer's 398M), and they peak."""
+    h, kv, f = 16384, 8 * 128, 53248
+    return 16 * ((2 * h * h + 2 * h * kv + 3 * h * f) / tp + 2 * h)
+
+
+def test_a_megatron_rank_holds_6_plus_12_over_dp_cp_bytes_per_parameter():
+    """Megatron-LM's report_theoretical_memory prices bf16 params, fp32 main gradients and the distributed
+    optimizer's fp32 master and moments at 6 + 12 / N bytes per parameter of the most loaded shard; the
+    optimizer shards over data parallel with context parallel (megatron/core/distributed/
+    distributed_data_parallel.py: intra_dp_cp_group), N = dp x cp. Llama 3.1 405B, dp8 cp2 tp8 pp8 v8, its
+    peak (middle) rank."""
+    model, cluster = PRESETS["llama3-405b"], Cluster(num_nodes=128, devices_per_node=8, hardware=HW["h100"])
+    plan = Plan(dp=8, cp=2, tp=8, pp=8, virtual_stages=8, schedule="interleaved-1f1b", num_micro_batches=64,
+                sequence_parallel=True, grad_shard=16, optim_shard=16)
+    b = estimate(plan, model=model, cluster=cluster, job=Job(global_batch=512, seq_len=8192), engine="megatron").breakdown
+    n = _llama405b_middle_rank_params(tp=8)
+    assert b["weights_bytes"] + b["grads_bytes"] + b["optimizer_bytes"] == pytest.approx((6 + 12 / 16) * n, rel=1e-9)
+
+
+def test_megatron_bridges_fp8_recipe_holds_fp8_weights_and_a_bf16_gradient_buffer():
+    """Megatron-Bridge's fp8 performance recipes (perf_recipes/_common.py, _perf_precision: fp8_param_gather
+    from bf16_with_fp8_current_scaling_mixed, grad_reduce_in_fp32=False): fp8 weight + transpose 2 bytes,
+    the whole 16-bit gradient buffer 2, and over dp x cp = 16 the fp32 master and moments 12 plus the fp32
+    copy of the reduced gradient shard 4 (distrib_optimizer.py, _copy_model_grads_to_main_grads):
+    (2 + 2 + 16 / 16) bytes per parameter of the peak rank, where the default Megatron run holds 3 + 4 + 12 / 16."""
+    from cost_models.engines import ENGINES
+
+    model, cluster = PRESETS["llama3-405b"], Cluster(num_nodes=128, devices_per_node=8, hardware=HW["h100"])
+    plan = Plan(dp=8, cp=2, tp=8, pp=8, virtual_stages=8, schedule="interleaved-1f1b", num_micro_batches=64,
+                sequence_parallel=True, grad_shard=16, optim_shard=16)
+    job, n = Job(global_batch=512, seq_len=8192, precision="fp8"), _llama405b_middle_rank_params(tp=8)
+    recipe = dataclasses.replace(ENGINES["megatron"], reduce_fp32=False, main_grads_fp32=False, fp8_param_gather=True)
+    b = estimate(plan, model=model, cluster=cluster, job=job, engine=recipe).breakdown
+    assert (b["weights_bytes"], b["grads_bytes"], b["optimizer_bytes"]) == pytest.approx((2 * n, 2 * n, n), rel=1e-9)
+    d = estimate(plan, model=model, cluster=cluster, job=job, engine="megatron").breakdown
+    assert (d["weights_bytes"], d["grads_bytes"], d["optimizer_bytes"]) == pytest.approx((3 * n, 4 * n, 0.75 * n), rel=1e-9)
+
+
+def test_rows_of_recipes_with_fp8_weights_read_the_column_and_gather_one_byte(tmp_path):
+    """The fp8_param_gather column turns the engine's fp8 weights on; the distributed optimizer's parameter
+    all-gather then moves the 1-byte fp8 buffer, not the bf16 copy."""
+    path = tmp_path / "runs.csv"
+    row = "llama3-8b,8,8,megatron,1,1,8,1,8,2048,distributed-optimizer,full,fp8,1.0,,bf16,"
+    path.write_text(RUNS_HEADER.strip() + ",reduce_dtype,fp8_param_gather\n" + row + "true\n" + row + "\n")
+    fp8, bf16_copy = load_published(path, hardware=HW["h100"], strict=True)[0]
+    assert (fp8.priced_engine.fp8_param_gather, bf16_copy.priced_engine.fp8_param_gather) == (True, False)
+    est = [estimate(r.plan, model=r.model, cluster=r.cluster, job=r.job, engine=r.priced_engine) for r in (fp8, bf16_copy)]
+    # One byte less per parameter (the embedding and head too: bf16 there, 2 bytes, with no fp8 cast).
+    assert est[1].breakdown["weights_bytes"] - est[0].breakdown["weights_bytes"] == pytest.approx(
+        PRESETS["llama3-8b"].num_params(), rel=1e-9)
+    assert est[0].breakdown["weights_bytes"] == pytest.approx(
+        2 * PRESETS["llama3-8b"].num_layers * layer_params_per_device(PRESETS["llama3-8b"], tp=1)
+        + 2 * (PRESETS["llama3-8b"].num_params() - PRESETS["llama3-8b"].num_layers
+               * layer_params_per_device(PRESETS["llama3-8b"], tp=1)), rel=1e-9)
+    path.write_text(RUNS_HEADER.strip() + ",reduce_dtype,fp8_param_gather\n" + row + "yes\n")
+    with pytest.raises(PlannerError, match="fp8_param_gather must be"):
+        load_published(path, hardware=HW["h100"], strict=True)
+
+
+def test_the_recipes_that_keep_fp8_weights_and_bf16_gradients_say_so():
+    """Megatron-Bridge's perf recipes and Megatron-LM's examples/llama/train_llama3_8b_h100_fp8.sh
+    (--grad-reduce-in-bf16 --fp8-param-gather) run every fp8 row of those two sources that way."""
+    import csv
+
+    from planner.published import PUBLISHED_DIR
+
+    for name in ("dense_runs.csv", "long_context_runs.csv"):
+        rows = list(csv.DictReader(line for line in (PUBLISHED_DIR / name).read_text().splitlines()
+                                   if not line.startswith("#")))
+        for r in rows:
+            recipe = r["source_id"] in ("megatron_bridge_perf", "megatron_examples_llama") and r["precision"] == "fp8"
+            assert (r["reduce_dtype"], r["fp8_param_gather"]) == (("bf16", "true") if recipe else (r["reduce_dtype"], "")), \
+                r["location_in_source"]

@@ -167,6 +167,18 @@ def test_schedule_options():
     assert schedule_options(pp=2, num_micro_batches=3, num_layers=8, max_v=8) == [("1f1b", 1)]
 
 
+def test_interleaving_counts_the_embedding_and_the_loss_as_layers():
+    """Megatron-Core's account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split (set by
+    Megatron-Bridge's Llama 3.1 405B recipe) split layers + 2 over pp x v: 126 + 2 = 128 = 8 x 8 x 2, so
+    Llama 3.1 405B interleaves with v 2, 4 and 8 on pp 8 (126 itself divides by none of 16, 32, 64), the first
+    and last chunk holding one layer and the other 62 two; 125 layers do neither."""
+    assert schedule_options(pp=8, num_micro_batches=64, num_layers=126, max_v=8) == [
+        ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("interleaved-1f1b", 8)]
+    assert schedule_options(pp=8, num_micro_batches=64, num_layers=125, max_v=8) == [("1f1b", 1)]
+    counts = Plan(pp=8, virtual_stages=8, schedule="interleaved-1f1b", num_micro_batches=64).chunk_layer_counts(126)
+    assert (counts[0], counts[-1], set(counts[1:-1])) == (1, 1, {2})
+
+
 def test_hsdp_and_cache_variants():
     problem = small_problem(num_devices=16, per_node=8, global_batch=32)
     slot = next(s for s in enumerate_slots(problem, SearchOptions()) if s.dp == 16)

@@ -37,4 +37,8 @@ def test_long_sequences_put_tp8_in_the_node_and_cp_across(seq_len):
     problem = make_problem(model="llama3.1-70b", hardware="h100", gpus=256, gpus_per_node=8, global_batch=16,
                            seq_len=seq_len)
     plan = search(problem, options=SearchOptions(top_k=3), cost=default_cost_model("megatron")).winner.plan
-    assert plan.tp == 8 and plan.cp >= 4, plan.describe()
+    # TP stays inside the node and CP spans nodes, splitting the sequence over at least 32 ranks. Whether TP
+    # is 4 or 8 is a near tie at 64K once sharded plans hold only their shard of Megatron-FSDP's gradient
+    # buffer (megatron_fsdp/param_and_grad_buffer.py, _init_each_parameter_group_buffers): tp4 x cp8 and
+    # tp8 x cp4 price within 1% of each other.
+    assert plan.tp >= 4 and plan.cp >= 4 and plan.tp * plan.cp >= 32, plan.describe()
