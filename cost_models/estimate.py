@@ -107,15 +107,27 @@ ADAM_OPS_PER_UNIT = 10
 BACKWARD_OPS_PER_FORWARD_OP = 2
 
 
-def collective_time_s(cluster, **kwargs) -> float:
+def collective_time_s(cluster, *, collective: str, size_bytes: float, group_size: int, stride: int) -> float:
     """cost_models.comm.collective_time_s plus the calibrated per-call overhead for a call that moves data:
     collective_overhead_s x log2(group size), the rounds in which recursive doubling synchronises the
-    group (Thakur et al. 2005), each waiting for a partner process to be scheduled and answer."""
-    time_s = _collective_time_s(cluster, **kwargs)
-    if time_s <= 0:
-        return 0.0
-    n = 2 if kwargs.get("collective") == "p2p" else kwargs["group_size"]
-    return time_s + cluster.hardware.calibration.get("collective_overhead_s", 0.0) * math.log2(n)
+    group (Thakur et al. 2005), each waiting for a partner process to be scheduled and answer.
+
+    Memoised on the cluster (`Cluster.collective_memo`): a search prices the same few collectives for
+    thousands of plans."""
+    key = (collective, size_bytes, group_size, stride)
+    memo = getattr(cluster, "collective_memo", None)  # tests may pass a stand-in without one
+    if memo is not None and key in memo:
+        return memo[key]
+    time_s = _collective_time_s(cluster, collective=collective, size_bytes=size_bytes, group_size=group_size,
+                                stride=stride)
+    if time_s > 0:
+        n = 2 if collective == "p2p" else group_size
+        time_s += cluster.hardware.calibration.get("collective_overhead_s", 0.0) * math.log2(n)
+    else:
+        time_s = 0.0
+    if memo is not None:
+        memo[key] = time_s
+    return time_s
 
 
 def _overlap(compute_s: float, comm_s: float, cluster, *, wire_s: float = 0.0, efficiency: float = 1.0) -> float:
@@ -760,12 +772,18 @@ def _chunk_prices(plan, costs: LayerCosts, cluster, *, model, job, eng=None) -> 
     eng = eng or engine_model("ours")
     end_params = end_params_per_device(model, tp=plan.tp, pp=plan.pp)
     chunks, priced = [], {}
+    # Uniform plans (one policy and one tier for every layer) name a chunk's layer settings by its count.
+    uniform = plan.recompute_layers is None and isinstance(plan.param_cache, str)
     for c, layers in enumerate(plan.chunk_layer_ranges(model.num_layers)):
         # Chunks with the same layer settings cost the same: price each kind once.
-        tiers = tuple(plan.layer_cache(i) for i in layers)
+        if uniform:
+            tiers, policies = (plan.param_cache,), (plan.recompute, len(layers))
+        else:
+            tiers = tuple(plan.layer_cache(i) for i in layers)
+            policies = tuple(plan.layer_recompute(i) for i in layers)
         fresh = (_fresh_forwards(plan.schedule, plan.pp, plan.virtual_stages, plan.num_micro_batches)[c]
                  if plan.pp > 1 and "device" in tiers else 0)
-        key = (c == 0, c == plan.num_chunks - 1, tuple(plan.layer_recompute(i) for i in layers), tiers, fresh)
+        key = (c == 0, c == plan.num_chunks - 1, policies, tiers + ((len(layers),) if uniform else ()), fresh)
         if key not in priced:
             priced[key] = _price_chunk(plan, costs, cluster, model=model, job=job, chunk=c, layers=layers,
                                        end_params=end_params, eng=eng)
@@ -862,6 +880,23 @@ def _time_breakdown(plan, *, chunks: list[_ChunkPrice], pipe, tails, post_total_
         "critical_rank": float(rank)}
 
 
+def _step_end_of_chunk(c: _ChunkPrice, *, commshift: bool, sends: bool, waits_for_send: bool, p2p_s: float,
+                       p2p_wire_s: float) -> tuple[float, float, float, float]:
+    """One chunk's (last backward, delay of its last send, step-end reduction, reduction start) for
+    `_step_end_durations`."""
+    if commshift:
+        total_s, wire_s = c.shift_reduce_s, c.shift_reduce_wire_s
+        last_backward_s = c.shift_backward_s
+    else:
+        # What is left of the reduction when the last backward ends (its last bucket at least).
+        total_s = 0.0 if c.reduce_s <= 0.0 else max(c.backward_s, c.reduce_s - c.last_bucket_s) + c.last_bucket_s - c.backward_s
+        wire_s = c.reduce_wire_s * (total_s / c.reduce_s) if c.reduce_s > 0.0 else 0.0
+        last_backward_s = c.beside_backward_s
+    delay_s = 0.0 if waits_for_send or not sends or total_s <= 0.0 else shared_send_delay_s(p2p_wire_s, other_wire_s=wire_s)
+    reduce_s = 0.0 if total_s <= 0.0 else total_s + delay_s  # the reduction is slowed by as much
+    return last_backward_s, delay_s, reduce_s, (p2p_s if waits_for_send else 0.0)
+
+
 def _step_end_durations(plan, cluster, *, chunks: list[_ChunkPrice], model, job) -> ChunkDurations:
     """The chunks' action durations with each chunk's step-end reduction on the communication stream
     (the timeline's `commshift=True` mode, which every plan runs: see below).
@@ -890,34 +925,30 @@ def _step_end_durations(plan, cluster, *, chunks: list[_ChunkPrice], model, job)
     forward_s, backward_s = tuple(c.forward_s for c in chunks), tuple(c.backward_s for c in chunks)
     last_bucket_s = tuple(c.last_bucket_s for c in chunks)
     reduce_s, send_delay_s, start_s, last_backward_s = [], [], [], []
+    seen: dict[tuple, tuple[float, float, float, float]] = {}  # chunks of one kind are one object
     for k, c in enumerate(chunks):
         sends = k > 0  # chunk 0's last backward sends nothing upstream
         waits_for_send = plan.commshift and sends and k < plan.pp
-        if plan.commshift:
-            total_s, wire_s = c.shift_reduce_s, c.shift_reduce_wire_s
-            last_backward_s.append(c.shift_backward_s)
-        else:
-            # What is left of the reduction when the last backward ends (its last bucket at least).
-            total_s = 0.0 if c.reduce_s <= 0.0 else max(c.backward_s, c.reduce_s - c.last_bucket_s) + c.last_bucket_s - c.backward_s
-            wire_s = c.reduce_wire_s * (total_s / c.reduce_s) if c.reduce_s > 0.0 else 0.0
-            last_backward_s.append(c.beside_backward_s)
-        delay_s = 0.0 if waits_for_send or not sends or total_s <= 0.0 else shared_send_delay_s(p2p_wire_s, other_wire_s=wire_s)
+        key = (id(c), sends, waits_for_send)
+        if key not in seen:
+            seen[key] = _step_end_of_chunk(c, commshift=plan.commshift, sends=sends, waits_for_send=waits_for_send,
+                                           p2p_s=p2p_s, p2p_wire_s=p2p_wire_s)
+        last_backward, delay_s, reduce, start = seen[key]
+        last_backward_s.append(last_backward)
         send_delay_s.append(delay_s)
-        reduce_s.append(0.0 if total_s <= 0.0 else total_s + delay_s)  # the reduction is slowed by as much
-        start_s.append(p2p_s if waits_for_send else 0.0)
+        reduce_s.append(reduce)
+        start_s.append(start)
     return ChunkDurations(forward_s, backward_s, p2p_s, tuple(reduce_s), last_bucket_s, tuple(last_backward_s),
                           last_send_delay_s=tuple(send_delay_s), reduce_start_s=tuple(start_s))
 
 
-def estimate(plan, *, model, cluster, job, engine: str = "ours") -> Estimate:
-    """Price one training step of `plan` as `engine` runs it (cost_models/engines.py): the pipeline
-    timeline of its chunks (compute.py, comm.py, timeline.py) and the worst rank's memory (memory.py).
-    Raises PlannerError for a plan that does not fit the model, cluster or batch."""
-    check_plan(plan, model=model, num_devices=cluster.num_devices, job=job)
-    hw, pp, eng = cluster.hardware, plan.pp, engine_model(engine)
-    if job.precision == "fp8" and "fp8" not in hw.peak_flops_per_s:
-        raise PlannerError(f"{hw.name} has no fp8 tensor cores; train in bf16 there")
-    costs = layer_costs(plan, model=model, cluster=cluster, job=job, engine=engine)
+def _pipeline_inputs(plan, *, model, cluster, job, eng, costs: LayerCosts | None, engine: str,
+                     totals: list[float] | None = None):
+    """What the step's timeline is built from: the chunks' prices, their action durations and each rank's
+    tail after its last action, (optimizer + a reduction paid after the pipeline, exposed redistribution)."""
+    pp = plan.pp
+    if costs is None:
+        costs = layer_costs(plan, model=model, cluster=cluster, job=job, engine=engine)
     chunks = _chunk_prices(plan, costs, cluster, model=model, job=job, eng=eng)
     if eng.reduce_after_pipeline:
         # The reduction waits until the pipeline drains (DeepSpeed's PipelineEngine): it leaves the
@@ -926,13 +957,36 @@ def estimate(plan, *, model, cluster, job, engine: str = "ours") -> Estimate:
         chunks = [dataclasses.replace(c, reduce_s=0.0, last_bucket_s=0.0, beside_backward_s=c.backward_s) for c in chunks]
     else:
         after = [0.0] * pp
-    p2p_s = _p2p_time_s(plan, cluster, model=model, job=job)
     durations = _step_end_durations(plan, cluster, chunks=chunks, model=model, job=job)
+    tails = _rank_tails(plan, cluster, chunks=chunks, job=job, model=model, totals=totals)
+    tails = [(optimizer_s + after[r], post_s) for r, (optimizer_s, post_s) in enumerate(tails)]
+    return chunks, durations, tails
+
+
+def _check_priceable(plan, *, model, cluster, job) -> None:
+    check_plan(plan, model=model, num_devices=cluster.num_devices, job=job)
+    hw = cluster.hardware
+    if job.precision == "fp8" and "fp8" not in hw.peak_flops_per_s:
+        raise PlannerError(f"{hw.name} has no fp8 tensor cores; train in bf16 there")
+
+
+def estimate(plan, *, model, cluster, job, engine: str = "ours", costs: LayerCosts | None = None) -> Estimate:
+    """Price one training step of `plan` as `engine` runs it (cost_models/engines.py): the pipeline
+    timeline of its chunks (compute.py, comm.py, timeline.py) and the worst rank's memory (memory.py).
+    Raises PlannerError for a plan that does not fit the model, cluster or batch.
+
+    `costs`: the plan's `layer_costs`, when the caller has them. The estimate reads only their times and
+    activations, which depend on the layer's shape on one device (micro-batch, tp, sequence parallelism,
+    cp and its kind, ep, etp), not on the sharding or the pipeline depth, so the search hands in the
+    ones it computed once per shape (`planner/search.py`, `_Pricer.slot_costs`)."""
+    _check_priceable(plan, model=model, cluster=cluster, job=job)
+    hw, pp, eng = cluster.hardware, plan.pp, engine_model(engine)
+    post_total_s: list[float] = []
+    chunks, durations, tails = _pipeline_inputs(plan, model=model, cluster=cluster, job=job, eng=eng, costs=costs,
+                                                engine=engine, totals=post_total_s)
+    p2p_s = durations.p2p_s
     pipe = simulate(schedule=plan.schedule, pp=pp, virtual_stages=plan.virtual_stages,
                     num_micro_batches=plan.num_micro_batches, durations=durations, commshift=True)
-    post_total_s: list[float] = []
-    tails = _rank_tails(plan, cluster, chunks=chunks, job=job, model=model, totals=post_total_s)
-    tails = [(optimizer_s + after[r], post_s) for r, (optimizer_s, post_s) in enumerate(tails)]
     ends = [max(pipe.compute_end_s[r], pipe.comm_end_s[r]) + sum(tails[r]) for r in range(pp)]
     step_time_s = max(ends)
     breakdown = _time_breakdown(plan, chunks=chunks, pipe=pipe, tails=tails, post_total_s=post_total_s, p2p_s=p2p_s,
@@ -954,6 +1008,50 @@ def estimate(plan, *, model, cluster, job, engine: str = "ours") -> Estimate:
         peak_memory_bytes=int(worst["total_bytes"]),
         memory_limit_bytes=int(hw.memory_bytes * (1.0 - job.headroom(hw.device_type))), breakdown=breakdown,
         host_memory_bytes=int(max(m["host_cache_bytes"] for m in memory)), host_memory_limit_bytes=int(hw.host_memory_bytes))
+
+
+def step_time_lower_bound_s(plan, *, model, cluster, job, engine: str = "ours",
+                            costs: LayerCosts | None = None) -> float:
+    """A lower bound on `estimate(plan).step_time_s` that skips the timeline and the memory.
+
+    It takes the same chunk action durations, tails and step-end rule as `estimate` (`_pipeline_inputs`)
+    and replaces the simulation by two longest-path arguments that hold for any timeline that obeys the
+    rules of cost_models/timeline.py (each rank runs its actions one at a time; an action starts no sooner
+    than its dependency's end plus one transfer p; `estimate` simulates every plan in the commshift mode,
+    so each chunk's last backward lasts `last_backward_s(True)` and its reduction runs on the
+    communication stream, which only delays the rank's end). Write F_c, B_c, L_c for chunk c's forward,
+    backward and last backward, m for the micro-batches and tail_r for rank r's optimizer step plus its
+    exposed redistribution (paid after both its streams end: step >= compute_end_r + tail_r).
+
+    * Rank r's first action is a forward of chunk r: a forward of its chunk c = r + k pp with k > 0
+      needs the forward of chunk c - pp, on rank r too. Chunks r - 1, ..., 0 are on other ranks and
+      must run that micro-batch forward first, so rank r starts no sooner than
+      pre_r = sum_{c<r} (F_c + p). It is then busy for work_r = sum over its chunks of
+      m F_c + (m - 1) B_c + L_c, hence compute_end_r >= pre_r + work_r.
+    * Rank r's last action is a backward of chunk r, by the same argument backwards (a backward of
+      chunk r + k pp is followed by that micro-batch's backward of chunk r + (k - 1) pp). The backwards
+      of that micro-batch on chunks r - 1, ..., 0 follow it, one transfer apart, each lasting at least
+      min(B_c, L_c), and the last of them ends on rank 0, so
+      compute_end_0 >= pre_r + work_r + sum_{c<r} (min(B_c, L_c) + p).
+
+    The step is the largest end over ranks, at least either of these plus the tail; the bound is their
+    maximum over r. It is exact for a one-stage plan without a step-end reduction on its stream, and
+    close to the estimate wherever the pipeline's bubble is that of its critical rank. The search prunes
+    plans whose bound cannot beat its k-th best (`planner/search.py`); the test against brute force
+    and every priced plan's check against its bound (`SearchResult.bound_violations`) keep it honest.
+    """
+    _check_priceable(plan, model=model, cluster=cluster, job=job)
+    eng = engine_model(engine)
+    _, d, tails = _pipeline_inputs(plan, model=model, cluster=cluster, job=job, eng=eng, costs=costs, engine=engine)
+    pp, m, p2p = plan.pp, plan.num_micro_batches, d.p2p_s
+    last = d.last_backward_s(True)
+    best_s = pre_s = post_s = 0.0
+    for r in range(pp):
+        work_s = sum(m * d.forward_s[c] + (m - 1) * d.backward_s[c] + last[c] for c in range(r, plan.num_chunks, pp))
+        best_s = max(best_s, pre_s + work_s + sum(tails[r]), pre_s + work_s + post_s + sum(tails[0]))
+        pre_s += d.forward_s[r] + p2p
+        post_s += min(d.backward_s[r], last[r]) + p2p
+    return best_s
 
 
 @dataclass(frozen=True)
