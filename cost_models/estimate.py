@@ -843,14 +843,18 @@ def _rank_tails(plan, cluster, *, chunks: list[_ChunkPrice], job, model=None,
     param_bytes = state_bytes_per_param(job.precision)[0]
     calibration = cluster.hardware.calibration
     op_overhead_s, step_overhead_s = calibration.get("op_overhead_s", 0.0), calibration.get("step_overhead_s", 0.0)
-    counts = plan.chunk_layer_counts(model.num_layers) if model is not None else (0,) * plan.num_chunks
+    # Units are counted only where they cost something (0 x any count adds the same 0).
+    counts = (plan.chunk_layer_counts(model.num_layers) if model is not None and op_overhead_s
+              else (0,) * plan.num_chunks)
+    expert_optim_shard = plan.expert_shard_degrees[2]
     tails = []
     for r in range(plan.pp):
         num_params = sum(c.num_params for c in chunks[r::plan.pp])
-        num_units = sum(counts[c] + (c == 0) + (c == plan.num_chunks - 1) for c in range(r, plan.num_chunks, plan.pp))
+        num_units = (sum(counts[c] + (c == 0) + (c == plan.num_chunks - 1) for c in range(r, plan.num_chunks, plan.pp))
+                     if op_overhead_s else 0)
         expert_params = sum(c.num_expert_params for c in chunks[r::plan.pp])
         optimizer_s = memory_time_s(cluster.hardware, (num_params / plan.optim_shard + expert_params
-                                                       / plan.expert_shard_degrees[2]) * ADAM_BYTES_PER_PARAM)
+                                                       / expert_optim_shard) * ADAM_BYTES_PER_PARAM)
         optimizer_s += step_overhead_s + op_overhead_s * ADAM_OPS_PER_UNIT * num_units
         post_exposed_s, post_s = _redistribute_s(plan, cluster, num_params=num_params, param_bytes=param_bytes,
                                                  first_chunk=chunks[r])
@@ -946,9 +950,16 @@ def _pipeline_inputs(plan, *, model, cluster, job, eng, costs: LayerCosts | None
                      totals: list[float] | None = None):
     """What the step's timeline is built from: the chunks' prices, their action durations and each rank's
     tail after its last action, (optimizer + a reduction paid after the pipeline, exposed redistribution)."""
-    pp = plan.pp
     if costs is None:
         costs = layer_costs(plan, model=model, cluster=cluster, job=job, engine=engine)
+    chunks, after = _timeline_chunks(plan, model=model, cluster=cluster, job=job, eng=eng, costs=costs)
+    return (chunks, *_durations_and_tails(plan, model=model, cluster=cluster, job=job, chunks=chunks, after=after,
+                                          totals=totals))
+
+
+def _timeline_chunks(plan, *, model, cluster, job, eng, costs: LayerCosts) -> tuple[list[_ChunkPrice], list[float]]:
+    """The chunks' prices as the timeline runs them, and per rank the reduction paid after the pipeline."""
+    pp = plan.pp
     chunks = _chunk_prices(plan, costs, cluster, model=model, job=job, eng=eng)
     if eng.reduce_after_pipeline:
         # The reduction waits until the pipeline drains (DeepSpeed's PipelineEngine): it leaves the
@@ -957,10 +968,16 @@ def _pipeline_inputs(plan, *, model, cluster, job, eng, costs: LayerCosts | None
         chunks = [dataclasses.replace(c, reduce_s=0.0, last_bucket_s=0.0, beside_backward_s=c.backward_s) for c in chunks]
     else:
         after = [0.0] * pp
-    durations = _step_end_durations(plan, cluster, chunks=chunks, model=model, job=job)
+    return chunks, after
+
+
+def _durations_and_tails(plan, *, model, cluster, job, chunks: list[_ChunkPrice], after: list[float],
+                         totals: list[float] | None = None, durations: ChunkDurations | None = None):
+    if durations is None:
+        durations = _step_end_durations(plan, cluster, chunks=chunks, model=model, job=job)
     tails = _rank_tails(plan, cluster, chunks=chunks, job=job, model=model, totals=totals)
     tails = [(optimizer_s + after[r], post_s) for r, (optimizer_s, post_s) in enumerate(tails)]
-    return chunks, durations, tails
+    return durations, tails
 
 
 def _check_priceable(plan, *, model, cluster, job) -> None:
@@ -1040,9 +1057,47 @@ def step_time_lower_bound_s(plan, *, model, cluster, job, engine: str = "ours",
     plans whose bound cannot beat its k-th best (`planner/search.py`); the test against brute force
     and every priced plan's check against its bound (`SearchResult.bound_violations`) keep it honest.
     """
-    _check_priceable(plan, model=model, cluster=cluster, job=job)
+    return step_time_lower_bounds_s([plan], model=model, cluster=cluster, job=job, engine=engine, costs=costs)[0]
+
+
+# Plan fields the chunk prices do not read: commshift only changes the step-end durations, and the
+# optimizer-state degree only the tails (and, for MoE models, the experts' sharding: kept there).
+_NOT_IN_CHUNK_PRICES = ("commshift", "optim_shard")
+
+
+def _chunk_key(plan, *, moe: bool) -> tuple:
+    skip = _NOT_IN_CHUNK_PRICES[:1] if moe else _NOT_IN_CHUNK_PRICES
+    return tuple(getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name not in skip)
+
+
+def step_time_lower_bounds_s(plans, *, model, cluster, job, engine: str = "ours",
+                             costs: LayerCosts | None = None) -> list[float]:
+    """`step_time_lower_bound_s` of each plan, the chunk prices computed once for plans that differ only
+    in commshift or (dense models) the optimizer-state degree, which the prices do not read. `costs`,
+    if given, are the layer costs of every plan (the same layer shape: see `estimate`)."""
     eng = engine_model(engine)
-    _, d, tails = _pipeline_inputs(plan, model=model, cluster=cluster, job=job, eng=eng, costs=costs, engine=engine)
+    shared: dict[tuple, tuple] = {}
+    out = []
+    for plan in plans:
+        _check_priceable(plan, model=model, cluster=cluster, job=job)
+        key = _chunk_key(plan, moe=model.is_moe)
+        if key not in shared:
+            plan_costs = costs if costs is not None else layer_costs(plan, model=model, cluster=cluster, job=job,
+                                                                     engine=engine)
+            shared[key] = _timeline_chunks(plan, model=model, cluster=cluster, job=job, eng=eng, costs=plan_costs)
+        chunks, after = shared[key]
+        # The step-end durations read the chunks, the pipeline and commshift, not the optimizer-state degree.
+        step_end = (key, plan.commshift)
+        if step_end not in shared:
+            shared[step_end] = _step_end_durations(plan, cluster, chunks=chunks, model=model, job=job)
+        d, tails = _durations_and_tails(plan, model=model, cluster=cluster, job=job, chunks=chunks, after=after,
+                                        durations=shared[step_end])
+        out.append(_critical_path_bound_s(plan, d, tails))
+    return out
+
+
+def _critical_path_bound_s(plan, d: ChunkDurations, tails) -> float:
+    """The bound of `step_time_lower_bound_s` from the durations and the tails."""
     pp, m, p2p = plan.pp, plan.num_micro_batches, d.p2p_s
     last = d.last_backward_s(True)
     best_s = pre_s = post_s = 0.0

@@ -11,7 +11,7 @@ Lins point `lins_points`: ZeRO-0..3, HSDP and the mixes such as parameters and g
 optimizer states over all of DP), commshift and a uniform MAZ3 cache tier. Every slot gets a step-time lower bound from the per-layer
 costs alone (the pipeline's compute critical path, no communication or bubble beyond it), and every
 variant a memory lower bound (model states, ZeRO accounting, plus the activations the schedule keeps in
-flight) and, from the cost model where it has one (`CostModel.step_time_lower_bound`, the real model's
+flight) and, from the cost model where it has one (`CostModel.step_time_lower_bounds`, the real model's
 `cost_models.estimate.step_time_lower_bound_s`), a step-time lower bound of its own: the pipeline's
 critical path over the variant's own action durations, exposed DP/ZeRO communication and SM contention
 included, which the slot's bound cannot see. Slots and variants are taken best first by bound
@@ -59,11 +59,12 @@ class CostModel:
     # `cache_cost_inputs(plan, *, model, cluster, job) -> CacheCostInputs` for the MAZ3 tier ILP; None
     # skips that refinement (synthetic cost models).
     cache_cost_inputs: Callable[..., object] | None = None
-    # `step_time_lower_bound(plan, *, model, cluster, job, costs) -> float`, never above the estimate's
-    # step time: each variant's own bound, which orders and prunes variants the way the slot bound does
-    # slots; None: every variant gets its slot's bound.
-    step_time_lower_bound: Callable[..., float] | None = None
-    # Whether `estimate` and `step_time_lower_bound` take `costs=`, the layer costs the search computed once
+    # `step_time_lower_bounds(plans, *, model, cluster, job, costs) -> list[float]`, each never above its
+    # plan's estimated step time: each variant's own bound (one call per slot, so that its variants may
+    # share work), which orders and prunes variants the way the slot bound does slots; None: every
+    # variant gets its slot's bound.
+    step_time_lower_bounds: Callable[..., list[float]] | None = None
+    # Whether `estimate` and `step_time_lower_bounds` take `costs=`, the layer costs the search computed once
     # per layer shape (`_Pricer.slot_costs`), instead of computing them again for every plan.
     takes_layer_costs: bool = False
 
@@ -77,7 +78,7 @@ def default_cost_model(engine: str = "ours") -> CostModel:
     return CostModel(estimate=functools.partial(est.estimate, engine=engine),
                      layer_costs=functools.partial(est.layer_costs, engine=engine),
                      cache_cost_inputs=functools.partial(est.cache_cost_inputs, engine=engine),
-                     step_time_lower_bound=functools.partial(est.step_time_lower_bound_s, engine=engine),
+                     step_time_lower_bounds=functools.partial(est.step_time_lower_bounds_s, engine=engine),
                      takes_layer_costs=True)
 
 
@@ -443,11 +444,12 @@ class _Pricer:
             self.on_progress(self.num_evaluated)
         return Candidate(plan, self.cost.estimate(plan, **self._kwargs_for(slot)))
 
-    def variant_bound(self, plan: Plan, slot: Slot, slot_bound: float) -> float:
-        """The larger of the slot's bound and the cost model's own bound for this variant (both lower bounds)."""
-        if self.cost.step_time_lower_bound is None:
-            return slot_bound
-        return max(slot_bound, self.cost.step_time_lower_bound(plan, **self._kwargs_for(slot)))
+    def variant_bounds(self, plans: list[Plan], slot: Slot, slot_bound: float) -> list[float]:
+        """For each of the slot's variants, the larger of the slot's bound and the cost model's own bound
+        for it (both lower bounds)."""
+        if self.cost.step_time_lower_bounds is None or not plans:
+            return [slot_bound] * len(plans)
+        return [max(slot_bound, b) for b in self.cost.step_time_lower_bounds(plans, **self._kwargs_for(slot))]
 
 
 def search(problem: Problem, *, options: SearchOptions = SearchOptions(), cost: CostModel | None = None) -> SearchResult:
@@ -592,14 +594,15 @@ class _BranchAndBound:
             self.pruned.append((leanest, slot))
             self.num_pruned += len(variants)
             return []
-        out = []
+        plans = []
         for shards, cache, shift in variants:
             if memory.lower_bound_bytes(shards, precision) > self.limit_bytes and not self.options.exhaustive:
                 self.num_pruned += 1
                 continue
-            plan = slot.plan(shards=shards, cache=cache, commshift=shift)
-            out.append((plan, bound if self.options.exhaustive else self.pricer.variant_bound(plan, slot, bound)))
-        return out
+            plans.append(slot.plan(shards=shards, cache=cache, commshift=shift))
+        if self.options.exhaustive:
+            return [(plan, bound) for plan in plans]
+        return list(zip(plans, self.pricer.variant_bounds(plans, slot, bound)))
 
     def visit_variant(self, slot: Slot, plan: Plan, bound: float) -> None:
         shards = (plan.param_shard, plan.grad_shard, plan.optim_shard)

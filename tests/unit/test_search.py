@@ -72,9 +72,12 @@ def fake_cost_model(seed: int, *, variant_bounds: bool = False) -> CostModel:
         return (plan.dp, plan.tp, plan.pp, plan.virtual_stages, plan.micro_batch, plan.schedule, plan.recompute,
                 plan.sequence_parallel, plan.shard_degrees, plan.param_cache, plan.commshift)
 
-    def lower_bound(plan, *, model, cluster, job):
-        critical = critical_s(plan, layer_costs(plan, model=model, cluster=cluster, job=job), model)
-        return critical * (1 + 0.4 * _unit(seed, "step", knobs(plan)) * _unit(seed, "bound", knobs(plan)))
+    def lower_bounds(plans, *, model, cluster, job):
+        out = []
+        for plan in plans:
+            critical = critical_s(plan, layer_costs(plan, model=model, cluster=cluster, job=job), model)
+            out.append(critical * (1 + 0.4 * _unit(seed, "step", knobs(plan)) * _unit(seed, "bound", knobs(plan))))
+        return out
 
     def estimate(plan, *, model, cluster, job):
         costs = layer_costs(plan, model=model, cluster=cluster, job=job)
@@ -96,7 +99,7 @@ def fake_cost_model(seed: int, *, variant_bounds: bool = False) -> CostModel:
                         breakdown={"compute_s": critical, "other_s": step - critical})
 
     return CostModel(estimate=estimate, layer_costs=layer_costs,
-                     step_time_lower_bound=lower_bound if variant_bounds else None)
+                     step_time_lower_bounds=lower_bounds if variant_bounds else None)
 
 
 def small_problem(*, num_devices: int = 8, per_node: int = 4, memory_bytes: int = 64 * GIB,
