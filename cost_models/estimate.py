@@ -107,15 +107,27 @@ ADAM_OPS_PER_UNIT = 10
 BACKWARD_OPS_PER_FORWARD_OP = 2
 
 
-def collective_time_s(cluster, **kwargs) -> float:
+def collective_time_s(cluster, *, collective: str, size_bytes: float, group_size: int, stride: int) -> float:
     """cost_models.comm.collective_time_s plus the calibrated per-call overhead for a call that moves data:
     collective_overhead_s x log2(group size), the rounds in which recursive doubling synchronises the
-    group (Thakur et al. 2005), each waiting for a partner process to be scheduled and answer."""
-    time_s = _collective_time_s(cluster, **kwargs)
-    if time_s <= 0:
-        return 0.0
-    n = 2 if kwargs.get("collective") == "p2p" else kwargs["group_size"]
-    return time_s + cluster.hardware.calibration.get("collective_overhead_s", 0.0) * math.log2(n)
+    group (Thakur et al. 2005), each waiting for a partner process to be scheduled and answer.
+
+    Memoised on the cluster (`Cluster.collective_memo`): a search prices the same few collectives for
+    thousands of plans."""
+    key = (collective, size_bytes, group_size, stride)
+    memo = getattr(cluster, "collective_memo", None)  # tests may pass a stand-in without one
+    if memo is not None and key in memo:
+        return memo[key]
+    time_s = _collective_time_s(cluster, collective=collective, size_bytes=size_bytes, group_size=group_size,
+                                stride=stride)
+    if time_s > 0:
+        n = 2 if collective == "p2p" else group_size
+        time_s += cluster.hardware.calibration.get("collective_overhead_s", 0.0) * math.log2(n)
+    else:
+        time_s = 0.0
+    if memo is not None:
+        memo[key] = time_s
+    return time_s
 
 
 def _overlap(compute_s: float, comm_s: float, cluster, *, wire_s: float = 0.0, efficiency: float = 1.0) -> float:
@@ -811,12 +823,18 @@ def _chunk_prices(plan, costs: LayerCosts, cluster, *, model, job, eng=None) -> 
     eng = eng or engine_model("ours")
     end_params = end_params_per_device(model, tp=plan.tp, pp=plan.pp)
     chunks, priced = [], {}
+    # Uniform plans (one policy and one tier for every layer) name a chunk's layer settings by its count.
+    uniform = plan.recompute_layers is None and isinstance(plan.param_cache, str)
     for c, layers in enumerate(plan.chunk_layer_ranges(model.num_layers)):
         # Chunks with the same layer settings cost the same: price each kind once.
-        tiers = tuple(plan.layer_cache(i) for i in layers)
+        if uniform:
+            tiers, policies = (plan.param_cache,), (plan.recompute, len(layers))
+        else:
+            tiers = tuple(plan.layer_cache(i) for i in layers)
+            policies = tuple(plan.layer_recompute(i) for i in layers)
         fresh = (_fresh_forwards(plan.schedule, plan.pp, plan.virtual_stages, plan.num_micro_batches)[c]
                  if plan.pp > 1 and "device" in tiers else 0)
-        key = (c == 0, c == plan.num_chunks - 1, tuple(plan.layer_recompute(i) for i in layers), tiers, fresh)
+        key = (c == 0, c == plan.num_chunks - 1, policies, tiers + ((len(layers),) if uniform else ()), fresh)
         if key not in priced:
             priced[key] = _price_chunk(plan, costs, cluster, model=model, job=job, chunk=c, layers=layers,
                                        end_params=end_params, eng=eng)
@@ -878,14 +896,18 @@ def _rank_tails(plan, cluster, *, chunks: list[_ChunkPrice], job, model=None,
     optimizer_bytes = eng.optimizer_bytes_per_param
     calibration = cluster.hardware.calibration
     op_overhead_s, step_overhead_s = calibration.get("op_overhead_s", 0.0), calibration.get("step_overhead_s", 0.0)
-    counts = plan.chunk_layer_counts(model.num_layers) if model is not None else (0,) * plan.num_chunks
+    # Units are counted only where they cost something (0 x any count adds the same 0).
+    counts = (plan.chunk_layer_counts(model.num_layers) if model is not None and op_overhead_s
+              else (0,) * plan.num_chunks)
+    expert_optim_shard = plan.expert_shard_degrees[2]
     tails = []
     for r in range(plan.pp):
         num_params = sum(c.num_params for c in chunks[r::plan.pp])
-        num_units = sum(counts[c] + (c == 0) + (c == plan.num_chunks - 1) for c in range(r, plan.num_chunks, plan.pp))
+        num_units = (sum(counts[c] + (c == 0) + (c == plan.num_chunks - 1) for c in range(r, plan.num_chunks, plan.pp))
+                     if op_overhead_s else 0)
         expert_params = sum(c.num_expert_params for c in chunks[r::plan.pp])
         optimizer_s = memory_time_s(cluster.hardware, (num_params / plan.optim_shard + expert_params
-                                                       / plan.expert_shard_degrees[2]) * optimizer_bytes)
+                                                       / expert_optim_shard) * optimizer_bytes)
         optimizer_s += step_overhead_s + op_overhead_s * ADAM_OPS_PER_UNIT * num_units
         post_exposed_s, post_s = _redistribute_s(plan, cluster, num_params=num_params, param_bytes=param_bytes,
                                                  first_chunk=chunks[r])
@@ -913,6 +935,23 @@ def _time_breakdown(plan, *, chunks: list[_ChunkPrice], pipe, tails, post_total_
         + (step_time_s - pipe.compute_end_s[rank] - optimizer_s),
         "bubble_s": pipe.compute_end_s[rank] - pipe.busy_s[rank], "optimizer_s": optimizer_s,
         "critical_rank": float(rank)}
+
+
+def _step_end_of_chunk(c: _ChunkPrice, *, commshift: bool, sends: bool, waits_for_send: bool, p2p_s: float,
+                       p2p_wire_s: float) -> tuple[float, float, float, float]:
+    """One chunk's (last backward, delay of its last send, step-end reduction, reduction start) for
+    `_step_end_durations`."""
+    if commshift:
+        total_s, wire_s = c.shift_reduce_s, c.shift_reduce_wire_s
+        last_backward_s = c.shift_backward_s
+    else:
+        # What is left of the reduction when the last backward ends (its last bucket at least).
+        total_s = 0.0 if c.reduce_s <= 0.0 else max(c.backward_s, c.reduce_s - c.last_bucket_s) + c.last_bucket_s - c.backward_s
+        wire_s = c.reduce_wire_s * (total_s / c.reduce_s) if c.reduce_s > 0.0 else 0.0
+        last_backward_s = c.beside_backward_s
+    delay_s = 0.0 if waits_for_send or not sends or total_s <= 0.0 else shared_send_delay_s(p2p_wire_s, other_wire_s=wire_s)
+    reduce_s = 0.0 if total_s <= 0.0 else total_s + delay_s  # the reduction is slowed by as much
+    return last_backward_s, delay_s, reduce_s, (p2p_s if waits_for_send else 0.0)
 
 
 def _step_end_durations(plan, cluster, *, chunks: list[_ChunkPrice], model, job) -> ChunkDurations:
@@ -943,34 +982,37 @@ def _step_end_durations(plan, cluster, *, chunks: list[_ChunkPrice], model, job)
     forward_s, backward_s = tuple(c.forward_s for c in chunks), tuple(c.backward_s for c in chunks)
     last_bucket_s = tuple(c.last_bucket_s for c in chunks)
     reduce_s, send_delay_s, start_s, last_backward_s = [], [], [], []
+    seen: dict[tuple, tuple[float, float, float, float]] = {}  # chunks of one kind are one object
     for k, c in enumerate(chunks):
         sends = k > 0  # chunk 0's last backward sends nothing upstream
         waits_for_send = plan.commshift and sends and k < plan.pp
-        if plan.commshift:
-            total_s, wire_s = c.shift_reduce_s, c.shift_reduce_wire_s
-            last_backward_s.append(c.shift_backward_s)
-        else:
-            # What is left of the reduction when the last backward ends (its last bucket at least).
-            total_s = 0.0 if c.reduce_s <= 0.0 else max(c.backward_s, c.reduce_s - c.last_bucket_s) + c.last_bucket_s - c.backward_s
-            wire_s = c.reduce_wire_s * (total_s / c.reduce_s) if c.reduce_s > 0.0 else 0.0
-            last_backward_s.append(c.beside_backward_s)
-        delay_s = 0.0 if waits_for_send or not sends or total_s <= 0.0 else shared_send_delay_s(p2p_wire_s, other_wire_s=wire_s)
+        key = (id(c), sends, waits_for_send)
+        if key not in seen:
+            seen[key] = _step_end_of_chunk(c, commshift=plan.commshift, sends=sends, waits_for_send=waits_for_send,
+                                           p2p_s=p2p_s, p2p_wire_s=p2p_wire_s)
+        last_backward, delay_s, reduce, start = seen[key]
+        last_backward_s.append(last_backward)
         send_delay_s.append(delay_s)
-        reduce_s.append(0.0 if total_s <= 0.0 else total_s + delay_s)  # the reduction is slowed by as much
-        start_s.append(p2p_s if waits_for_send else 0.0)
+        reduce_s.append(reduce)
+        start_s.append(start)
     return ChunkDurations(forward_s, backward_s, p2p_s, tuple(reduce_s), last_bucket_s, tuple(last_backward_s),
                           last_send_delay_s=tuple(send_delay_s), reduce_start_s=tuple(start_s))
 
 
-def estimate(plan, *, model, cluster, job, engine: str = "ours") -> Estimate:
-    """Price one training step of `plan` as `engine` runs it (cost_models/engines.py): the pipeline
-    timeline of its chunks (compute.py, comm.py, timeline.py) and the worst rank's memory (memory.py).
-    Raises PlannerError for a plan that does not fit the model, cluster or batch."""
-    check_plan(plan, model=model, num_devices=cluster.num_devices, job=job)
-    hw, pp, eng = cluster.hardware, plan.pp, engine_model(engine)
-    if job.precision == "fp8" and "fp8" not in hw.peak_flops_per_s:
-        raise PlannerError(f"{hw.name} has no fp8 tensor cores; train in bf16 there")
-    costs = layer_costs(plan, model=model, cluster=cluster, job=job, engine=engine)
+def _pipeline_inputs(plan, *, model, cluster, job, eng, costs: LayerCosts | None, engine: str,
+                     totals: list[float] | None = None):
+    """What the step's timeline is built from: the chunks' prices, their action durations and each rank's
+    tail after its last action, (optimizer + a reduction paid after the pipeline, exposed redistribution)."""
+    if costs is None:
+        costs = layer_costs(plan, model=model, cluster=cluster, job=job, engine=engine)
+    chunks, after = _timeline_chunks(plan, model=model, cluster=cluster, job=job, eng=eng, costs=costs)
+    return (chunks, *_durations_and_tails(plan, model=model, cluster=cluster, job=job, eng=eng, chunks=chunks,
+                                          after=after, totals=totals))
+
+
+def _timeline_chunks(plan, *, model, cluster, job, eng, costs: LayerCosts) -> tuple[list[_ChunkPrice], list[float]]:
+    """The chunks' prices as the timeline runs them, and per rank the reduction paid after the pipeline."""
+    pp = plan.pp
     chunks = _chunk_prices(plan, costs, cluster, model=model, job=job, eng=eng)
     if eng.reduce_after_pipeline:
         # The reduction waits until the pipeline drains (DeepSpeed's PipelineEngine): it leaves the
@@ -979,13 +1021,42 @@ def estimate(plan, *, model, cluster, job, engine: str = "ours") -> Estimate:
         chunks = [dataclasses.replace(c, reduce_s=0.0, last_bucket_s=0.0, beside_backward_s=c.backward_s) for c in chunks]
     else:
         after = [0.0] * pp
-    p2p_s = _p2p_time_s(plan, cluster, model=model, job=job)
-    durations = _step_end_durations(plan, cluster, chunks=chunks, model=model, job=job)
+    return chunks, after
+
+
+def _durations_and_tails(plan, *, model, cluster, job, eng, chunks: list[_ChunkPrice], after: list[float],
+                         totals: list[float] | None = None, durations: ChunkDurations | None = None):
+    if durations is None:
+        durations = _step_end_durations(plan, cluster, chunks=chunks, model=model, job=job)
+    tails = _rank_tails(plan, cluster, chunks=chunks, job=job, model=model, totals=totals, eng=eng)
+    tails = [(optimizer_s + after[r], post_s) for r, (optimizer_s, post_s) in enumerate(tails)]
+    return durations, tails
+
+
+def _check_priceable(plan, *, model, cluster, job) -> None:
+    check_plan(plan, model=model, num_devices=cluster.num_devices, job=job)
+    hw = cluster.hardware
+    if job.precision == "fp8" and "fp8" not in hw.peak_flops_per_s:
+        raise PlannerError(f"{hw.name} has no fp8 tensor cores; train in bf16 there")
+
+
+def estimate(plan, *, model, cluster, job, engine: str = "ours", costs: LayerCosts | None = None) -> Estimate:
+    """Price one training step of `plan` as `engine` runs it (cost_models/engines.py): the pipeline
+    timeline of its chunks (compute.py, comm.py, timeline.py) and the worst rank's memory (memory.py).
+    Raises PlannerError for a plan that does not fit the model, cluster or batch.
+
+    `costs`: the plan's `layer_costs`, when the caller has them. The estimate reads only their times and
+    activations, which depend on the layer's shape on one device (micro-batch, tp, sequence parallelism,
+    cp and its kind, ep, etp), not on the sharding or the pipeline depth, so the search hands in the
+    ones it computed once per shape (`planner/search.py`, `_Pricer.slot_costs`)."""
+    _check_priceable(plan, model=model, cluster=cluster, job=job)
+    hw, pp, eng = cluster.hardware, plan.pp, engine_model(engine)
+    post_total_s: list[float] = []
+    chunks, durations, tails = _pipeline_inputs(plan, model=model, cluster=cluster, job=job, eng=eng, costs=costs,
+                                                engine=engine, totals=post_total_s)
+    p2p_s = durations.p2p_s
     pipe = simulate(schedule=plan.schedule, pp=pp, virtual_stages=plan.virtual_stages,
                     num_micro_batches=plan.num_micro_batches, durations=durations, commshift=True)
-    post_total_s: list[float] = []
-    tails = _rank_tails(plan, cluster, chunks=chunks, job=job, model=model, totals=post_total_s, eng=eng)
-    tails = [(optimizer_s + after[r], post_s) for r, (optimizer_s, post_s) in enumerate(tails)]
     ends = [max(pipe.compute_end_s[r], pipe.comm_end_s[r]) + sum(tails[r]) for r in range(pp)]
     step_time_s = max(ends)
     breakdown = _time_breakdown(plan, chunks=chunks, pipe=pipe, tails=tails, post_total_s=post_total_s, p2p_s=p2p_s,
@@ -1007,6 +1078,88 @@ def estimate(plan, *, model, cluster, job, engine: str = "ours") -> Estimate:
         peak_memory_bytes=int(worst["total_bytes"]),
         memory_limit_bytes=int(hw.memory_bytes * (1.0 - job.headroom(hw.device_type))), breakdown=breakdown,
         host_memory_bytes=int(max(m["host_cache_bytes"] for m in memory)), host_memory_limit_bytes=int(hw.host_memory_bytes))
+
+
+def step_time_lower_bound_s(plan, *, model, cluster, job, engine: str = "ours",
+                            costs: LayerCosts | None = None) -> float:
+    """A lower bound on `estimate(plan).step_time_s` that skips the timeline and the memory.
+
+    It takes the same chunk action durations, tails and step-end rule as `estimate` (`_pipeline_inputs`)
+    and replaces the simulation by two longest-path arguments that hold for any timeline that obeys the
+    rules of cost_models/timeline.py (each rank runs its actions one at a time; an action starts no sooner
+    than its dependency's end plus one transfer p; `estimate` simulates every plan in the commshift mode,
+    so each chunk's last backward lasts `last_backward_s(True)` and its reduction runs on the
+    communication stream, which only delays the rank's end). Write F_c, B_c, L_c for chunk c's forward,
+    backward and last backward, m for the micro-batches and tail_r for rank r's optimizer step plus its
+    exposed redistribution (paid after both its streams end: step >= compute_end_r + tail_r).
+
+    * Rank r's first action is a forward of chunk r: a forward of its chunk c = r + k pp with k > 0
+      needs the forward of chunk c - pp, on rank r too. Chunks r - 1, ..., 0 are on other ranks and
+      must run that micro-batch forward first, so rank r starts no sooner than
+      pre_r = sum_{c<r} (F_c + p). It is then busy for work_r = sum over its chunks of
+      m F_c + (m - 1) B_c + L_c, hence compute_end_r >= pre_r + work_r.
+    * Rank r's last action is a backward of chunk r, by the same argument backwards (a backward of
+      chunk r + k pp is followed by that micro-batch's backward of chunk r + (k - 1) pp). The backwards
+      of that micro-batch on chunks r - 1, ..., 0 follow it, one transfer apart, each lasting at least
+      min(B_c, L_c), and the last of them ends on rank 0, so
+      compute_end_0 >= pre_r + work_r + sum_{c<r} (min(B_c, L_c) + p).
+
+    The step is the largest end over ranks, at least either of these plus the tail; the bound is their
+    maximum over r. It is exact for a one-stage plan whose reduction does not outlast its compute, and
+    within a few per cent of the estimate for most plans (the 175B search's: median 3%). The search skips
+    plans whose bound cannot change its answer (`planner/search.py`); the tests against brute force
+    and every priced plan's check against its bound (`SearchResult.bound_violations`) keep it honest.
+    """
+    return step_time_lower_bounds_s([plan], model=model, cluster=cluster, job=job, engine=engine, costs=costs)[0]
+
+
+# Plan fields the chunk prices do not read: commshift only changes the step-end durations, and the
+# optimizer-state degree only the tails (and, for MoE models, the experts' sharding: kept there).
+_NOT_IN_CHUNK_PRICES = ("commshift", "optim_shard")
+
+
+def _chunk_key(plan, *, moe: bool) -> tuple:
+    skip = _NOT_IN_CHUNK_PRICES[:1] if moe else _NOT_IN_CHUNK_PRICES
+    return tuple(getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name not in skip)
+
+
+def step_time_lower_bounds_s(plans, *, model, cluster, job, engine: str = "ours",
+                             costs: LayerCosts | None = None) -> list[float]:
+    """`step_time_lower_bound_s` of each plan, the chunk prices computed once for plans that differ only
+    in commshift or (dense models) the optimizer-state degree, which the prices do not read. `costs`,
+    if given, are the layer costs of every plan (the same layer shape: see `estimate`)."""
+    eng = engine_model(engine)
+    shared: dict[tuple, tuple] = {}
+    out = []
+    for plan in plans:
+        _check_priceable(plan, model=model, cluster=cluster, job=job)
+        key = _chunk_key(plan, moe=model.is_moe)
+        if key not in shared:
+            plan_costs = costs if costs is not None else layer_costs(plan, model=model, cluster=cluster, job=job,
+                                                                     engine=engine)
+            shared[key] = _timeline_chunks(plan, model=model, cluster=cluster, job=job, eng=eng, costs=plan_costs)
+        chunks, after = shared[key]
+        # The step-end durations read the chunks, the pipeline and commshift, not the optimizer-state degree.
+        step_end = (key, plan.commshift)
+        if step_end not in shared:
+            shared[step_end] = _step_end_durations(plan, cluster, chunks=chunks, model=model, job=job)
+        d, tails = _durations_and_tails(plan, model=model, cluster=cluster, job=job, eng=eng, chunks=chunks,
+                                        after=after, durations=shared[step_end])
+        out.append(_critical_path_bound_s(plan, d, tails))
+    return out
+
+
+def _critical_path_bound_s(plan, d: ChunkDurations, tails) -> float:
+    """The bound of `step_time_lower_bound_s` from the durations and the tails."""
+    pp, m, p2p = plan.pp, plan.num_micro_batches, d.p2p_s
+    last = d.last_backward_s(True)
+    best_s = pre_s = post_s = 0.0
+    for r in range(pp):
+        work_s = sum(m * d.forward_s[c] + (m - 1) * d.backward_s[c] + last[c] for c in range(r, plan.num_chunks, pp))
+        best_s = max(best_s, pre_s + work_s + sum(tails[r]), pre_s + work_s + post_s + sum(tails[0]))
+        pre_s += d.forward_s[r] + p2p
+        post_s += min(d.backward_s[r], last[r]) + p2p
+    return best_s
 
 
 @dataclass(frozen=True)

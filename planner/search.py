@@ -11,15 +11,20 @@ Lins point `lins_points`: ZeRO-0..3, HSDP and the mixes such as parameters and g
 optimizer states over all of DP), commshift and a uniform MAZ3 cache tier. Every slot gets a step-time lower bound from the per-layer
 costs alone (the pipeline's compute critical path, no communication or bubble beyond it), and every
 variant a memory lower bound (model states, ZeRO accounting, plus the activations the schedule keeps in
-flight). Slots are priced in order of their bound and the search stops when the next bound cannot beat
-the k-th best plan found: exact whenever the bounds are true lower bounds of the cost model, which the
-tests check, and the search counts any violation it sees (`bound_violations`).
+flight) and, from the cost model where it has one (`CostModel.step_time_lower_bounds`, the real model's
+`cost_models.estimate.step_time_lower_bound_s`), a step-time lower bound of its own: the pipeline's
+critical path over the variant's own action durations, exposed DP/ZeRO communication and SM contention
+included, which the slot's bound cannot see. Slots and variants are taken best first by bound
+(`_BranchAndBound.run`) and the search stops when the next bound cannot change the answer: beat the
+k-th best plan found, or enter the few fitting plans the ILPs below start from (`_BranchAndBound.need_s`).
+Exact whenever the bounds are true lower bounds of the cost model, which the tests check against brute
+force, and the search counts any violation it sees (`bound_violations`).
 
-The per-layer costs depend only on (tp, sequence parallel, micro-batch), so they are computed once per
-such key and shared by every slot. The ILPs (planner/ilp.py) then refine the best few plans: unequal
+The per-layer costs depend only on (tp, sequence parallel, micro-batch, cp, ep), so they are computed once per
+such key and shared by every slot, and handed to the estimate of each variant. The ILPs (planner/ilp.py) then refine the best few plans: unequal
 stages and per-layer recomputation, and each layer's MAZ3 tier (`_refine_cache_with_ilp`). A variant
 that only adds a cache tier or commshift to its plain plan is skipped when the plain plan's compute,
-recomputation and optimizer time already cannot beat the k-th best (`_BranchAndBound._cannot_help`).
+recomputation and optimizer time already cannot change the answer (`_BranchAndBound._cannot_help`).
 """
 
 from __future__ import annotations
@@ -54,6 +59,14 @@ class CostModel:
     # `cache_cost_inputs(plan, *, model, cluster, job) -> CacheCostInputs` for the MAZ3 tier ILP; None
     # skips that refinement (synthetic cost models).
     cache_cost_inputs: Callable[..., object] | None = None
+    # `step_time_lower_bounds(plans, *, model, cluster, job, costs) -> list[float]`, each never above its
+    # plan's estimated step time: each variant's own bound (one call per slot, so that its variants may
+    # share work), which orders and prunes variants the way the slot bound does slots; None: every
+    # variant gets its slot's bound.
+    step_time_lower_bounds: Callable[..., list[float]] | None = None
+    # Whether `estimate` and `step_time_lower_bounds` take `costs=`, the layer costs the search computed once
+    # per layer shape (`_Pricer.slot_costs`), instead of computing them again for every plan.
+    takes_layer_costs: bool = False
 
 
 def default_cost_model(engine: str = "ours") -> CostModel:
@@ -64,7 +77,9 @@ def default_cost_model(engine: str = "ours") -> CostModel:
     engine_model(engine)  # an unknown engine is refused here, before any plan is priced
     return CostModel(estimate=functools.partial(est.estimate, engine=engine),
                      layer_costs=functools.partial(est.layer_costs, engine=engine),
-                     cache_cost_inputs=functools.partial(est.cache_cost_inputs, engine=engine))
+                     cache_cost_inputs=functools.partial(est.cache_cost_inputs, engine=engine),
+                     step_time_lower_bounds=functools.partial(est.step_time_lower_bounds_s, engine=engine),
+                     takes_layer_costs=True)
 
 
 @dataclass(frozen=True)
@@ -111,7 +126,7 @@ class SearchResult:
     candidates: tuple[Candidate, ...]  # fitting plans fastest first, then the rest by memory shortfall
     pareto: tuple[Candidate, ...]  # fitting plans no other plan beats on both step time and memory
     num_evaluated: int  # plans priced by the full cost model
-    num_pruned_memory: int  # variants dropped by the memory lower bound without pricing
+    num_pruned_memory: int  # variants dropped without pricing by the memory bound (or `_cannot_help`)
     search_time_s: float
     bound_violations: int = 0  # priced plans faster than their lower bound (0 unless the cost model changed)
 
@@ -419,11 +434,26 @@ class _Pricer:
     def layer_costs(self, plan: Plan):
         return self.cost.layer_costs(plan, **self._kwargs())
 
-    def price(self, plan: Plan) -> Candidate:
+    def _kwargs_for(self, slot: Slot | None) -> dict:
+        # The slot's layer costs stand for every variant's: the estimate reads only their times and
+        # activations, which the sharding variant does not change (cost_models/estimate.estimate).
+        if slot is None or not self.cost.takes_layer_costs:
+            return self._kwargs()
+        return {**self._kwargs(), "costs": self.slot_costs(slot)}
+
+    def price(self, plan: Plan, slot: Slot | None = None) -> Candidate:
+        """The full estimate of `plan` (one of `slot`'s variants, if given)."""
         self.num_evaluated += 1
         if self.on_progress is not None and self.num_evaluated % 64 == 0:
             self.on_progress(self.num_evaluated)
-        return Candidate(plan, self.cost.estimate(plan, **self._kwargs()))
+        return Candidate(plan, self.cost.estimate(plan, **self._kwargs_for(slot)))
+
+    def variant_bounds(self, plans: list[Plan], slot: Slot, slot_bound: float) -> list[float]:
+        """For each of the slot's variants, the larger of the slot's bound and the cost model's own bound
+        for it (both lower bounds)."""
+        if self.cost.step_time_lower_bounds is None or not plans:
+            return [slot_bound] * len(plans)
+        return [max(slot_bound, b) for b in self.cost.step_time_lower_bounds(plans, **self._kwargs_for(slot))]
 
 
 def search(problem: Problem, *, options: SearchOptions = SearchOptions(), cost: CostModel | None = None) -> SearchResult:
@@ -442,10 +472,7 @@ def search(problem: Problem, *, options: SearchOptions = SearchOptions(), cost: 
                            f"batch {problem.job.global_batch}")
     bounded.sort(key=lambda item: (item[0], item[1]))
     state = _BranchAndBound(problem, pricer, options)
-    for bound, _, slot in bounded:
-        if state.done(bound):
-            break
-        state.visit(slot, bound)
+    state.run(bounded)
     if not state.fitting:
         raise PlannerError(state.nothing_fits_message())
     priced = state.priced
@@ -460,6 +487,18 @@ def search(problem: Problem, *, options: SearchOptions = SearchOptions(), cost: 
     return SearchResult(winner=fitting[0], candidates=tuple(fitting + rest), pareto=pareto_front(fitting),
                         num_evaluated=pricer.num_evaluated, num_pruned_memory=state.num_pruned,
                         search_time_s=time.perf_counter() - start, bound_violations=state.violations)
+
+
+def _has_layout(pp: int, recompute: str) -> bool:
+    """Whether the layout ILP (`_refine_with_ilp`) may refine a plan: more than one stage, or recomputation."""
+    return not (pp == 1 and recompute == "none")
+
+
+def _push_best(negated: list[float], step_time_s: float, *, keep: int) -> None:
+    """Keep the `keep` smallest step times in a max-heap of negated times."""
+    heapq.heappush(negated, -step_time_s)
+    if len(negated) > keep:
+        heapq.heappop(negated)
 
 
 def _speed(c: Candidate) -> tuple:
@@ -483,14 +522,74 @@ class _BranchAndBound:
         self.pruned: list[tuple[float, Slot]] = []
         self.num_pruned = 0
         self.violations = 0
+        self.num_queued = 0
+        # Negated step times of the best fitting plans the ILPs may start from (see need_s), max-heaps.
+        self.layout_times: list[float] = []
+        self.base_times: list[float] = []
+        self.base_best: dict[Plan, float] = {}
+        # Each slot's plain variants (no MAZ3 tier, no commshift) once priced, by (slot, shard degrees).
+        self.plain: dict[tuple[Slot, tuple[int, int, int]], Candidate] = {}
 
-    def done(self, bound: float) -> bool:
-        """No remaining slot can enter the top k: every later bound is at least this one."""
-        if self.options.exhaustive or len(self.top_times) < self.options.top_k:
-            return False
-        return bound >= -self.top_times[0]
+    def need_s(self, *, layout: bool, sharded: bool) -> float:
+        """The step time a plan must beat to change the search's answer: enter the top k, or, for the ILPs
+        (`search`), the best `ilp_candidates` fitting plans with a layout to re-place (`layout`: pp > 1
+        or recomputation) or the best `ilp_candidates` sharded bases the MAZ3 ILP starts from
+        (`sharded`: param_shard > 1). Those seeds are ranked among all fitting plans, so a bound that only
+        kept the top k exact could change them. inf while any of those lists is short."""
+        if self.options.exhaustive:
+            return float("inf")
+        need = -self.top_times[0] if len(self.top_times) >= self.options.top_k else float("inf")
+        if self.options.use_ilp and self.options.ilp_candidates > 0:
+            if layout:
+                need = max(need, self._nth_or_inf(self.layout_times))
+            if sharded:
+                need = max(need, self._nth_or_inf(self.base_times))
+        return need
 
-    def visit(self, slot: Slot, bound: float) -> None:
+    def _nth_or_inf(self, negated: list[float]) -> float:
+        return -negated[0] if len(negated) >= self.options.ilp_candidates else float("inf")
+
+    def need_for_slot(self, slot: Slot) -> float:
+        return self.need_s(layout=_has_layout(slot.pp, slot.recompute), sharded=slot.dp * slot.cp > 1)
+
+    def need_for_plan(self, plan: Plan) -> float:
+        return self.need_s(layout=_has_layout(plan.pp, plan.recompute), sharded=plan.param_shard > 1)
+
+    def run(self, bounded: list[tuple[float, int, Slot]]) -> None:
+        """Best first over slots and their variants, by bound, until no bound left can change the answer.
+
+        `bounded` holds the slots by their bound. A slot taken from it is expanded into its variants
+        that may fit, each queued under its own bound (`_Pricer.variant_bound`, at least the slot's);
+        whichever is lower, the next slot's bound or the queue's first variant's, is taken next. A slot
+        or variant is dropped when its bound is at least what it must beat (`need_for_slot`,
+        `need_for_plan`, never above `need_s(layout=True, sharded=True)`, where the search stops). Every
+        plan not priced then has a bound (its own, or its slot's) at least that, so, the bounds being
+        lower bounds, it can enter neither the top k nor the ILPs' seeds: those are the exhaustive
+        search's. With no bound of its own a variant is queued under its slot's and comes straight
+        after it, as the variants of one slot came before."""
+        queue: list[tuple[float, int, Slot, Plan]] = []
+        next_slot = 0
+        while True:
+            slot_bound = bounded[next_slot][0] if next_slot < len(bounded) else float("inf")
+            if queue and queue[0][0] <= slot_bound:
+                bound, _, slot, plan = heapq.heappop(queue)
+                if bound >= self.need_s(layout=True, sharded=True):
+                    return
+                if bound < self.need_for_plan(plan):
+                    self.visit_variant(slot, plan, bound)
+                continue
+            if next_slot == len(bounded) or slot_bound >= self.need_s(layout=True, sharded=True):
+                return
+            slot = bounded[next_slot][2]
+            next_slot += 1
+            if slot_bound >= self.need_for_slot(slot):
+                continue
+            for plan, bound in self.expand(slot, slot_bound):
+                heapq.heappush(queue, (bound, self.num_queued, slot, plan))
+                self.num_queued += 1
+
+    def expand(self, slot: Slot, bound: float) -> list[tuple[Plan, float]]:
+        """The slot's variants that the memory bound lets through, each with its time bound."""
         memory = slot_memory(slot, self.pricer.slot_costs(slot), self.problem)
         variants = sharding_variants(slot, devices_per_node=self.problem.cluster.devices_per_node)
         precision = self.problem.job.precision
@@ -498,31 +597,38 @@ class _BranchAndBound:
         if leanest > self.limit_bytes and not self.options.exhaustive:
             self.pruned.append((leanest, slot))
             self.num_pruned += len(variants)
-            return
-        plain: dict[tuple[int, int, int], Candidate] = {}
+            return []
+        plans = []
         for shards, cache, shift in variants:
             if memory.lower_bound_bytes(shards, precision) > self.limit_bytes and not self.options.exhaustive:
                 self.num_pruned += 1
                 continue
-            base = plain.get(shards)
-            if base is not None and not self.options.exhaustive and self._cannot_help(base):
-                self.num_pruned += 1
-                continue
-            cand = self.pricer.price(slot.plan(shards=shards, cache=cache, commshift=shift))
-            if cache == "none" and not shift:
-                plain[shards] = cand
-            self.add(cand, bound)
+            plans.append(slot.plan(shards=shards, cache=cache, commshift=shift))
+        if self.options.exhaustive:
+            return [(plan, bound) for plan in plans]
+        return list(zip(plans, self.pricer.variant_bounds(plans, slot, bound)))
+
+    def visit_variant(self, slot: Slot, plan: Plan, bound: float) -> None:
+        shards = (plan.param_shard, plan.grad_shard, plan.optim_shard)
+        plain = plan.param_cache == "none" and not plan.commshift
+        base = None if plain else self.plain.get((slot, shards))
+        if base is not None and self._cannot_help(base):
+            self.num_pruned += 1
+            return
+        cand = self.pricer.price(plan, slot)
+        if plain:
+            self.plain[(slot, shards)] = cand
+        self.add(cand, bound)
 
     def _cannot_help(self, base: Candidate) -> bool:
         """Whether a MAZ3 tier or commshift on top of `base` (the same plan without them, priced first)
         can be skipped: neither changes compute, recomputation or the optimizer, so the critical rank's
-        sum of those bounds the variant from below, and it cannot enter a full top k it does not beat."""
+        sum of those bounds the variant from below, and the variant cannot change the answer if that sum
+        is at least what it must beat (the same as `base`'s: it has the same layout and sharding)."""
         est = base.estimate
-        if len(self.top_times) < self.options.top_k:
-            return False
         floor_s = est.breakdown.get("compute_s", 0.0) + est.breakdown.get("recompute_s", 0.0) + est.breakdown.get(
             "optimizer_s", 0.0)
-        return floor_s >= -self.top_times[0]
+        return floor_s >= self.need_for_plan(base.plan)
 
     def add(self, cand: Candidate, bound: float) -> None:
         est = cand.estimate
@@ -533,11 +639,21 @@ class _BranchAndBound:
             log.warning("step time %.6g s of %s is below its lower bound %.6g s", est.step_time_s,
                         cand.plan.describe(), bound)
         self.priced.append(cand)
-        if est.fits:
-            self.fitting.append(cand)
-            heapq.heappush(self.top_times, -est.step_time_s)
-            if len(self.top_times) > self.options.top_k:
-                heapq.heappop(self.top_times)
+        if not est.fits:
+            return
+        self.fitting.append(cand)
+        _push_best(self.top_times, est.step_time_s, keep=self.options.top_k)
+        plan = cand.plan
+        if _has_layout(plan.pp, plan.recompute):
+            _push_best(self.layout_times, est.step_time_s, keep=max(1, self.options.ilp_candidates))
+        if plan.param_shard > 1:
+            # The MAZ3 ILP's seeds are distinct bases (the plan without its tiers), each at its best time.
+            base = plan.replace(param_cache="none")
+            if est.step_time_s < self.base_best.get(base, float("inf")):
+                self.base_best[base] = est.step_time_s
+                keep = max(1, self.options.ilp_candidates)
+                self.base_times = [-t for t in heapq.nsmallest(keep, self.base_best.values())]
+                heapq.heapify(self.base_times)
 
     def nothing_fits_message(self) -> str:
         """Find the least peak memory any plan needs (pricing pruned slots in order of their bound

@@ -7,6 +7,7 @@ sharding group of `s` consecutive DP positions covers `s * tp` consecutive ranks
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from specs.hardware import Hardware
@@ -23,6 +24,13 @@ class Cluster:
             raise ValueError(f"num_nodes must be at least 1, got {self.num_nodes}")
         if self.devices_per_node < 1:
             raise ValueError(f"devices_per_node must be at least 1, got {self.devices_per_node}")
+
+    @functools.cached_property
+    def collective_memo(self) -> dict:
+        """The cost model's memo of collective times on this cluster (cost_models/estimate.py
+        `collective_time_s`): a Cluster and its Hardware are immutable, so a time once priced stays right.
+        Not a field: equality, JSON and `dataclasses.replace` do not see it."""
+        return {}
 
     @property
     def num_devices(self) -> int:

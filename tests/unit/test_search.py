@@ -45,7 +45,10 @@ def _unit(*key) -> float:
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
-def fake_cost_model(seed: int) -> CostModel:
+def fake_cost_model(seed: int, *, variant_bounds: bool = False) -> CostModel:
+    """The synthetic model; with `variant_bounds`, also a bound per plan between its pipeline's compute
+    critical path and its step time, of pseudo-random tightness, as the real model's
+    `step_time_lower_bound_s` (so the search's queue of variants is ordered by more than the slot's)."""
     def layer_costs(plan, *, model, cluster, job):
         base = 1e-3 * plan.micro_batch / plan.tp * (1 + _unit(seed, "t", plan.tp, plan.sequence_parallel, plan.micro_batch))
         act = 34.0 * job.seq_len * plan.micro_batch * model.hidden_size / plan.tp * (0.7 if plan.sequence_parallel else 1.0)
@@ -57,17 +60,30 @@ def fake_cost_model(seed: int) -> CostModel:
                               first_extra_bytes=model.embedding_params() / plan.tp * 16,
                               last_extra_bytes=model.head_params() / plan.tp * 16)
 
-    def estimate(plan, *, model, cluster, job):
-        costs = layer_costs(plan, model=model, cluster=cluster, job=job)
+    def critical_s(plan, costs, model):
         ranges = plan.chunk_layer_ranges(model.num_layers)
         chunk_t = [sum(costs.time_s[plan.layer_recompute(i)] for i in r) for r in ranges]
         chunk_t[0] += costs.first_extra_time_s
         chunk_t[-1] += costs.last_extra_time_s
         rank_t = [sum(chunk_t[r::plan.pp]) for r in range(plan.pp)]
-        critical = max(plan.num_micro_batches * rank_t[r] + sum(chunk_t[:r]) for r in range(plan.pp))
-        knobs = (plan.dp, plan.tp, plan.pp, plan.virtual_stages, plan.micro_batch, plan.schedule, plan.recompute,
-                 plan.sequence_parallel, plan.shard_degrees, plan.param_cache, plan.commshift)
-        step = critical * (1 + 0.4 * _unit(seed, "step", knobs))
+        return max(plan.num_micro_batches * rank_t[r] + sum(chunk_t[:r]) for r in range(plan.pp))
+
+    def knobs(plan):
+        return (plan.dp, plan.tp, plan.pp, plan.virtual_stages, plan.micro_batch, plan.schedule, plan.recompute,
+                plan.sequence_parallel, plan.shard_degrees, plan.param_cache, plan.commshift)
+
+    def lower_bounds(plans, *, model, cluster, job):
+        out = []
+        for plan in plans:
+            critical = critical_s(plan, layer_costs(plan, model=model, cluster=cluster, job=job), model)
+            out.append(critical * (1 + 0.4 * _unit(seed, "step", knobs(plan)) * _unit(seed, "bound", knobs(plan))))
+        return out
+
+    def estimate(plan, *, model, cluster, job):
+        costs = layer_costs(plan, model=model, cluster=cluster, job=job)
+        ranges = plan.chunk_layer_ranges(model.num_layers)
+        critical = critical_s(plan, costs, model)
+        step = critical * (1 + 0.4 * _unit(seed, "step", knobs(plan)))
         live = rank_in_flight(plan.schedule, plan.pp, plan.virtual_stages, plan.num_micro_batches)
         peak = 0.0
         for r in range(plan.pp):
@@ -76,13 +92,14 @@ def fake_cost_model(seed: int) -> CostModel:
             act = live[r] * max(sum(costs.activation_bytes[plan.layer_recompute(i)] for i in ranges[c]) for c in chunks)
             ends = (costs.first_extra_bytes if 0 in chunks else 0) + (costs.last_extra_bytes if plan.num_chunks - 1 in chunks else 0)
             peak = max(peak, len(layers) * costs.state_bytes + act + ends)
-        peak *= 1 + 0.2 * _unit(seed, "mem", knobs)
+        peak *= 1 + 0.2 * _unit(seed, "mem", knobs(plan))
         tokens = job.global_batch * job.seq_len
         return Estimate(step_time_s=step, tokens_per_s=tokens / step, mfu=0.5, tflops_per_gpu=1.0,
                         peak_memory_bytes=int(peak), memory_limit_bytes=cluster.hardware.memory_bytes,
                         breakdown={"compute_s": critical, "other_s": step - critical})
 
-    return CostModel(estimate=estimate, layer_costs=layer_costs)
+    return CostModel(estimate=estimate, layer_costs=layer_costs,
+                     step_time_lower_bounds=lower_bounds if variant_bounds else None)
 
 
 def small_problem(*, num_devices: int = 8, per_node: int = 4, memory_bytes: int = 64 * GIB,
@@ -103,10 +120,11 @@ def brute_force(problem: Problem, cost: CostModel):
     return search(problem, options=SearchOptions(exhaustive=True, use_ilp=False, top_k=1), cost=cost)
 
 
+@pytest.mark.parametrize("variant_bounds", [False, True])
 @pytest.mark.parametrize("seed,devices,per_node,batch,layers", [
     (0, 8, 4, 16, 8), (1, 8, 8, 16, 8), (2, 4, 4, 8, 8), (3, 8, 2, 32, 8), (4, 16, 8, 16, 8), (5, 8, 4, 24, 6)])
-def test_search_matches_brute_force(seed, devices, per_node, batch, layers):
-    cost = fake_cost_model(seed)
+def test_search_matches_brute_force(seed, devices, per_node, batch, layers, variant_bounds):
+    cost = fake_cost_model(seed, variant_bounds=variant_bounds)
     base = small_problem(num_devices=devices, per_node=per_node, global_batch=batch, layers=layers)
     everything = brute_force(base, cost)
     # A memory limit that a good share of the plans exceed, so the memory bound has work to do.
