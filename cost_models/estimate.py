@@ -337,7 +337,9 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
     attn = layer_costs(plan, model=moe_cost.attention_view(model, tp=plan.tp), cluster=cluster, job=job, engine=engine)
     hw, p = cluster.hardware, activation_bytes_per_element(job.precision)
     tokens = plan.micro_batch * job.seq_len // plan.cp // (plan.tp if plan.sequence_parallel else 1)
-    imbalance = hw.calibration.get("moe_imbalance", 1.0)  # max / mean rows per expert (cost_models/moe.py)
+    # max / mean rows of the busiest EP rank: measured (a calibration's moe_imbalance) or expected from
+    # how the model balances its router (cost_models/moe.py)
+    imbalance = hw.calibration.get("moe_imbalance", moe_cost.expected_imbalance(model, tokens=tokens, ep=plan.ep))
     times = moe_cost.moe_compute_times(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp, tp=plan.tp,
                                        imbalance=imbalance, dtype="bf16" if job.precision == "fp8" else job.precision)
     elementwise = moe_cost.permutation_times_s(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp, imbalance=imbalance,
@@ -348,7 +350,7 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
     eng = engine_model(engine)
     a2a_s = moe_cost.all_to_all_time_s(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp,
                                        ranks_per_node=cluster.devices_per_node, precision=job.precision,
-                                       dispatcher=eng.moe_dispatcher)
+                                       dispatcher=eng.moe_dispatcher) * imbalance  # the busiest rank's rows
     # Expert TP: the etp ranks of an expert gather its rows before and reduce-scatter its outputs after.
     etp_s = 2 * collective_time_s(cluster, collective="all_gather", size_bytes=buffer * plan.etp, group_size=plan.etp,
                                   stride=1)

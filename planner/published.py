@@ -163,7 +163,8 @@ def _model(row: dict) -> ModelSpec:
     if num_experts and row.get("model_name") in MOE_PRESET_OF:
         preset = PRESETS[MOE_PRESET_OF[row["model_name"]]]
         # The source trained at its seq_len (Qwen3 with YaRN rope scaling past its 40,960 positions).
-        return dataclasses.replace(preset, max_seq_len=max(preset.max_seq_len, _int(row, "seq_len")))
+        return dataclasses.replace(preset, max_seq_len=max(preset.max_seq_len, _int(row, "seq_len")),
+                                   load_balancing=_load_balancing(row, preset.load_balancing))
     # An MoE model outside the presets: a llama block (SwiGLU experts) with the CSV's expert columns.
     arch = "llama" if num_experts else row["arch"] if row["arch"] in ("llama", "gpt2") else "gpt2"
     hidden, heads = _int(row, "hidden_size"), _int(row, "num_heads")
@@ -171,12 +172,22 @@ def _model(row: dict) -> ModelSpec:
     expert_ffn = _int(row, "moe_ffn_hidden_size", 0) if num_experts else 0
     ffn = _int(row, "ffn_hidden_size", expert_ffn or 4 * hidden)
     moe = dict(num_experts=num_experts, num_experts_per_token=_int(row, "top_k"), expert_ffn_hidden_size=expert_ffn,
-               shared_expert_ffn_hidden_size=_int(row, "shared_experts", 0) * expert_ffn) if num_experts else {}
+               shared_expert_ffn_hidden_size=_int(row, "shared_experts", 0) * expert_ffn,
+               load_balancing=_load_balancing(row, "aux_loss")) if num_experts else {}
     # head_dim: a width the source's config sets apart from hidden / heads (GPT-OSS: 64 x 64 heads on 2880).
     return ModelSpec(name=row["model_name"], arch=arch, num_layers=_int(row, "num_layers"), hidden_size=hidden,
                      num_heads=heads, num_kv_heads=_int(row, "num_kv_heads", heads), ffn_hidden_size=ffn,
                      vocab_size=_int(row, "vocab_size", 50257), max_seq_len=max(seq, 2048),
                      tied_embeddings=arch == "gpt2", attention_head_dim=_int(row, "head_dim", 0), **moe)
+
+
+def _load_balancing(row: dict, trained: str) -> str:
+    """The routing a run's expert loads follow (ModelSpec.load_balancing): "forced" where the source says it
+    forced the balance (NeMo's and Megatron-Bridge's footnote, the zoo's --moe-router-force-load-balancing)
+    or does not say, the model's own trained router (`trained`) only where it says dropless and nothing
+    more, so an unstated run keeps the balanced price rather than a guessed imbalance."""
+    routing = (row.get("capacity_factor_or_dropless") or "").strip().lower()
+    return trained if routing.startswith("dropless") and "force" not in routing else "forced"
 
 
 def _cluster(row: dict, hardware=None) -> Cluster:

@@ -1,10 +1,13 @@
 """cost_models/moe.py against hand-computed values (Mixtral-8x7B and the tiny MoE model)."""
 
+import dataclasses
+import math
+
 import pytest
 
 from cost_models.compute import Gemm, gemm_time_s
-from cost_models.moe import (all_to_all_bytes, all_to_alls_per_layer, expert_params_per_device, expert_state_bytes,
-                             moe_activation_bytes, moe_compute_times, moe_gemms, rows_per_expert)
+from cost_models.moe import (all_to_all_bytes, all_to_alls_per_layer, expected_imbalance, expert_params_per_device,
+                             expert_state_bytes, moe_activation_bytes, moe_compute_times, moe_gemms, rows_per_expert)
 from specs.hardware import PRESETS as HARDWARE_PRESETS
 from specs.model import PRESETS
 
@@ -17,6 +20,32 @@ def test_rows_per_expert():
     assert rows_per_expert(MIXTRAL, tokens=4096, ep=8) == 8192
     assert rows_per_expert(MIXTRAL, tokens=4096, ep=8, etp=2, imbalance=1.25) == 2 * 8192 * 1.25
     assert rows_per_expert(MIXTRAL, tokens=4096, ep=1) == 1024
+
+
+def test_expected_imbalance_by_hand():
+    qwen = PRESETS["qwen3-235b-a22b"]  # 128 experts, top-8, a balancing loss
+    # ep 8, 4096 tokens a rank: 16 experts a rank. Sampling: 8 x (1/8)(7/8)(120/127) = 0.82677 per token,
+    # sqrt(8 x 4096 x 0.82677) / (4096 x 8) = 0.0050231. Preference: 0.52 / sqrt(2 ln 128) / sqrt(16)
+    # = 0.041733. Busiest of 8: 1 + sqrt(2 ln 8) x hypot(0.0050231, 0.041733) = 1 + 2.03933 x 0.042034.
+    assert expected_imbalance(qwen, tokens=4096, ep=8) == pytest.approx(1.085721, abs=2e-6)
+    # Mixtral-8x7B at ep 8 holds one expert a rank: the busiest rank is the busiest expert, so the
+    # preference term alone is the measured MaxVio, 0.52 (plus sampling: sqrt(8 x 4096 x 0.1875) / 8192).
+    sampling = math.sqrt(8 * 4096 * 2 * (1 / 8) * (7 / 8) * (6 / 7)) / 8192
+    expected = 1 + math.sqrt(2 * math.log(8)) * math.hypot(sampling, 0.52 / math.sqrt(2 * math.log(8)))
+    assert expected_imbalance(MIXTRAL, tokens=4096, ep=8) == pytest.approx(expected) == pytest.approx(1.52037, abs=1e-5)
+
+
+def test_expected_imbalance_limits():
+    qwen = PRESETS["qwen3-235b-a22b"]
+    assert expected_imbalance(qwen, tokens=4096, ep=1) == 1.0  # no other rank to wait for
+    assert expected_imbalance(dataclasses.replace(qwen, load_balancing="forced"), tokens=4096, ep=8) == 1.0
+    # DeepSeek-V3's bias-adjusted routing: MaxVio 0.04, 4 experts a rank at ep 64.
+    free = expected_imbalance(PRESETS["deepseek-v3"], tokens=4096, ep=64)
+    assert 1.0 < free < 1.03
+    # A capacity factor drops what exceeds it, so it caps the busiest rank.
+    assert expected_imbalance(dataclasses.replace(MIXTRAL, capacity_factor=1.25), tokens=4096, ep=8) == 1.25
+    # More experts a rank average out their preferences: ep 32 (4 a rank) waits longer than ep 8 (16).
+    assert expected_imbalance(qwen, tokens=4096, ep=32) > expected_imbalance(qwen, tokens=4096, ep=8)
 
 
 def test_expert_gemms_at_their_real_shapes():

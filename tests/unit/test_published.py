@@ -323,3 +323,19 @@ def test_moe_rows_are_priced_with_their_dispatcher_and_overlap():
     assert len(overlap) == 1 and overlap[0].priced_engine.moe_a2a_overlap
     assert overlap[0].priced_engine.moe_dispatcher == "deepep"
     assert all(r.source_id != "nemo_automodel_perf" for r in runs)  # use=no: its engine has no pricing
+
+
+def test_moe_rows_price_imbalance_only_where_the_source_says_dropless():
+    moe_csv = Path(DEFAULT_CSV).with_name("moe_runs.csv")
+    runs, _ = load_published(moe_csv)
+    balancing = {r.model.load_balancing for r in runs if r.model.is_moe}
+    # The zoo's dropless rows route with Qwen3's own balancing loss; NeMo's and Megatron-Bridge's forced
+    # ones, and the zoo's table that does not say, are priced exactly balanced.
+    assert balancing == {"aux_loss", "forced"}
+    pairs = {}
+    for r in runs:
+        if r.source_id == "mcore_moe_modelzoo_qwen3" and r.job.seq_len >= 16384:
+            pairs.setdefault(r.job.seq_len, {})[r.model.load_balancing] = price(r)
+    assert len(pairs) == 4
+    for seq_len, pair in pairs.items():
+        assert pair["aux_loss"] > pair["forced"], seq_len
