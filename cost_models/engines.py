@@ -60,7 +60,14 @@ class EngineModel:
     # Megatron-Core's EP communication overlap (--overlap-moe-expert-parallel-comm, the combined 1F1B
     # schedule): one micro-batch's dispatch and combine run beside another's forward or backward compute.
     moe_a2a_overlap: bool = False
+    # What the selective policy recomputes (Megatron-Core --recompute-modules under --recompute-granularity
+    # selective; transformer_config.py): "core_attn" (its default, and every other engine's selective),
+    # "layernorm" (the input and pre-MLP norms), "moe_act" (the experts' SwiGLU) and "moe" (the whole MoE
+    # layer, its dispatch and combine included: moe_layer.py checkpoints router to combine).
+    recompute_modules: tuple[str, ...] = ("core_attn",)
 
+
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe_act", "moe")
 
 ENGINES: dict[str, EngineModel] = {e.name: e for e in (
     EngineModel("ours", "this project's engine (runners/): eager PyTorch, SDPA attention, bf16 reduction",

@@ -369,6 +369,10 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
              "forward_time_s": {pol: times.forward_s + comm["none"] / 2 for pol in POLICIES},
              "recompute_time_s": {"none": 0.0, "selective": 0.0, "full": times.forward_s},
              "tp_comm_s": comm, "activation_bytes": {"none": act, "selective": act, "full": 0.0}}
+    if eng.recompute_modules != ("core_attn",):
+        dense, attn, extra = _named_module_recompute(eng.recompute_modules, dense=dense, attn=attn, extra=extra,
+                                                     moe=times, comm=comm, act_bytes=act, model=model, hw=hw,
+                                                     tokens=tokens, imbalance=imbalance, plan=plan, precision=job.precision)
     phi = moe_cost.moe_fraction(model)
 
     def mix(name: str) -> dict[str, float]:
@@ -377,6 +381,50 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
 
     return dataclasses.replace(dense, state_bytes=state, **{name: mix(name) for name in (
         "time_s", "activation_bytes", "forward_time_s", "tp_comm_s", "cp_comm_s", "recompute_time_s")})
+
+
+def _named_module_recompute(modules, *, dense, attn, extra, moe, comm, act_bytes, model, hw, tokens, imbalance, plan,
+                            precision):
+    """The selective policy as Megatron-Core runs --recompute-modules: the attention core only where named
+    ("core_attn"); "layernorm" reruns a layer's two RMSNorms in backward (one read and one write of its
+    tokens x h each, bandwidth-bound) and keeps neither output; "moe_act" reruns the experts' SwiGLU (two
+    rows x F read, one written) and keeps not its product; "moe" reruns the whole MoE layer's forward, its
+    dispatch and combine with it (the forward pair again, as under full recomputation), and keeps none of
+    its activations. Returns (dense, attn, extra) with their selective entries rebuilt."""
+    p, h = activation_bytes_per_element(precision), model.hidden_size
+    norm_s = memory_time_s(hw, 2 * 2 * p * tokens * h, num_kernels=2) if "layernorm" in modules else 0.0
+    norm_bytes = 2 * p * tokens * h if "layernorm" in modules else 0.0
+    core = "core_attn" in modules
+    dense, attn = (_recompute_selective(c, core=core, time_s=norm_s, comm_s=0.0, saved_bytes=norm_bytes)
+                   for c in (dense, attn))
+    if "moe" in modules:
+        moe_s, moe_comm_s, moe_bytes = moe.forward_s, comm["full"] - comm["none"], act_bytes
+    elif "moe_act" in modules:
+        rows = moe_cost.rows_per_expert(model, tokens=tokens, ep=plan.ep, etp=plan.etp, imbalance=imbalance) \
+            * model.num_experts / plan.ep
+        f = model.expert_ffn_hidden_size / plan.etp
+        moe_s, moe_comm_s, moe_bytes = memory_time_s(hw, 3 * p * rows * f, num_kernels=1), 0.0, p * rows * f
+    else:
+        moe_s = moe_comm_s = moe_bytes = 0.0
+    extra = {**extra, **{name: {**values, "selective": values["none"] + add} for name, values, add in (
+        (name, extra[name], add) for name, add in (("time_s", moe_s + moe_comm_s), ("recompute_time_s", moe_s),
+                                                   ("tp_comm_s", moe_comm_s), ("activation_bytes", -moe_bytes)))}}
+    return dense, attn, extra
+
+
+def _recompute_selective(costs, *, core: bool, time_s: float, comm_s: float, saved_bytes: float):
+    """`costs` with its selective policy recomputing the attention core only where `core`, plus `time_s`
+    of other recomputed forward (with `comm_s` of its communication) and `saved_bytes` fewer kept."""
+    base = "selective" if core else "none"
+
+    def rebuilt(name: str, add: float) -> dict[str, float]:
+        values = getattr(costs, name)
+        return {**values, "selective": max(0.0, values[base] + add)}
+
+    return dataclasses.replace(costs, time_s=rebuilt("time_s", time_s + comm_s),
+                               recompute_time_s=rebuilt("recompute_time_s", time_s),
+                               tp_comm_s=rebuilt("tp_comm_s", comm_s), cp_comm_s=rebuilt("cp_comm_s", 0.0),
+                               activation_bytes=rebuilt("activation_bytes", -saved_bytes))
 
 
 def _hidden_ep_comm(comm: dict[str, float], *, layer_compute_s: float, cluster, efficiency: float) -> dict[str, float]:

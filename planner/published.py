@@ -40,7 +40,7 @@ from specs.hardware import PRESETS as HARDWARE, LinkSpec
 from specs.job import Job
 from specs.model import PRESETS, ModelSpec
 from specs.plan import Plan, check_plan, zero_degrees
-from cost_models.engines import ENGINES, EngineModel
+from cost_models.engines import ENGINES, RECOMPUTE_MODULES, EngineModel
 from cost_models.moe import DISPATCHERS
 
 PUBLISHED_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "published"
@@ -89,13 +89,17 @@ class PublishedRun:
     # moe_a2a_overlap; empty: the engine's own, cost_models/engines.py).
     moe_dispatcher: str = ""
     moe_a2a_overlap: bool | None = None
+    # The modules Megatron-Core's selective recomputation repeats where the source names them (the CSV's
+    # recompute "partial:..."; empty: the engine's own, the attention core).
+    recompute_modules: tuple[str, ...] = ()
 
     @property
     def priced_engine(self) -> str | EngineModel:
         """The engine as this run ran it: its name, or a variant with the run's attention kernel and MoE
         dispatch."""
         changes = {k: v for k, v in (("attention", self.attention_kernel), ("moe_dispatcher", self.moe_dispatcher),
-                                     ("moe_a2a_overlap", self.moe_a2a_overlap)) if v not in ("", None)}
+                                     ("moe_a2a_overlap", self.moe_a2a_overlap),
+                                     ("recompute_modules", self.recompute_modules)) if v not in ("", None, ())}
         return dataclasses.replace(ENGINES[self.engine], **changes) if changes else self.engine
 
 
@@ -181,6 +185,23 @@ def _model(row: dict) -> ModelSpec:
                      tied_embeddings=arch == "gpt2", attention_head_dim=_int(row, "head_dim", 0), **moe)
 
 
+# The zoo's shorthand in its recompute column ("norm, act") for Megatron-Core's module names.
+MODULE_ALIASES = {"norm": "layernorm", "act": "moe_act"}
+
+
+def _recompute_modules(row: dict) -> tuple[str, ...]:
+    """The modules of a "partial:a, b" recompute cell (Megatron-Core --recompute-modules), in a fixed order;
+    () for any other cell."""
+    cell = (row.get("recompute") or "").strip().lower()
+    if not cell.startswith("partial:"):
+        return ()
+    names = {MODULE_ALIASES.get(n.strip(), n.strip()) for n in cell.split(":", 1)[1].split(",") if n.strip()}
+    unknown = sorted(names - set(RECOMPUTE_MODULES))
+    if unknown:
+        raise PlannerError(f"recompute module {unknown[0]!r} is not priced; priced: {', '.join(RECOMPUTE_MODULES)}")
+    return tuple(m for m in RECOMPUTE_MODULES if m in names)
+
+
 def _load_balancing(row: dict, trained: str) -> str:
     """The routing a run's expert loads follow (ModelSpec.load_balancing): "forced" where the source says it
     forced the balance (NeMo's and Megatron-Bridge's footnote, the zoo's --moe-router-force-load-balancing)
@@ -254,8 +275,8 @@ def _plan(row: dict, engine: str) -> Plan:
     sp = row.get("sequence_parallel", "").strip().lower()
     sequence_parallel = tp > 1 and (sp == "true" or (sp == "" and engine == "megatron"))
     recompute = (row.get("recompute") or "").strip().lower() or "none"
-    # Megatron-Core's partial recomputation of cheap modules (--recompute-modules layernorm moe_act): priced
-    # as the cheap policy, selective.
+    # Megatron-Core's recomputation of named modules (--recompute-modules layernorm moe_act): the selective
+    # policy, with the modules the engine variant carries (`_recompute_modules`).
     recompute = "selective" if recompute.startswith("partial") else recompute
     recompute = recompute if recompute in ("none", "selective", "full") else "full"
     s_p, s_g, s_os = _shards(row.get("sharding", ""), dp * cp, engine)
@@ -341,7 +362,8 @@ def _run(row: dict, *, hardware=None) -> PublishedRun:
                         cluster=cluster, job=job, plan=plan, engine=engine, measured_step_time_s=measured,
                         measured_peak_memory_bytes=float(peak) * 1024**3 if peak else None,
                         attention_kernel=kernel, moe_dispatcher=dispatcher,
-                        moe_a2a_overlap=None if not overlap else overlap == "true")
+                        moe_a2a_overlap=None if not overlap else overlap == "true",
+                        recompute_modules=_recompute_modules(row))
 
 
 def load_published(path: str | Path = DEFAULT_CSV, *, hardware=None,

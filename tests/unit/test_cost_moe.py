@@ -220,3 +220,56 @@ def test_dispatcher_and_ep_overlap_change_the_cross_node_step():
     times = {name: estimate(plan, model=model, cluster=cluster, job=job, engine=dataclasses.replace(ENGINES["megatron"], **kw)).step_time_s
              for name, kw in (("a2a", {}), ("deepep", {"moe_dispatcher": "deepep"}), ("overlap", {"moe_a2a_overlap": True}))}
     assert times["deepep"] < times["a2a"] and times["overlap"] < times["a2a"]
+
+
+def _named_recompute_costs(modules):
+    from cost_models.engines import ENGINES
+    from cost_models.estimate import layer_costs
+    from specs.plan import Plan
+
+    qwen = dataclasses.replace(PRESETS["qwen3-30b-a3b"], load_balancing="forced")  # every layer MoE
+    problem = _problem(qwen, devices=8, global_batch=8, seq_len=4096, hardware="h100", precision="bf16")
+    engine = dataclasses.replace(ENGINES["megatron"], recompute_modules=modules)
+    plan = Plan(dp=8, ep=8, micro_batch=1, num_micro_batches=1, recompute="selective")
+    return qwen, problem, layer_costs(plan, model=qwen, cluster=problem.cluster, job=problem.job, engine=engine)
+
+
+def test_layernorm_recompute_reruns_the_two_norms_and_not_the_core():
+    from cost_models.compute import memory_time_s
+
+    _, problem, default = _named_recompute_costs(("core_attn",))
+    _, _, norms = _named_recompute_costs(("layernorm",))
+    # 4096 tokens x 2048 wide in bf16: each norm reads and writes them once, two kernels.
+    norm_s = memory_time_s(problem.cluster.hardware, 2 * 2 * 2 * 4096 * 2048, num_kernels=2)
+    assert norms.recompute_time_s["selective"] == pytest.approx(norm_s, rel=1e-9)
+    assert norms.time_s["selective"] == pytest.approx(default.time_s["none"] + norm_s, rel=1e-9)
+    # Neither norm output is kept: 2 x 4096 x 2048 x 2 bytes fewer than without recomputation.
+    assert default.activation_bytes["none"] - norms.activation_bytes["selective"] == pytest.approx(2 * 2 * 4096 * 2048)
+
+
+def test_moe_recompute_reruns_the_moe_layer_with_its_dispatch():
+    from cost_models.moe import moe_activation_bytes, permutation_times_s
+
+    qwen, problem, default = _named_recompute_costs(("core_attn",))
+    _, _, moe = _named_recompute_costs(("moe",))
+    hw = problem.cluster.hardware
+    # The MoE layer's forward on one rank: 4096 tokens a rank, ep 8, balanced.
+    forward_s = (moe_compute_times(qwen, hw, tokens=4096, ep=8, dtype="bf16").forward_s
+                 + permutation_times_s(qwen, hw, tokens=4096, ep=8, precision="bf16").forward_s)
+    assert moe.recompute_time_s["selective"] == pytest.approx(forward_s, rel=1e-9)
+    # Its dispatch and combine run again: the selective policy's communication is full recomputation's.
+    assert moe.tp_comm_s["selective"] == pytest.approx(default.tp_comm_s["full"], rel=1e-9)
+    kept = moe_activation_bytes(qwen, tokens=4096, ep=8, precision="bf16")
+    assert default.activation_bytes["none"] - moe.activation_bytes["selective"] == pytest.approx(kept, rel=1e-9)
+
+
+def test_moe_act_recompute_reruns_the_swiglu():
+    from cost_models.compute import memory_time_s
+
+    _, problem, default = _named_recompute_costs(("core_attn",))
+    _, _, act = _named_recompute_costs(("moe_act",))
+    # 4096 x 8 rows of width 768 on the rank's 16 experts: two read and one written, bf16.
+    rows, width = 4096 * 8, 768
+    assert act.recompute_time_s["selective"] == pytest.approx(
+        memory_time_s(problem.cluster.hardware, 3 * 2 * rows * width, num_kernels=1), rel=1e-9)
+    assert default.activation_bytes["none"] - act.activation_bytes["selective"] == pytest.approx(2 * rows * width)

@@ -339,3 +339,14 @@ def test_moe_rows_price_imbalance_only_where_the_source_says_dropless():
     assert len(pairs) == 4
     for seq_len, pair in pairs.items():
         assert pair["aux_loss"] > pair["forced"], seq_len
+
+
+def test_named_recompute_modules_reach_the_priced_engine():
+    moe_csv = Path(DEFAULT_CSV).with_name("moe_runs.csv")
+    runs, _ = load_published(moe_csv)
+    modules = {r.recompute_modules for r in runs}
+    # GPT-OSS's recipe (layernorm, moe_act), the zoo's "norm, act" shorthand for the same, and its
+    # long-context command's layernorm moe; rows without a partial cell keep the engine's attention core.
+    assert modules == {(), ("layernorm", "moe_act"), ("layernorm", "moe")}
+    named = next(r for r in runs if r.recompute_modules == ("layernorm", "moe"))
+    assert named.priced_engine.recompute_modules == ("layernorm", "moe") and named.plan.recompute == "selective"
