@@ -356,9 +356,11 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
                                   stride=1)
     comm = {pol: moe_cost.all_to_alls_per_layer(pol) / 2 * (2 * a2a_s + etp_s) for pol in POLICIES}
     if eng.moe_a2a_overlap:
-        comm = _hidden_ep_comm(comm, layer_compute_s=attn.time_s["none"] - attn.tp_comm_s["none"]
-                               + times.forward_s + times.backward_s, cluster=cluster,
-                               efficiency=0.5 * (attn.overlap_efficiency_forward + attn.overlap_efficiency_backward))
+        hidden = _hidden_ep_comm(comm, layer_compute_s=attn.time_s["none"] - attn.tp_comm_s["none"]
+                                 + times.forward_s + times.backward_s, cluster=cluster,
+                                 efficiency=0.5 * (attn.overlap_efficiency_forward + attn.overlap_efficiency_backward))
+        steady = paired_share(plan)
+        comm = {pol: c - steady * (c - hidden[pol]) for pol, c in comm.items()}
     act = moe_cost.moe_activation_bytes(model, tokens=tokens, ep=plan.ep, etp=plan.etp, imbalance=imbalance,
                                         precision=job.precision)
     state = model_state_bytes(moe_cost.nonexpert_layer_params_per_device(model, tp=plan.tp), precision=job.precision,
@@ -425,6 +427,21 @@ def _recompute_selective(costs, *, core: bool, time_s: float, comm_s: float, sav
                                recompute_time_s=rebuilt("recompute_time_s", time_s),
                                tp_comm_s=rebuilt("tp_comm_s", comm_s), cp_comm_s=rebuilt("cp_comm_s", 0.0),
                                activation_bytes=rebuilt("activation_bytes", -saved_bytes))
+
+
+def paired_share(plan) -> float:
+    """Share of a rank's chunk passes that the combined 1F1B schedule pairs, one micro-batch's forward with
+    another's backward, averaged over the pipeline's ranks: the warm-up forwards and the cool-down
+    backwards run alone (rank r of pp warms up pp - 1 - r chunks under 1F1B, 2 (pp - 1 - r) + (v - 1) pp
+    interleaved: Megatron-Core's schedules.py), and without a pipeline the first forward and the last
+    backward (pp - 1 - r at least 1). The EP overlap hides a pass's dispatch and combine only when paired."""
+    pp, v, m = plan.pp, plan.virtual_stages, plan.num_micro_batches
+    if v > 1:
+        warmup = [2 * (pp - 1 - r) + (v - 1) * pp for r in range(pp)]
+    else:
+        warmup = [pp - 1 - r for r in range(pp)]
+    passes = m * v
+    return sum(max(0.0, passes - min(passes, max(1, w))) for w in warmup) / (pp * passes)
 
 
 def _hidden_ep_comm(comm: dict[str, float], *, layer_compute_s: float, cluster, efficiency: float) -> dict[str, float]:

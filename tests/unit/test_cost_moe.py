@@ -273,3 +273,17 @@ def test_moe_act_recompute_reruns_the_swiglu():
     assert act.recompute_time_s["selective"] == pytest.approx(
         memory_time_s(problem.cluster.hardware, 3 * 2 * rows * width, num_kernels=1), rel=1e-9)
     assert default.activation_bytes["none"] - act.activation_bytes["selective"] == pytest.approx(2 * rows * width)
+
+
+def test_ep_overlap_pairs_only_the_steady_passes():
+    from cost_models.estimate import paired_share
+    from specs.plan import Plan
+
+    # Interleaved pp 8 x v 4, 128 micro-batches: rank r warms up 2 (7 - r) + 24 chunks, 38 .. 24, 248 in
+    # all of the 8 x 512 passes.
+    plan = Plan(dp=16, tp=2, pp=8, virtual_stages=4, micro_batch=1, num_micro_batches=128, schedule="interleaved-1f1b")
+    assert paired_share(plan) == pytest.approx((8 * 512 - 248) / (8 * 512))
+    # No pipeline: the first forward and the last backward of 4 micro-batches run alone.
+    assert paired_share(Plan(dp=8, micro_batch=1, num_micro_batches=4)) == pytest.approx(3 / 4)
+    # 1F1B over pp 4, 8 micro-batches: warm-ups 3, 2, 1 and (at least) 1.
+    assert paired_share(Plan(dp=8, pp=4, micro_batch=1, num_micro_batches=8)) == pytest.approx((32 - 7) / 32)
