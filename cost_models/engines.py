@@ -65,6 +65,10 @@ class EngineModel:
     # "layernorm" (the input and pre-MLP norms), "moe_act" (the experts' SwiGLU) and "moe" (the whole MoE
     # layer, its dispatch and combine included: moe_layer.py checkpoints router to combine).
     recompute_modules: tuple[str, ...] = ("core_attn",)
+    # Context parallelism in an MoE model: Megatron-Core folds CP into the attention side and the MoE layers
+    # route each CP rank's tokens (parallel folding); this project's engine refuses cp > 1 with MoE layers,
+    # and the others are not modelled running MoE with CP.
+    moe_context_parallel: bool = False
 
 
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe_act", "moe")
@@ -76,7 +80,7 @@ ENGINES: dict[str, EngineModel] = {e.name: e for e in (
     EngineModel("megatron", "Megatron-LM / NeMo with Transformer Engine (2024+): fused kernels, cuDNN fused "
                 "attention, TP communication overlap, distributed optimizer with fp32 main gradients",
                 attention="flash3", fused_elementwise=True, tp_comm_hidden=0.8, reduce_fp32=True,
-                main_grads_fp32=True, reduce_scatter_once=True),
+                main_grads_fp32=True, reduce_scatter_once=True, moe_context_parallel=True),
     EngineModel("megatron-sc21", "Megatron-LM of Narayanan et al., SC21 (2021): fused kernels, attention "
                 "scores materialised, no TP overlap, fp32 main gradients all-reduced after the pipeline schedule",
                 attention="materialized", fused_elementwise=True, tp_comm_hidden=0.0, reduce_fp32=True,

@@ -54,6 +54,9 @@ class CostModel:
     # `cache_cost_inputs(plan, *, model, cluster, job) -> CacheCostInputs` for the MAZ3 tier ILP; None
     # skips that refinement (synthetic cost models).
     cache_cost_inputs: Callable[..., object] | None = None
+    # The engine runs context parallelism with MoE layers (EngineModel.moe_context_parallel): the search
+    # then tries cp > 1 for MoE models.
+    moe_context_parallel: bool = False
 
 
 def default_cost_model(engine: str = "ours") -> CostModel:
@@ -61,10 +64,11 @@ def default_cost_model(engine: str = "ours") -> CostModel:
     from cost_models import estimate as est
     from cost_models.engines import engine_model
 
-    engine_model(engine)  # an unknown engine is refused here, before any plan is priced
+    eng = engine_model(engine)  # an unknown engine is refused here, before any plan is priced
     return CostModel(estimate=functools.partial(est.estimate, engine=engine),
                      layer_costs=functools.partial(est.layer_costs, engine=engine),
-                     cache_cost_inputs=functools.partial(est.cache_cost_inputs, engine=engine))
+                     cache_cost_inputs=functools.partial(est.cache_cost_inputs, engine=engine),
+                     moe_context_parallel=eng.moe_context_parallel)
 
 
 @dataclass(frozen=True)
@@ -211,7 +215,7 @@ def context_options(problem: Problem, *, min_tokens_per_rank: int = 4096) -> lis
     return out
 
 
-def enumerate_slots(problem: Problem, options: SearchOptions) -> Iterator[Slot]:
+def enumerate_slots(problem: Problem, options: SearchOptions, *, moe_context_parallel: bool = False) -> Iterator[Slot]:
     model, job = problem.model, problem.job
     layouts = [(dp, 1, tp, pp, "ring") for dp, tp, pp in degree_options(problem)]
     layouts += context_options(problem, min_tokens_per_rank=options.min_tokens_per_cp_rank)
@@ -226,19 +230,22 @@ def enumerate_slots(problem: Problem, options: SearchOptions) -> Iterator[Slot]:
                                                 max_v=options.max_virtual_stages):
                 for rc in options.recompute:
                     for sp in ((False, True) if tp > 1 and local_seq % tp == 0 else (False,)):
-                        for ep in expert_options(problem, dp=dp, cp=cp, tp=tp, sequence_parallel=sp):
+                        for ep in expert_options(problem, dp=dp, cp=cp, tp=tp, sequence_parallel=sp,
+                                                 context_parallel=moe_context_parallel):
                             yield Slot(dp, tp, pp, v, schedule, mb, m, rc, sp, cp, kind, ep)
 
 
-def expert_options(problem: Problem, *, dp: int, cp: int, tp: int, sequence_parallel: bool) -> list[int]:
+def expert_options(problem: Problem, *, dp: int, cp: int, tp: int, sequence_parallel: bool,
+                   context_parallel: bool = False) -> list[int]:
     """The ep degrees worth pricing for one layout: [1] for a dense model; for an MoE model every ep that
     divides the experts and folds over the tp x cp x dp ranks of a stage (specs/plan.py), where the engine
-    runs it: no CP, TP only with sequence parallelism (each TP rank routes its own tokens) and not with a
-    capacity factor (the engine drops per whole sequence). etp is 1: the engine does not split experts."""
+    runs it: CP only where `context_parallel` (Megatron-Core; this project's engine has none with MoE), TP
+    only with sequence parallelism (each TP rank routes its own tokens) and not with a capacity factor (the
+    engine drops per whole sequence). etp is 1: the engine does not split experts."""
     model = problem.model
     if not model.is_moe:
         return [1]
-    if cp > 1 or (tp > 1 and (not sequence_parallel or model.capacity_factor > 0)):
+    if (cp > 1 and not context_parallel) or (tp > 1 and (not sequence_parallel or model.capacity_factor > 0)):
         return []
     return [ep for ep in divisors(model.num_experts) if (tp * cp * dp) % ep == 0]
 
@@ -430,7 +437,8 @@ def search(problem: Problem, *, options: SearchOptions = SearchOptions(), cost: 
     start = time.perf_counter()
     pricer = _Pricer(problem, cost or default_cost_model(), options.on_progress)
     bounded = []
-    for i, slot in enumerate(enumerate_slots(problem, options)):
+    slots = enumerate_slots(problem, options, moe_context_parallel=pricer.cost.moe_context_parallel)
+    for i, slot in enumerate(slots):
         bounded.append((time_lower_bound_s(slot, pricer.slot_costs(slot), num_layers=problem.model.num_layers), i, slot))
     if not bounded:
         raise PlannerError(f"no valid degrees for {problem.cluster.num_devices} devices: dp x tp x pp must equal the "
