@@ -415,6 +415,9 @@ class _Pricer:
         # parallelism, micro-batch), not on how many replicas or stages there are; unsharded states give
         # the smallest per-layer time, so the bound stays a lower bound for every sharding variant.
         key = (slot.tp, slot.sequence_parallel, slot.micro_batch, slot.cp, slot.cp_kind, slot.ep)
+        if self.problem.model.is_moe:
+            # The EP overlap hides dispatch and combine in the passes the schedule pairs (estimate.paired_share).
+            key += (slot.pp, slot.virtual_stages, slot.num_micro_batches)
         if key not in self.layer_cache:
             self.layer_cache[key] = self.cost.layer_costs(slot.plan(), **self._kwargs())
         return self.layer_cache[key]
