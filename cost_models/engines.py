@@ -69,6 +69,16 @@ class EngineModel:
     # Megatron-LM keeps bf16 weights unless the flag is given; a run's recipe turns it on (planner/published.py).
     fp8_param_gather: bool = False
 
+    # What the selective policy recomputes (Megatron-Core --recompute-modules under --recompute-granularity
+    # selective; transformer_config.py): "core_attn" (its default, and every other engine's selective),
+    # "layernorm" (the input and pre-MLP norms), "moe_act" (the experts' SwiGLU) and "moe" (the whole MoE
+    # layer, its dispatch and combine included: moe_layer.py checkpoints router to combine).
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+    # Context parallelism in an MoE model: Megatron-Core folds CP into the attention side and the MoE layers
+    # route each CP rank's tokens (parallel folding); this project's engine refuses cp > 1 with MoE layers,
+    # and the others are not modelled running MoE with CP.
+    moe_context_parallel: bool = False
+
 
 # Composer's DecoupledAdamW (composer/optim/decoupled_weight_decay.py, `adamw`), which llm-foundry's MPT yamls
 # name (`optimizer: name: decoupled_adamw`), updates each fp32 shard in a Python loop of unfused in-place
@@ -86,6 +96,8 @@ COMPOSER_ADAMW_BYTES_PER_PARAM = 88.0 + 12.0
 OURS_ADAM_BYTES_PER_PARAM = 6.0 + 12 + 8 + 12 + 8 + 8 + 8 + 16 + 6
 
 
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe_act", "moe")
+
 ENGINES: dict[str, EngineModel] = {e.name: e for e in (
     EngineModel("ours", "this project's engine (runners/): eager PyTorch, SDPA attention, bf16 reduction",
                 attention="by-arch", fused_elementwise=False, tp_comm_hidden=0.0, reduce_fp32=False,
@@ -93,7 +105,7 @@ ENGINES: dict[str, EngineModel] = {e.name: e for e in (
     EngineModel("megatron", "Megatron-LM / NeMo with Transformer Engine (2024+): fused kernels, cuDNN fused "
                 "attention, TP communication overlap, distributed optimizer with fp32 main gradients",
                 attention="flash3", fused_elementwise=True, tp_comm_hidden=0.8, reduce_fp32=True,
-                main_grads_fp32=True, reduce_scatter_once=True),
+                main_grads_fp32=True, reduce_scatter_once=True, moe_context_parallel=True),
     EngineModel("megatron-sc21", "Megatron-LM of Narayanan et al., SC21 (2021): fused kernels, attention "
                 "scores materialised, no TP overlap, fp32 main gradients all-reduced after the pipeline schedule",
                 attention="materialized", fused_elementwise=True, tp_comm_hidden=0.0, reduce_fp32=True,

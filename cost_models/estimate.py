@@ -359,7 +359,9 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
     attn = layer_costs(plan, model=moe_cost.attention_view(model, tp=plan.tp), cluster=cluster, job=job, engine=engine)
     hw, p = cluster.hardware, activation_bytes_per_element(job.precision)
     tokens = plan.micro_batch * job.seq_len // plan.cp // (plan.tp if plan.sequence_parallel else 1)
-    imbalance = hw.calibration.get("moe_imbalance", 1.0)  # max / mean rows per expert (cost_models/moe.py)
+    # max / mean rows of the busiest EP rank: measured (a calibration's moe_imbalance) or expected from
+    # how the model balances its router (cost_models/moe.py)
+    imbalance = hw.calibration.get("moe_imbalance", moe_cost.expected_imbalance(model, tokens=tokens, ep=plan.ep))
     times = moe_cost.moe_compute_times(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp, tp=plan.tp,
                                        imbalance=imbalance, dtype="bf16" if job.precision == "fp8" else job.precision)
     elementwise = moe_cost.permutation_times_s(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp, imbalance=imbalance,
@@ -370,15 +372,17 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
     eng = engine_model(engine)
     a2a_s = moe_cost.all_to_all_time_s(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp,
                                        ranks_per_node=cluster.devices_per_node, precision=job.precision,
-                                       dispatcher=eng.moe_dispatcher)
+                                       dispatcher=eng.moe_dispatcher) * imbalance  # the busiest rank's rows
     # Expert TP: the etp ranks of an expert gather its rows before and reduce-scatter its outputs after.
     etp_s = 2 * collective_time_s(cluster, collective="all_gather", size_bytes=buffer * plan.etp, group_size=plan.etp,
                                   stride=1)
     comm = {pol: moe_cost.all_to_alls_per_layer(pol) / 2 * (2 * a2a_s + etp_s) for pol in POLICIES}
     if eng.moe_a2a_overlap:
-        comm = _hidden_ep_comm(comm, layer_compute_s=attn.time_s["none"] - attn.tp_comm_s["none"]
-                               + times.forward_s + times.backward_s, cluster=cluster,
-                               efficiency=0.5 * (attn.overlap_efficiency_forward + attn.overlap_efficiency_backward))
+        hidden = _hidden_ep_comm(comm, layer_compute_s=attn.time_s["none"] - attn.tp_comm_s["none"]
+                                 + times.forward_s + times.backward_s, cluster=cluster,
+                                 efficiency=0.5 * (attn.overlap_efficiency_forward + attn.overlap_efficiency_backward))
+        steady = paired_share(plan)
+        comm = {pol: c - steady * (c - hidden[pol]) for pol, c in comm.items()}
     act = moe_cost.moe_activation_bytes(model, tokens=tokens, ep=plan.ep, etp=plan.etp, imbalance=imbalance,
                                         precision=job.precision)
     state = model_state_bytes(moe_cost.nonexpert_layer_params_per_device(model, tp=plan.tp), precision=job.precision,
@@ -389,6 +393,10 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
              "forward_time_s": {pol: times.forward_s + comm["none"] / 2 for pol in POLICIES},
              "recompute_time_s": {"none": 0.0, "selective": 0.0, "full": times.forward_s},
              "tp_comm_s": comm, "activation_bytes": {"none": act, "selective": act, "full": 0.0}}
+    if eng.recompute_modules != ("core_attn",):
+        dense, attn, extra = _named_module_recompute(eng.recompute_modules, dense=dense, attn=attn, extra=extra,
+                                                     moe=times, comm=comm, act_bytes=act, model=model, hw=hw,
+                                                     tokens=tokens, imbalance=imbalance, plan=plan, precision=job.precision)
     phi = moe_cost.moe_fraction(model)
 
     def mix(name: str) -> dict[str, float]:
@@ -397,6 +405,65 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
 
     return dataclasses.replace(dense, state_bytes=state, **{name: mix(name) for name in (
         "time_s", "activation_bytes", "forward_time_s", "tp_comm_s", "cp_comm_s", "recompute_time_s")})
+
+
+def _named_module_recompute(modules, *, dense, attn, extra, moe, comm, act_bytes, model, hw, tokens, imbalance, plan,
+                            precision):
+    """The selective policy as Megatron-Core runs --recompute-modules: the attention core only where named
+    ("core_attn"); "layernorm" reruns a layer's two RMSNorms in backward (one read and one write of its
+    tokens x h each, bandwidth-bound) and keeps neither output; "moe_act" reruns the experts' SwiGLU (two
+    rows x F read, one written) and keeps not its product; "moe" reruns the whole MoE layer's forward, its
+    dispatch and combine with it (the forward pair again, as under full recomputation), and keeps none of
+    its activations. Returns (dense, attn, extra) with their selective entries rebuilt."""
+    p, h = activation_bytes_per_element(precision), model.hidden_size
+    norm_s = memory_time_s(hw, 2 * 2 * p * tokens * h, num_kernels=2) if "layernorm" in modules else 0.0
+    norm_bytes = 2 * p * tokens * h if "layernorm" in modules else 0.0
+    core = "core_attn" in modules
+    dense, attn = (_recompute_selective(c, core=core, time_s=norm_s, comm_s=0.0, saved_bytes=norm_bytes)
+                   for c in (dense, attn))
+    if "moe" in modules:
+        moe_s, moe_comm_s, moe_bytes = moe.forward_s, comm["full"] - comm["none"], act_bytes
+    elif "moe_act" in modules:
+        rows = moe_cost.rows_per_expert(model, tokens=tokens, ep=plan.ep, etp=plan.etp, imbalance=imbalance) \
+            * model.num_experts / plan.ep
+        f = model.expert_ffn_hidden_size / plan.etp
+        moe_s, moe_comm_s, moe_bytes = memory_time_s(hw, 3 * p * rows * f, num_kernels=1), 0.0, p * rows * f
+    else:
+        moe_s = moe_comm_s = moe_bytes = 0.0
+    extra = {**extra, **{name: {**values, "selective": values["none"] + add} for name, values, add in (
+        (name, extra[name], add) for name, add in (("time_s", moe_s + moe_comm_s), ("recompute_time_s", moe_s),
+                                                   ("tp_comm_s", moe_comm_s), ("activation_bytes", -moe_bytes)))}}
+    return dense, attn, extra
+
+
+def _recompute_selective(costs, *, core: bool, time_s: float, comm_s: float, saved_bytes: float):
+    """`costs` with its selective policy recomputing the attention core only where `core`, plus `time_s`
+    of other recomputed forward (with `comm_s` of its communication) and `saved_bytes` fewer kept."""
+    base = "selective" if core else "none"
+
+    def rebuilt(name: str, add: float) -> dict[str, float]:
+        values = getattr(costs, name)
+        return {**values, "selective": max(0.0, values[base] + add)}
+
+    return dataclasses.replace(costs, time_s=rebuilt("time_s", time_s + comm_s),
+                               recompute_time_s=rebuilt("recompute_time_s", time_s),
+                               tp_comm_s=rebuilt("tp_comm_s", comm_s), cp_comm_s=rebuilt("cp_comm_s", 0.0),
+                               activation_bytes=rebuilt("activation_bytes", -saved_bytes))
+
+
+def paired_share(plan) -> float:
+    """Share of a rank's chunk passes that the combined 1F1B schedule pairs, one micro-batch's forward with
+    another's backward, averaged over the pipeline's ranks: the warm-up forwards and the cool-down
+    backwards run alone (rank r of pp warms up pp - 1 - r chunks under 1F1B, 2 (pp - 1 - r) + (v - 1) pp
+    interleaved: Megatron-Core's schedules.py), and without a pipeline the first forward and the last
+    backward (pp - 1 - r at least 1). The EP overlap hides a pass's dispatch and combine only when paired."""
+    pp, v, m = plan.pp, plan.virtual_stages, plan.num_micro_batches
+    if v > 1:
+        warmup = [2 * (pp - 1 - r) + (v - 1) * pp for r in range(pp)]
+    else:
+        warmup = [pp - 1 - r for r in range(pp)]
+    passes = m * v
+    return sum(max(0.0, passes - min(passes, max(1, w))) for w in warmup) / (pp * passes)
 
 
 def _hidden_ep_comm(comm: dict[str, float], *, layer_compute_s: float, cluster, efficiency: float) -> dict[str, float]:
@@ -1047,8 +1114,9 @@ def estimate(plan, *, model, cluster, job, engine: str = "ours", costs: LayerCos
 
     `costs`: the plan's `layer_costs`, when the caller has them. The estimate reads only their times and
     activations, which depend on the layer's shape on one device (micro-batch, tp, sequence parallelism,
-    cp and its kind, ep, etp), not on the sharding or the pipeline depth, so the search hands in the
-    ones it computed once per shape (`planner/search.py`, `_Pricer.slot_costs`)."""
+    cp and its kind, ep, etp; for MoE models also the schedule, whose paired passes hide the EP overlap),
+    not on the sharding, so the search hands in the ones it computed once per shape (`planner/search.py`,
+    `_Pricer.slot_costs`)."""
     _check_priceable(plan, model=model, cluster=cluster, job=job)
     hw, pp, eng = cluster.hardware, plan.pp, engine_model(engine)
     post_total_s: list[float] = []

@@ -6,8 +6,9 @@ of ep ranks routes ep x tokens x k assignments over num_experts experts; a rank 
 them, so each local expert sees ep x tokens x k / num_experts rows on average, etp x that with expert TP
 (the etp ranks of an expert all see its rows, each computing 1/etp of its width; Megatron-Core). The
 busiest expert sets the time every EP rank waits for: `imbalance` (max / mean rows per expert) multiplies
-the rows; 1 is perfect balance, and it is a parameter since it depends on the data and the router's
-training (runners/moe.py's tiny runs give it on CPU, benchmarks/moe.py). The GEMM model
+the rows; 1 is perfect balance. A calibration's moe_imbalance sets it where measured (runners/moe.py's
+tiny runs give it on CPU, benchmarks/moe.py); elsewhere `expected_imbalance` derives it from how the model
+balances its router (ModelSpec.load_balancing). The GEMM model
 (cost_models/compute.gemm_time_s) prices the small, thin expert GEMMs at their own efficiency.
 
 All-to-all (runners/expert_parallel.py): dispatch sends each assignment's hidden vector to its expert's
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -73,6 +75,38 @@ def expert_plan_view(plan):
 def rows_per_expert(model: ModelSpec, *, tokens: float, ep: int, etp: int = 1, imbalance: float = 1.0) -> float:
     """Rows the busiest local expert processes in one micro-batch on one rank (see the module docstring)."""
     return etp * ep * tokens * model.num_experts_per_token / model.num_experts * imbalance
+
+
+# Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts" (arXiv:2408.15664),
+# Table 2: MaxVio_global = (max_i Load_i - mean Load_i) / mean Load_i over the validation set, 0.52 for
+# their 3B model trained with a balancing loss (alpha 0.001, 200B tokens; 0.72 at 1B) and 0.04 with
+# bias-adjusted (auxiliary-loss-free) routing at both scales. The larger model's figure stands for
+# "aux_loss"; "forced" routing is exactly balanced.
+MAX_LOAD_VIOLATION = {"aux_loss": 0.52, "aux_free": 0.04, "forced": 0.0}
+
+
+def expected_imbalance(model: ModelSpec, *, tokens: float, ep: int) -> float:
+    """Expected busiest-EP-rank load over the mean in one micro-batch (max / mean rows), the wait every EP
+    rank pays at the combine. A rank holds g = E / ep experts and receives, on average, tokens x k of the
+    ep x tokens x k assignments of its group. Two spreads add in quadrature, as relative standard deviations
+    of a rank's load:
+    - sampling: a token puts a hypergeometric number of its k distinct experts on the rank, variance
+      k (g/E)(1 - g/E)(E - k)/(E - 1), summed over the ep x tokens tokens (uniform routing's floor);
+    - the trained router's standing preference for some experts: a measured maximum excess MaxVio over E
+      experts is ~ sqrt(2 ln E) standard deviations of one expert's share, sigma_e = MaxVio / sqrt(2 ln E),
+      and a rank's g experts average theirs, sigma_e / sqrt(g).
+    The expected maximum of ep such loads is about mean + sqrt(2 ln ep) sigma (Gaussian maximum). A capacity
+    factor caps it (tokens over capacity are dropped); ep 1 has no rank to wait for."""
+    violation = MAX_LOAD_VIOLATION[model.load_balancing]
+    if ep == 1 or violation == 0.0 or tokens <= 0:
+        return 1.0
+    e, k = model.num_experts, model.num_experts_per_token
+    share = 1.0 / ep  # g / E
+    per_token_var = k * share * (1 - share) * (e - k) / max(1, e - 1)
+    sampling = math.sqrt(ep * tokens * per_token_var) / (tokens * k)
+    preference = violation / math.sqrt(2 * math.log(e)) / math.sqrt(e / ep)
+    imbalance = 1.0 + math.sqrt(2 * math.log(ep)) * math.hypot(sampling, preference)
+    return min(imbalance, model.capacity_factor) if model.capacity_factor > 0 else imbalance
 
 
 def moe_gemms(model: ModelSpec, *, tokens: int, ep: int, etp: int = 1, tp: int = 1,

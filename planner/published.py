@@ -40,7 +40,7 @@ from specs.hardware import PRESETS as HARDWARE, LinkSpec
 from specs.job import Job
 from specs.model import PRESETS, ModelSpec
 from specs.plan import Plan, check_plan, zero_degrees
-from cost_models.engines import ENGINES, EngineModel
+from cost_models.engines import ENGINES, RECOMPUTE_MODULES, EngineModel
 from cost_models.moe import DISPATCHERS
 
 PUBLISHED_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "published"
@@ -96,13 +96,17 @@ class PublishedRun:
     # Whether the run kept its fp8 weights only as fp8 (the CSV's fp8_param_gather: Megatron's
     # --fp8-param-gather, Megatron-Bridge's fp8 mixed-precision configs); empty: the engine's own.
     fp8_param_gather: bool = False
+    # The modules Megatron-Core's selective recomputation repeats where the source names them (the CSV's
+    # recompute "partial:..."; empty: the engine's own, the attention core).
+    recompute_modules: tuple[str, ...] = ()
 
     @property
     def priced_engine(self) -> str | EngineModel:
         """The engine as this run ran it: its name, or a variant with the run's attention kernel, MoE
         dispatch and 16-bit gradients."""
         changes = {k: v for k, v in (("attention", self.attention_kernel), ("moe_dispatcher", self.moe_dispatcher),
-                                     ("moe_a2a_overlap", self.moe_a2a_overlap)) if v not in ("", None)}
+                                     ("moe_a2a_overlap", self.moe_a2a_overlap),
+                                     ("recompute_modules", self.recompute_modules)) if v not in ("", None, ())}
         if self.reduce_dtype in ("bf16", "fp16"):
             changes.update(reduce_fp32=False, main_grads_fp32=False)
         if self.fp8_param_gather:
@@ -174,7 +178,8 @@ def _model(row: dict) -> ModelSpec:
     if num_experts and row.get("model_name") in MOE_PRESET_OF:
         preset = PRESETS[MOE_PRESET_OF[row["model_name"]]]
         # The source trained at its seq_len (Qwen3 with YaRN rope scaling past its 40,960 positions).
-        return dataclasses.replace(preset, max_seq_len=max(preset.max_seq_len, _int(row, "seq_len")))
+        return dataclasses.replace(preset, max_seq_len=max(preset.max_seq_len, _int(row, "seq_len")),
+                                   load_balancing=_load_balancing(row, preset.load_balancing))
     # An MoE model outside the presets: a llama block (SwiGLU experts) with the CSV's expert columns.
     arch = "llama" if num_experts else row["arch"] if row["arch"] in ("llama", "gpt2") else "gpt2"
     hidden, heads = _int(row, "hidden_size"), _int(row, "num_heads")
@@ -182,12 +187,39 @@ def _model(row: dict) -> ModelSpec:
     expert_ffn = _int(row, "moe_ffn_hidden_size", 0) if num_experts else 0
     ffn = _int(row, "ffn_hidden_size", expert_ffn or 4 * hidden)
     moe = dict(num_experts=num_experts, num_experts_per_token=_int(row, "top_k"), expert_ffn_hidden_size=expert_ffn,
-               shared_expert_ffn_hidden_size=_int(row, "shared_experts", 0) * expert_ffn) if num_experts else {}
+               shared_expert_ffn_hidden_size=_int(row, "shared_experts", 0) * expert_ffn,
+               load_balancing=_load_balancing(row, "aux_loss")) if num_experts else {}
     # head_dim: a width the source's config sets apart from hidden / heads (GPT-OSS: 64 x 64 heads on 2880).
     return ModelSpec(name=row["model_name"], arch=arch, num_layers=_int(row, "num_layers"), hidden_size=hidden,
                      num_heads=heads, num_kv_heads=_int(row, "num_kv_heads", heads), ffn_hidden_size=ffn,
                      vocab_size=_int(row, "vocab_size", 50257), max_seq_len=max(seq, 2048),
                      tied_embeddings=arch == "gpt2", attention_head_dim=_int(row, "head_dim", 0), **moe)
+
+
+# The zoo's shorthand in its recompute column ("norm, act") for Megatron-Core's module names.
+MODULE_ALIASES = {"norm": "layernorm", "act": "moe_act"}
+
+
+def _recompute_modules(row: dict) -> tuple[str, ...]:
+    """The modules of a "partial:a, b" recompute cell (Megatron-Core --recompute-modules), in a fixed order;
+    () for any other cell."""
+    cell = (row.get("recompute") or "").strip().lower()
+    if not cell.startswith("partial:"):
+        return ()
+    names = {MODULE_ALIASES.get(n.strip(), n.strip()) for n in cell.split(":", 1)[1].split(",") if n.strip()}
+    unknown = sorted(names - set(RECOMPUTE_MODULES))
+    if unknown:
+        raise PlannerError(f"recompute module {unknown[0]!r} is not priced; priced: {', '.join(RECOMPUTE_MODULES)}")
+    return tuple(m for m in RECOMPUTE_MODULES if m in names)
+
+
+def _load_balancing(row: dict, trained: str) -> str:
+    """The routing a run's expert loads follow (ModelSpec.load_balancing): "forced" where the source says it
+    forced the balance (NeMo's and Megatron-Bridge's footnote, the zoo's --moe-router-force-load-balancing)
+    or does not say, the model's own trained router (`trained`) only where it says dropless and nothing
+    more, so an unstated run keeps the balanced price rather than a guessed imbalance."""
+    routing = (row.get("capacity_factor_or_dropless") or "").strip().lower()
+    return trained if routing.startswith("dropless") and "force" not in routing else "forced"
 
 
 def _cluster(row: dict, hardware=None) -> Cluster:
@@ -257,8 +289,8 @@ def _plan(row: dict, engine: str) -> Plan:
     sp = row.get("sequence_parallel", "").strip().lower()
     sequence_parallel = tp > 1 and (sp == "true" or (sp == "" and engine == "megatron"))
     recompute = (row.get("recompute") or "").strip().lower() or "none"
-    # Megatron-Core's partial recomputation of cheap modules (--recompute-modules layernorm moe_act): priced
-    # as the cheap policy, selective.
+    # Megatron-Core's recomputation of named modules (--recompute-modules layernorm moe_act): the selective
+    # policy, with the modules the engine variant carries (`_recompute_modules`).
     recompute = "selective" if recompute.startswith("partial") else recompute
     recompute = recompute if recompute in ("none", "selective", "full") else "full"
     s_p, s_g, s_os = _shards(row.get("sharding", ""), dp * cp, engine)
@@ -355,7 +387,7 @@ def _run(row: dict, *, hardware=None) -> PublishedRun:
                         attention_kernel=kernel, moe_dispatcher=dispatcher,
                         moe_a2a_overlap=None if not overlap else overlap == "true",
                         reduce_dtype=(row.get("reduce_dtype") or "").strip().lower(),
-                        fp8_param_gather=fp8_params == "true")
+                        fp8_param_gather=fp8_params == "true", recompute_modules=_recompute_modules(row))
 
 
 def load_published(path: str | Path = DEFAULT_CSV, *, hardware=None,

@@ -67,6 +67,9 @@ class CostModel:
     # Whether `estimate` and `step_time_lower_bounds` take `costs=`, the layer costs the search computed once
     # per layer shape (`_Pricer.slot_costs`), instead of computing them again for every plan.
     takes_layer_costs: bool = False
+    # The engine runs context parallelism with MoE layers (EngineModel.moe_context_parallel): the search
+    # then tries cp > 1 for MoE models.
+    moe_context_parallel: bool = False
 
 
 def default_cost_model(engine: str = "ours") -> CostModel:
@@ -74,12 +77,12 @@ def default_cost_model(engine: str = "ours") -> CostModel:
     from cost_models import estimate as est
     from cost_models.engines import engine_model
 
-    engine_model(engine)  # an unknown engine is refused here, before any plan is priced
+    eng = engine_model(engine)  # an unknown engine is refused here, before any plan is priced
     return CostModel(estimate=functools.partial(est.estimate, engine=engine),
                      layer_costs=functools.partial(est.layer_costs, engine=engine),
                      cache_cost_inputs=functools.partial(est.cache_cost_inputs, engine=engine),
                      step_time_lower_bounds=functools.partial(est.step_time_lower_bounds_s, engine=engine),
-                     takes_layer_costs=True)
+                     takes_layer_costs=True, moe_context_parallel=eng.moe_context_parallel)
 
 
 @dataclass(frozen=True)
@@ -230,7 +233,7 @@ def context_options(problem: Problem, *, min_tokens_per_rank: int = 4096) -> lis
     return out
 
 
-def enumerate_slots(problem: Problem, options: SearchOptions) -> Iterator[Slot]:
+def enumerate_slots(problem: Problem, options: SearchOptions, *, moe_context_parallel: bool = False) -> Iterator[Slot]:
     model, job = problem.model, problem.job
     layouts = [(dp, 1, tp, pp, "ring") for dp, tp, pp in degree_options(problem)]
     layouts += context_options(problem, min_tokens_per_rank=options.min_tokens_per_cp_rank)
@@ -245,19 +248,22 @@ def enumerate_slots(problem: Problem, options: SearchOptions) -> Iterator[Slot]:
                                                 max_v=options.max_virtual_stages):
                 for rc in options.recompute:
                     for sp in ((False, True) if tp > 1 and local_seq % tp == 0 else (False,)):
-                        for ep in expert_options(problem, dp=dp, cp=cp, tp=tp, sequence_parallel=sp):
+                        for ep in expert_options(problem, dp=dp, cp=cp, tp=tp, sequence_parallel=sp,
+                                                 context_parallel=moe_context_parallel):
                             yield Slot(dp, tp, pp, v, schedule, mb, m, rc, sp, cp, kind, ep)
 
 
-def expert_options(problem: Problem, *, dp: int, cp: int, tp: int, sequence_parallel: bool) -> list[int]:
+def expert_options(problem: Problem, *, dp: int, cp: int, tp: int, sequence_parallel: bool,
+                   context_parallel: bool = False) -> list[int]:
     """The ep degrees worth pricing for one layout: [1] for a dense model; for an MoE model every ep that
     divides the experts and folds over the tp x cp x dp ranks of a stage (specs/plan.py), where the engine
-    runs it: no CP, TP only with sequence parallelism (each TP rank routes its own tokens) and not with a
-    capacity factor (the engine drops per whole sequence). etp is 1: the engine does not split experts."""
+    runs it: CP only where `context_parallel` (Megatron-Core; this project's engine has none with MoE), TP
+    only with sequence parallelism (each TP rank routes its own tokens) and not with a capacity factor (the
+    engine drops per whole sequence). etp is 1: the engine does not split experts."""
     model = problem.model
     if not model.is_moe:
         return [1]
-    if cp > 1 or (tp > 1 and (not sequence_parallel or model.capacity_factor > 0)):
+    if (cp > 1 and not context_parallel) or (tp > 1 and (not sequence_parallel or model.capacity_factor > 0)):
         return []
     return [ep for ep in divisors(model.num_experts) if (tp * cp * dp) % ep == 0]
 
@@ -427,6 +433,9 @@ class _Pricer:
         # parallelism, micro-batch), not on how many replicas or stages there are; unsharded states give
         # the smallest per-layer time, so the bound stays a lower bound for every sharding variant.
         key = (slot.tp, slot.sequence_parallel, slot.micro_batch, slot.cp, slot.cp_kind, slot.ep)
+        if self.problem.model.is_moe:
+            # The EP overlap hides dispatch and combine in the passes the schedule pairs (estimate.paired_share).
+            key += (slot.pp, slot.virtual_stages, slot.num_micro_batches)
         if key not in self.layer_cache:
             self.layer_cache[key] = self.cost.layer_costs(slot.plan(), **self._kwargs())
         return self.layer_cache[key]
@@ -464,7 +473,8 @@ def search(problem: Problem, *, options: SearchOptions = SearchOptions(), cost: 
     start = time.perf_counter()
     pricer = _Pricer(problem, cost or default_cost_model(), options.on_progress)
     bounded = []
-    for i, slot in enumerate(enumerate_slots(problem, options)):
+    slots = enumerate_slots(problem, options, moe_context_parallel=pricer.cost.moe_context_parallel)
+    for i, slot in enumerate(slots):
         bounded.append((time_lower_bound_s(slot, pricer.slot_costs(slot), num_layers=problem.model.num_layers), i, slot))
     if not bounded:
         raise PlannerError(f"no valid degrees for {problem.cluster.num_devices} devices: dp x tp x pp must equal the "

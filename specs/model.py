@@ -23,6 +23,7 @@ from specs.errors import PlannerError
 from specs.jsonio import dataclass_from_dict, dataclass_to_dict, read_json_file
 
 ARCHS = ("llama", "gpt2")
+LOAD_BALANCING = ("aux_loss", "aux_free", "forced")
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,11 @@ class ModelSpec:
     num_dense_layers: int = 0  # leading layers with a dense MLP of ffn_hidden_size (DeepSeek's first_k_dense_replace)
     capacity_factor: float = 0.0  # 0: dropless; else each expert takes ceil(cf x tokens x k / E) per sequence
     aux_loss_coeff: float = 0.0  # load-balancing loss coefficient (Switch / Megatron-Core's form)
+    # How the router's load is balanced, which sets the expected load imbalance the cost model prices
+    # (cost_models/moe.py, expected_imbalance): "aux_loss" (a balancing loss: Switch, Mixtral, Qwen),
+    # "aux_free" (DeepSeek-V3's bias-adjusted top-k, topk_method noaux_tc) or "forced" (Megatron-Core's
+    # --moe-router-force-load-balancing, the benchmarks' round-robin routing: exactly balanced).
+    load_balancing: str = "aux_loss"
     # --- attention variants ------------------------------------------------------------------------
     attention_head_dim: int = 0  # 0: hidden_size / num_heads (Qwen3 sets head_dim 128 with hidden 2048, 32 heads)
     qkv_bias: bool = False  # Qwen2's query/key/value biases on a llama block
@@ -84,6 +90,8 @@ class ModelSpec:
                      "num_dense_layers", "attention_head_dim", "q_lora_rank", "kv_lora_rank"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be at least 0, got {getattr(self, name)}")
+        if self.load_balancing not in LOAD_BALANCING:
+            raise ValueError(f"load_balancing must be one of {', '.join(LOAD_BALANCING)}, got {self.load_balancing!r}")
         if self.capacity_factor < 0 or self.aux_loss_coeff < 0:
             raise ValueError(f"capacity_factor and aux_loss_coeff must be at least 0, got {self.capacity_factor} "
                              f"and {self.aux_loss_coeff}")
@@ -296,12 +304,12 @@ MOE_PRESETS = (
     # deepseek-ai/DeepSeek-V3 config.json: hidden 7168, 61 layers (first_k_dense_replace 3 dense of
     # intermediate 18432), 128 heads, MLA q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128,
     # qk_rope_head_dim 64, v_head_dim 128, 256 routed experts of moe_intermediate_size 2048, 1 shared expert,
-    # num_experts_per_tok 8, vocab 129280, max_position_embeddings 163840, aux_loss_alpha 0.001 (seq_aux).
-    # 671B total, 37B active (DeepSeek-V3 report; the 14B multi-token-prediction module is not counted).
+    # num_experts_per_tok 8, vocab 129280, max_position_embeddings 163840, aux_loss_alpha 0.001 (seq_aux),
+    # topk_method noaux_tc (bias-adjusted, auxiliary-loss-free balancing). 671B total, 37B active (DeepSeek-V3 report; the 14B multi-token-prediction module is not counted).
     _moe("deepseek-v3", layers=61, hidden=7168, heads=128, kv=128, ffn=18432, vocab=129280, seq=163840,
          experts=256, top_k=8, expert_ffn=2048, shared_expert_ffn_hidden_size=2048, num_dense_layers=3,
-         aux_loss_coeff=0.001, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-         v_head_dim=128),
+         aux_loss_coeff=0.001, load_balancing="aux_free", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+         qk_rope_head_dim=64, v_head_dim=128),
 )
 
 PRESETS: dict[str, ModelSpec] = {
@@ -407,6 +415,8 @@ def _moe_fields(cfg: dict, path: Path, model_type: str) -> dict:
                 shared_expert_ffn_hidden_size=shared * common["expert_ffn_hidden_size"],
                 num_dense_layers=_int_key(cfg, "first_k_dense_replace", path),
                 aux_loss_coeff=_float_key(cfg, "aux_loss_alpha", path, 0.001), q_lora_rank=q_lora,
+                # DeepSeek-V3's noaux_tc: top-k over bias-adjusted scores (its report, section 2.1.2).
+                load_balancing="aux_free" if cfg.get("topk_method") == "noaux_tc" else "aux_loss",
                 kv_lora_rank=_int_key(cfg, "kv_lora_rank", path), qk_nope_head_dim=_int_key(cfg, "qk_nope_head_dim", path),
                 qk_rope_head_dim=_int_key(cfg, "qk_rope_head_dim", path), v_head_dim=_int_key(cfg, "v_head_dim", path))
 

@@ -1,10 +1,13 @@
 """cost_models/moe.py against hand-computed values (Mixtral-8x7B and the tiny MoE model)."""
 
+import dataclasses
+import math
+
 import pytest
 
 from cost_models.compute import Gemm, gemm_time_s
-from cost_models.moe import (all_to_all_bytes, all_to_alls_per_layer, expert_params_per_device, expert_state_bytes,
-                             moe_activation_bytes, moe_compute_times, moe_gemms, rows_per_expert)
+from cost_models.moe import (all_to_all_bytes, all_to_alls_per_layer, expected_imbalance, expert_params_per_device,
+                             expert_state_bytes, moe_activation_bytes, moe_compute_times, moe_gemms, rows_per_expert)
 from specs.hardware import PRESETS as HARDWARE_PRESETS
 from specs.model import PRESETS
 
@@ -17,6 +20,32 @@ def test_rows_per_expert():
     assert rows_per_expert(MIXTRAL, tokens=4096, ep=8) == 8192
     assert rows_per_expert(MIXTRAL, tokens=4096, ep=8, etp=2, imbalance=1.25) == 2 * 8192 * 1.25
     assert rows_per_expert(MIXTRAL, tokens=4096, ep=1) == 1024
+
+
+def test_expected_imbalance_by_hand():
+    qwen = PRESETS["qwen3-235b-a22b"]  # 128 experts, top-8, a balancing loss
+    # ep 8, 4096 tokens a rank: 16 experts a rank. Sampling: 8 x (1/8)(7/8)(120/127) = 0.82677 per token,
+    # sqrt(8 x 4096 x 0.82677) / (4096 x 8) = 0.0050231. Preference: 0.52 / sqrt(2 ln 128) / sqrt(16)
+    # = 0.041733. Busiest of 8: 1 + sqrt(2 ln 8) x hypot(0.0050231, 0.041733) = 1 + 2.03933 x 0.042034.
+    assert expected_imbalance(qwen, tokens=4096, ep=8) == pytest.approx(1.085721, abs=2e-6)
+    # Mixtral-8x7B at ep 8 holds one expert a rank: the busiest rank is the busiest expert, so the
+    # preference term alone is the measured MaxVio, 0.52 (plus sampling: sqrt(8 x 4096 x 0.1875) / 8192).
+    sampling = math.sqrt(8 * 4096 * 2 * (1 / 8) * (7 / 8) * (6 / 7)) / 8192
+    expected = 1 + math.sqrt(2 * math.log(8)) * math.hypot(sampling, 0.52 / math.sqrt(2 * math.log(8)))
+    assert expected_imbalance(MIXTRAL, tokens=4096, ep=8) == pytest.approx(expected) == pytest.approx(1.52037, abs=1e-5)
+
+
+def test_expected_imbalance_limits():
+    qwen = PRESETS["qwen3-235b-a22b"]
+    assert expected_imbalance(qwen, tokens=4096, ep=1) == 1.0  # no other rank to wait for
+    assert expected_imbalance(dataclasses.replace(qwen, load_balancing="forced"), tokens=4096, ep=8) == 1.0
+    # DeepSeek-V3's bias-adjusted routing: MaxVio 0.04, 4 experts a rank at ep 64.
+    free = expected_imbalance(PRESETS["deepseek-v3"], tokens=4096, ep=64)
+    assert 1.0 < free < 1.03
+    # A capacity factor drops what exceeds it, so it caps the busiest rank.
+    assert expected_imbalance(dataclasses.replace(MIXTRAL, capacity_factor=1.25), tokens=4096, ep=8) == 1.25
+    # More experts a rank average out their preferences: ep 32 (4 a rank) waits longer than ep 8 (16).
+    assert expected_imbalance(qwen, tokens=4096, ep=32) > expected_imbalance(qwen, tokens=4096, ep=8)
 
 
 def test_expert_gemms_at_their_real_shapes():
@@ -191,3 +220,70 @@ def test_dispatcher_and_ep_overlap_change_the_cross_node_step():
     times = {name: estimate(plan, model=model, cluster=cluster, job=job, engine=dataclasses.replace(ENGINES["megatron"], **kw)).step_time_s
              for name, kw in (("a2a", {}), ("deepep", {"moe_dispatcher": "deepep"}), ("overlap", {"moe_a2a_overlap": True}))}
     assert times["deepep"] < times["a2a"] and times["overlap"] < times["a2a"]
+
+
+def _named_recompute_costs(modules):
+    from cost_models.engines import ENGINES
+    from cost_models.estimate import layer_costs
+    from specs.plan import Plan
+
+    qwen = dataclasses.replace(PRESETS["qwen3-30b-a3b"], load_balancing="forced")  # every layer MoE
+    problem = _problem(qwen, devices=8, global_batch=8, seq_len=4096, hardware="h100", precision="bf16")
+    engine = dataclasses.replace(ENGINES["megatron"], recompute_modules=modules)
+    plan = Plan(dp=8, ep=8, micro_batch=1, num_micro_batches=1, recompute="selective")
+    return qwen, problem, layer_costs(plan, model=qwen, cluster=problem.cluster, job=problem.job, engine=engine)
+
+
+def test_layernorm_recompute_reruns_the_two_norms_and_not_the_core():
+    from cost_models.compute import memory_time_s
+
+    _, problem, default = _named_recompute_costs(("core_attn",))
+    _, _, norms = _named_recompute_costs(("layernorm",))
+    # 4096 tokens x 2048 wide in bf16: each norm reads and writes them once, two kernels.
+    norm_s = memory_time_s(problem.cluster.hardware, 2 * 2 * 2 * 4096 * 2048, num_kernels=2)
+    assert norms.recompute_time_s["selective"] == pytest.approx(norm_s, rel=1e-9)
+    assert norms.time_s["selective"] == pytest.approx(default.time_s["none"] + norm_s, rel=1e-9)
+    # Neither norm output is kept: 2 x 4096 x 2048 x 2 bytes fewer than without recomputation.
+    assert default.activation_bytes["none"] - norms.activation_bytes["selective"] == pytest.approx(2 * 2 * 4096 * 2048)
+
+
+def test_moe_recompute_reruns_the_moe_layer_with_its_dispatch():
+    from cost_models.moe import moe_activation_bytes, permutation_times_s
+
+    qwen, problem, default = _named_recompute_costs(("core_attn",))
+    _, _, moe = _named_recompute_costs(("moe",))
+    hw = problem.cluster.hardware
+    # The MoE layer's forward on one rank: 4096 tokens a rank, ep 8, balanced.
+    forward_s = (moe_compute_times(qwen, hw, tokens=4096, ep=8, dtype="bf16").forward_s
+                 + permutation_times_s(qwen, hw, tokens=4096, ep=8, precision="bf16").forward_s)
+    assert moe.recompute_time_s["selective"] == pytest.approx(forward_s, rel=1e-9)
+    # Its dispatch and combine run again: the selective policy's communication is full recomputation's.
+    assert moe.tp_comm_s["selective"] == pytest.approx(default.tp_comm_s["full"], rel=1e-9)
+    kept = moe_activation_bytes(qwen, tokens=4096, ep=8, precision="bf16")
+    assert default.activation_bytes["none"] - moe.activation_bytes["selective"] == pytest.approx(kept, rel=1e-9)
+
+
+def test_moe_act_recompute_reruns_the_swiglu():
+    from cost_models.compute import memory_time_s
+
+    _, problem, default = _named_recompute_costs(("core_attn",))
+    _, _, act = _named_recompute_costs(("moe_act",))
+    # 4096 x 8 rows of width 768 on the rank's 16 experts: two read and one written, bf16.
+    rows, width = 4096 * 8, 768
+    assert act.recompute_time_s["selective"] == pytest.approx(
+        memory_time_s(problem.cluster.hardware, 3 * 2 * rows * width, num_kernels=1), rel=1e-9)
+    assert default.activation_bytes["none"] - act.activation_bytes["selective"] == pytest.approx(2 * rows * width)
+
+
+def test_ep_overlap_pairs_only_the_steady_passes():
+    from cost_models.estimate import paired_share
+    from specs.plan import Plan
+
+    # Interleaved pp 8 x v 4, 128 micro-batches: rank r warms up 2 (7 - r) + 24 chunks, 38 .. 24, 248 in
+    # all of the 8 x 512 passes.
+    plan = Plan(dp=16, tp=2, pp=8, virtual_stages=4, micro_batch=1, num_micro_batches=128, schedule="interleaved-1f1b")
+    assert paired_share(plan) == pytest.approx((8 * 512 - 248) / (8 * 512))
+    # No pipeline: the first forward and the last backward of 4 micro-batches run alone.
+    assert paired_share(Plan(dp=8, micro_batch=1, num_micro_batches=4)) == pytest.approx(3 / 4)
+    # 1F1B over pp 4, 8 micro-batches: warm-ups 3, 2, 1 and (at least) 1.
+    assert paired_share(Plan(dp=8, pp=4, micro_batch=1, num_micro_batches=8)) == pytest.approx((32 - 7) / 32)

@@ -502,3 +502,30 @@ def test_the_recipes_that_keep_fp8_weights_and_bf16_gradients_say_so():
             recipe = r["source_id"] in ("megatron_bridge_perf", "megatron_examples_llama") and r["precision"] == "fp8"
             assert (r["reduce_dtype"], r["fp8_param_gather"]) == (("bf16", "true") if recipe else (r["reduce_dtype"], "")), \
                 r["location_in_source"]
+
+
+def test_moe_rows_price_imbalance_only_where_the_source_says_dropless():
+    moe_csv = Path(DEFAULT_CSV).with_name("moe_runs.csv")
+    runs, _ = load_published(moe_csv)
+    balancing = {r.model.load_balancing for r in runs if r.model.is_moe}
+    # The zoo's dropless rows route with Qwen3's own balancing loss; NeMo's and Megatron-Bridge's forced
+    # ones, and the zoo's table that does not say, are priced exactly balanced.
+    assert balancing == {"aux_loss", "forced"}
+    pairs = {}
+    for r in runs:
+        if r.source_id == "mcore_moe_modelzoo_qwen3" and r.job.seq_len >= 16384:
+            pairs.setdefault(r.job.seq_len, {})[r.model.load_balancing] = price(r)
+    assert len(pairs) == 4
+    for seq_len, pair in pairs.items():
+        assert pair["aux_loss"] > pair["forced"], seq_len
+
+
+def test_named_recompute_modules_reach_the_priced_engine():
+    moe_csv = Path(DEFAULT_CSV).with_name("moe_runs.csv")
+    runs, _ = load_published(moe_csv)
+    modules = {r.recompute_modules for r in runs}
+    # GPT-OSS's recipe (layernorm, moe_act), the zoo's "norm, act" shorthand for the same, and its
+    # long-context command's layernorm moe; rows without a partial cell keep the engine's attention core.
+    assert modules == {(), ("layernorm", "moe_act"), ("layernorm", "moe")}
+    named = next(r for r in runs if r.recompute_modules == ("layernorm", "moe"))
+    assert named.priced_engine.recompute_modules == ("layernorm", "moe") and named.plan.recompute == "selective"

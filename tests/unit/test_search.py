@@ -310,3 +310,31 @@ def test_search_options_are_checked():
         SearchOptions(top_k=0)
     with pytest.raises(ValueError, match="recompute policies"):
         SearchOptions(recompute=("sometimes",))
+
+
+def test_moe_models_get_context_parallelism_only_where_the_engine_runs_it():
+    from planner.search import default_cost_model, expert_options
+
+    problem = Problem(model=PRESETS["tiny-moe"], cluster=Cluster(num_nodes=1, devices_per_node=8,
+                                                                 hardware=HW["h100"]),
+                      job=Job(global_batch=8, seq_len=128, precision="bf16"))
+    # cp 2 x dp 4 ranks a stage: every ep dividing the 8 experts and the 8 ranks, where the engine has it.
+    assert expert_options(problem, dp=4, cp=2, tp=1, sequence_parallel=False, context_parallel=True) == [1, 2, 4, 8]
+    assert expert_options(problem, dp=4, cp=2, tp=1, sequence_parallel=False) == []
+    assert default_cost_model("megatron").moe_context_parallel
+    assert not default_cost_model("ours").moe_context_parallel
+
+
+def test_search_bounds_hold_under_the_schedule_dependent_ep_overlap():
+    from cost_models.engines import ENGINES
+    from planner.search import default_cost_model
+
+    engine = dataclasses.replace(ENGINES["megatron"], moe_a2a_overlap=True)
+    problem = Problem(model=PRESETS["qwen3-30b-a3b"], cluster=Cluster(num_nodes=2, devices_per_node=8,
+                                                                      hardware=HW["h100"]),
+                      job=Job(global_batch=256, seq_len=4096, precision="bf16"))
+    # Layer costs cached per shape alone priced every schedule at the first one's paired share: 4 plans
+    # came out below their bound here.
+    result = search(problem, options=SearchOptions(use_ilp=False, max_virtual_stages=2),
+                    cost=default_cost_model(engine))
+    assert result.bound_violations == 0
