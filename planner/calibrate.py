@@ -106,11 +106,26 @@ def _predict_step_times(plans: list[Plan], problem: Problem, hardware: Hardware)
 def fit_time_parameters(rows: list[ValidationRow], problem: Problem, *, parameters: tuple[str, ...] = tuple(TIME_PARAMETERS),
                         max_iterations: int = 60) -> tuple[dict[str, float], float]:
     """(calibration, rms relative error) of the step-time parameters fitted to `rows` (module docstring)."""
-    rows = ok_rows(rows)
-    plans = [r.plan for r in rows]
-    return fit_parameters(lambda hw: _predict_step_times(plans, problem, hw),
-                          np.array([r.measured_step_time_s for r in rows]), problem.cluster.hardware,
-                          parameters=parameters, max_iterations=max_iterations)
+    return fit_time_parameters_over([(rows, problem)], parameters=parameters, max_iterations=max_iterations)
+
+
+def fit_time_parameters_over(groups: list[tuple[list[ValidationRow], Problem]], *,
+                             parameters: tuple[str, ...] = tuple(TIME_PARAMETERS),
+                             max_iterations: int = 60) -> tuple[dict[str, float], float]:
+    """fit_time_parameters over rows measured on several problems (the same model and hardware, other
+    jobs: a global batch and twice it separate a step's fixed cost from its per-sequence cost, which
+    plans of one batch cannot, since every data-parallel plan of it computes the same tokens)."""
+    groups = [(ok_rows(rows), problem) for rows, problem in groups]
+    groups = [(rows, problem) for rows, problem in groups if rows]
+    if not groups:
+        raise PlannerError("no measured plans to fit")
+
+    def predict(hw) -> np.ndarray:
+        return np.concatenate([_predict_step_times([r.plan for r in rows], problem, hw) for rows, problem in groups])
+
+    measured = np.array([r.measured_step_time_s for rows, _ in groups for r in rows])
+    return fit_parameters(predict, measured, groups[0][1].cluster.hardware, parameters=parameters,
+                          max_iterations=max_iterations)
 
 
 def fit_parameters(predict, measured: np.ndarray, base: Hardware, *, parameters: tuple[str, ...],

@@ -13,8 +13,9 @@ validate, estimate and search; `planner calibrate` results written into that fil
 Closing the loop: the profile's probes fit the CPU's per-op cost, compute slowdown and overlap from one
 layer (runners/probe.py), but not what a whole engine step adds (hooks, the optimizer step,
 collectives under load). So when the profile has never been fitted to training runs, tune times a
-handful of real plans first (the search's top 3 and the validation spread, CALIBRATION_PLANS in all) in
-one batched, interleaved torchrun launch (planner/validate.py), fits CALIBRATION_PARAMETERS to them by
+handful of real plans first (the search's top 3 and the validation spread, CALIBRATION_PLANS in all, and
+CALIBRATION_PLANS_2X more at twice the global batch) in batched, interleaved torchrun launches
+(planner/validate.py), fits CALIBRATION_PARAMETERS to them by
 least squares (planner/calibrate.py), writes the result into the profile, and searches on the
 calibrated profile. The next tune reuses it (`--no-calibrate` skips the step; `--recalibrate` redoes it).
 """
@@ -36,6 +37,8 @@ Progress = Callable[[str, int, "int | None", str], None]
 # Plans timed to calibrate, and the parameters fitted to them: few enough for ~8 plans to pin down, and
 # the ones the probes leave out (a step's fixed cost, collectives under load) or may misjudge.
 CALIBRATION_PLANS = 8
+# And at twice the batch (calibrate_profile says why): the search's pick and the spread's first plans.
+CALIBRATION_PLANS_2X = 4
 CALIBRATION_PARAMETERS = ("compute_time_scale", "op_overhead_s", "collective_overhead_s", "step_overhead_s")
 
 
@@ -92,38 +95,52 @@ def ensure_profile(settings: TuneSettings, *, progress: Progress = _no_progress)
 
 
 def calibrate_profile(profile: str, settings: TuneSettings, *, progress: Progress = _no_progress) -> TuneCalibration:
-    """Time CALIBRATION_PLANS plans in one batched interleaved run, fit CALIBRATION_PARAMETERS to them,
-    and write the calibrated profile back to `profile`; returns what was fitted and how well."""
+    """Time CALIBRATION_PLANS plans at the run's global batch and CALIBRATION_PLANS_2X at twice it (each
+    batch one batched interleaved run), fit CALIBRATION_PARAMETERS to all of them, and write the
+    calibrated profile back to `profile`; returns what was fitted and how well.
+
+    Why two batches: at one global batch every data-parallel plan computes the same tokens per rank, so
+    a step's fixed cost (step_overhead_s) and its per-sequence cost (compute_time_scale) trade off and the
+    fit may split them wrongly; it then holds at that batch and not at another. Measured in a fresh clone:
+    fitted at batch 8 alone, step_overhead_s came out 11.7 ms, and `planner validate` at its batch of 16
+    found every plan 10-37% slower than predicted (the winner's shape 31.2 ms at 8 sequences, 55.1 ms at 16:
+    7 ms fixed, 24 ms per 8 sequences, where the fit had 11.7 and 18)."""
     from cost_models.estimate import estimate
-    from planner.calibrate import fit_time_parameters, parameters_at_bounds
+    from planner.calibrate import fit_time_parameters_over, parameters_at_bounds
     from planner.validate import ValidateSettings, candidate_plans, measure_step_times_batched
     from specs.hardware import resolve_hardware, with_calibration
 
-    vs = ValidateSettings(model=settings.model, hardware=profile, nproc=settings.nproc,
-                          global_batch=settings.global_batch, seq_len=settings.seq_len,
-                          precision=settings.precision or _default_precision(profile), seed=settings.seed,
-                          timeout_s=settings.timeout_s)
-    problem = vs.problem()
-    entries = candidate_plans(problem, top_k=3, max_plans=CALIBRATION_PLANS)
-    progress("calibrate", 0, None, f"timing {len(entries)} plans")
-    times = measure_step_times_batched(entries, vs, rounds=2, steps_per_round=3,
-                                       progress=lambda done, total, label: progress("calibrate", done, total, label))
-    rows = [ValidationRow(label=e.label, source=e.source, plan=e.plan, status="ok", error=None, predicted_step_time_s=0.0,
-                          predicted_peak_memory_bytes=0, measured_step_time_s=statistics.median(t))
-            for e, t in zip(entries, times) if t]
-    parameters = CALIBRATION_PARAMETERS[:max(1, min(len(CALIBRATION_PARAMETERS), len(rows) - 1))]
-    calibration, _ = fit_time_parameters(rows, problem, parameters=parameters)
+    groups = []
+    for batch, count in ((settings.global_batch, CALIBRATION_PLANS), (2 * settings.global_batch, CALIBRATION_PLANS_2X)):
+        vs = ValidateSettings(model=settings.model, hardware=profile, nproc=settings.nproc, global_batch=batch,
+                              seq_len=settings.seq_len, precision=settings.precision or _default_precision(profile),
+                              seed=settings.seed, timeout_s=settings.timeout_s)
+        problem = vs.problem()
+        entries = candidate_plans(problem, top_k=3 if batch == settings.global_batch else 1, max_plans=count)
+        progress("calibrate", 0, None, f"timing {len(entries)} plans at global batch {batch}")
+        times = measure_step_times_batched(entries, vs, rounds=2, steps_per_round=3,
+                                           progress=lambda done, total, label: progress("calibrate", done, total, label))
+        rows = [ValidationRow(label=e.label, source=e.source, plan=e.plan, status="ok", error=None,
+                              predicted_step_time_s=0.0, predicted_peak_memory_bytes=0,
+                              measured_step_time_s=statistics.median(t)) for e, t in zip(entries, times) if t]
+        groups.append((rows, problem))
+    num_rows = sum(len(rows) for rows, _ in groups)
+    parameters = CALIBRATION_PARAMETERS[:max(1, min(len(CALIBRATION_PARAMETERS), num_rows - 1))]
+    calibration, _ = fit_time_parameters_over(groups, parameters=parameters)
     hardware = resolve_hardware(profile)
-    calibrated = dataclasses.replace(with_calibration(hardware, calibration), calibrated_from_runs=len(rows))
+    calibrated = dataclasses.replace(with_calibration(hardware, calibration), calibrated_from_runs=num_rows)
 
     def mape(hw) -> float:
-        cluster = dataclasses.replace(problem.cluster, hardware=hw)
-        return statistics.fmean(abs(estimate(r.plan, model=problem.model, cluster=cluster, job=problem.job).step_time_s
-                                    / r.measured_step_time_s - 1) for r in rows)
+        errors = []
+        for rows, problem in groups:
+            cluster = dataclasses.replace(problem.cluster, hardware=hw)
+            errors += [abs(estimate(r.plan, model=problem.model, cluster=cluster, job=problem.job).step_time_s
+                           / r.measured_step_time_s - 1) for r in rows]
+        return statistics.fmean(errors)
 
     before, after = mape(hardware), mape(calibrated)
     calibrated.save(profile)
-    return TuneCalibration(num_plans=len(rows), parameters=calibration, mape_before=before, mape_after=after,
+    return TuneCalibration(num_plans=num_rows, parameters=calibration, mape_before=before, mape_after=after,
                            at_bounds=parameters_at_bounds(calibration))
 
 

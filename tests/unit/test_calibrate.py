@@ -165,3 +165,53 @@ def test_recompute_overhead_is_paid_per_checkpointed_region():
     plan = Plan(dp=4, num_micro_batches=4)
     assert estimate(plan, model=base.model, cluster=slow.cluster, job=base.job).step_time_s == \
         estimate(plan, model=base.model, cluster=base.cluster, job=base.job).step_time_s
+
+
+def _tune_plans(batch: int, count: int, top_k: int):
+    problem = make_problem(model="tiny", hardware="cpu", gpus=2, gpus_per_node=2, global_batch=batch, seq_len=64)
+    return problem, [e.plan for e in candidate_plans(problem, top_k=top_k, max_plans=count)]
+
+
+def test_a_second_global_batch_pins_down_the_fixed_cost_of_a_step():
+    """tune's calibration plans at one global batch all compute the same tokens per rank, so the step's
+    fixed cost and its per-sequence cost barely separate (the sensitivities' weakest direction); the same
+    plans plus a few at twice the batch separate them, and the fit over both (fit_time_parameters_over)
+    recovers the truth at both batches."""
+    from planner.calibrate import fit_time_parameters_over
+    from planner.tune import CALIBRATION_PARAMETERS, CALIBRATION_PLANS, CALIBRATION_PLANS_2X
+
+    truth = {"compute_time_scale": 1.3, "op_overhead_s": 4e-6, "collective_overhead_s": 8e-4, "step_overhead_s": 7e-3}
+    one = [_tune_plans(8, CALIBRATION_PLANS, 3)]
+    two = one + [_tune_plans(16, CALIBRATION_PLANS_2X, 1)]
+
+    def weakest(groups) -> float:
+        def log_times(x):
+            calibration = {p: math.exp(v) for p, v in zip(CALIBRATION_PARAMETERS, x)}
+            return np.concatenate([np.log(_predict_step_times(plans, problem, with_calibration(
+                problem.cluster.hardware, calibration))) for problem, plans in groups])
+
+        x0, h = np.array([math.log(truth[p]) for p in CALIBRATION_PARAMETERS]), 1e-4
+        jac = np.stack([(log_times(x0 + h * e) - log_times(x0 - h * e)) / (2 * h)
+                        for e in np.eye(len(CALIBRATION_PARAMETERS))], axis=1)
+        s = np.linalg.svd(jac, compute_uv=False)
+        return s[-1] / s[0]
+
+    assert weakest(two) > 2 * weakest(one)
+
+    def rows_of(problem, plans):
+        real = with_calibration(problem.cluster.hardware, truth)
+        cluster = dataclasses.replace(problem.cluster, hardware=real)
+        out = []
+        for plan in plans:
+            est = estimate(plan, model=problem.model, cluster=cluster, job=problem.job)
+            entry = candidate_plans(problem, top_k=0, max_plans=1)[0]
+            m = Measurement(dataclasses.replace(entry, plan=plan), step_times_s=[est.step_time_s],
+                            peak_memory_bytes=[est.peak_memory_bytes])
+            out.append(plan_row(m, problem))
+        return out
+
+    calibration, rms = fit_time_parameters_over([(rows_of(p, plans), p) for p, plans in two],
+                                                parameters=CALIBRATION_PARAMETERS)
+    assert rms < 1e-5
+    for name in CALIBRATION_PARAMETERS:
+        assert calibration[name] == pytest.approx(truth[name], rel=1e-3), name
