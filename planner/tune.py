@@ -39,11 +39,7 @@ Progress = Callable[[str, int, "int | None", str], None]
 CALIBRATION_PLANS = 8
 # And at twice the batch (calibrate_profile says why): the search's pick and the spread's first plans.
 CALIBRATION_PLANS_2X = 4
-# comm_overlap_efficiency too: the profile's overlap probe (one layer beside one all-gather) is the
-# engine's overlap only roughly; on a 2-core host it read -1 (each slows the other fully) where the
-# engine's ZeRO-3 runs hid nothing but lost nothing either, and ZeRO-3 plans came out 31-44% too slow.
-CALIBRATION_PARAMETERS = ("compute_time_scale", "op_overhead_s", "collective_overhead_s", "step_overhead_s",
-                          "comm_overlap_efficiency")
+CALIBRATION_PARAMETERS = ("compute_time_scale", "op_overhead_s", "collective_overhead_s", "step_overhead_s")
 
 
 def _no_progress(stage: str, done: int, total: int | None, label: str) -> None:
