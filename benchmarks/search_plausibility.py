@@ -96,19 +96,25 @@ def check(key: tuple, runs: list[PublishedRun]) -> Plausibility:
         headroom_fraction=best.job.headroom(hw.device_type))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def report(rows, *, doc: str, title=lambda r: r.setting, published: str = "published best",
+           search: str = "search winner ") -> int:
+    """Print `rows` (each with setting, published_plan/_mfu, search_plan/_mfu, search_peak_fraction, gap,
+    ok) as a table or, with --format json, JSON; the exit code is 1 when any row misses."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--format", choices=("table", "json"), default="table")
     args = parser.parse_args()
-    rows = [check(key, runs) for key, runs in sorted(settings().items())]
     if args.format == "json":
         print(json.dumps([{**asdict(r), "gap": r.gap, "ok": r.ok} for r in rows], indent=2))
     else:
         for r in rows:
-            print(f"{r.setting}\n  published best {r.published_plan}: MFU {r.published_mfu:.1%}\n"
-                  f"  search winner  {r.search_plan}: MFU {r.search_mfu:.1%} ({r.gap:+.1%}), "
+            print(f"{title(r)}\n  {published} {r.published_plan}: MFU {r.published_mfu:.1%}\n"
+                  f"  {search} {r.search_plan}: MFU {r.search_mfu:.1%} ({r.gap:+.1%}), "
                   f"peak {r.search_peak_fraction:.0%} of HBM -> {'ok' if r.ok else 'MISS'}")
     return 0 if all(r.ok for r in rows) else 1
+
+
+def main() -> int:
+    return report([check(key, runs) for key, runs in sorted(settings().items())], doc=__doc__)
 
 
 if __name__ == "__main__":
