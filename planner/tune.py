@@ -105,18 +105,18 @@ def calibrate_profile(profile: str, settings: TuneSettings, *, progress: Progres
     fitted at batch 8 alone, step_overhead_s came out 11.7 ms, and `planner validate` at its batch of 16
     found every plan 10-37% slower than predicted (the winner's shape 31.2 ms at 8 sequences, 55.1 ms at 16:
     7 ms fixed, 24 ms per 8 sequences, where the fit had 11.7 and 18)."""
-    from cost_models.estimate import estimate
-    from planner.calibrate import fit_time_parameters_over, parameters_at_bounds
+    from planner.calibrate import _predict_step_times, fit_time_parameters_over, parameters_at_bounds
     from planner.validate import ValidateSettings, candidate_plans, measure_step_times_batched
     from specs.hardware import resolve_hardware, with_calibration
 
     groups = []
-    for batch, count in ((settings.global_batch, CALIBRATION_PLANS), (2 * settings.global_batch, CALIBRATION_PLANS_2X)):
+    for batch, count, top_k in ((settings.global_batch, CALIBRATION_PLANS, 3),
+                                (2 * settings.global_batch, CALIBRATION_PLANS_2X, 1)):
         vs = ValidateSettings(model=settings.model, hardware=profile, nproc=settings.nproc, global_batch=batch,
                               seq_len=settings.seq_len, precision=settings.precision or _default_precision(profile),
                               seed=settings.seed, timeout_s=settings.timeout_s)
         problem = vs.problem()
-        entries = candidate_plans(problem, top_k=3 if batch == settings.global_batch else 1, max_plans=count)
+        entries = candidate_plans(problem, top_k=top_k, max_plans=count)
         progress("calibrate", 0, None, f"timing {len(entries)} plans at global batch {batch}")
         times = measure_step_times_batched(entries, vs, rounds=2, steps_per_round=3,
                                            progress=lambda done, total, label: progress("calibrate", done, total, label))
@@ -131,12 +131,8 @@ def calibrate_profile(profile: str, settings: TuneSettings, *, progress: Progres
     calibrated = dataclasses.replace(with_calibration(hardware, calibration), calibrated_from_runs=num_rows)
 
     def mape(hw) -> float:
-        errors = []
-        for rows, problem in groups:
-            cluster = dataclasses.replace(problem.cluster, hardware=hw)
-            errors += [abs(estimate(r.plan, model=problem.model, cluster=cluster, job=problem.job).step_time_s
-                           / r.measured_step_time_s - 1) for r in rows]
-        return statistics.fmean(errors)
+        return statistics.fmean(abs(predicted / r.measured_step_time_s - 1) for rows, problem in groups
+                                for r, predicted in zip(rows, _predict_step_times([r.plan for r in rows], problem, hw)))
 
     before, after = mape(hardware), mape(calibrated)
     calibrated.save(profile)

@@ -202,9 +202,9 @@ def test_a_second_global_batch_pins_down_the_fixed_cost_of_a_step():
         real = with_calibration(problem.cluster.hardware, truth)
         cluster = dataclasses.replace(problem.cluster, hardware=real)
         out = []
+        entry = candidate_plans(problem, top_k=0, max_plans=1)[0]
         for plan in plans:
             est = estimate(plan, model=problem.model, cluster=cluster, job=problem.job)
-            entry = candidate_plans(problem, top_k=0, max_plans=1)[0]
             m = Measurement(dataclasses.replace(entry, plan=plan), step_times_s=[est.step_time_s],
                             peak_memory_bytes=[est.peak_memory_bytes])
             out.append(plan_row(m, problem))
