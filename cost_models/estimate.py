@@ -281,6 +281,22 @@ def _layer_activations(plan, *, model, job, eng, hw, dims: dict, ring: int) -> d
     return activation
 
 
+def _policy_times(times, hw, *, tp_fwd_s: float, cp_fwd_s: float, cp_bwd_s: float) -> tuple[dict, dict, dict]:
+    """Per recompute policy: (recomputed seconds, TP + CP communication seconds, CP communication seconds)
+    of one layer's forward and backward."""
+    # Each checkpointed region (the layer under full, the attention core under selective) also pays the
+    # calibrated recompute_overhead_s once per micro-batch: torch.utils.checkpoint's saved-tensor hooks,
+    # RNG state save/restore and re-entry, on top of the recomputed ops (default 0).
+    checkpoint_s = hw.calibration.get("recompute_overhead_s", 0.0)
+    recompute_s = {"none": 0.0, "selective": times.attention_core_forward_s + checkpoint_s,
+                   "full": times.forward_s + checkpoint_s}
+    # Recomputation repeats the forward's CP communication: the whole layer (full), or the core with its
+    # all-to-all and ring (selective: runners/context_parallel.py runs inside the checkpointed core).
+    cp_comm = {"none": cp_fwd_s + cp_bwd_s, "selective": 2 * cp_fwd_s + cp_bwd_s, "full": 2 * cp_fwd_s + cp_bwd_s}
+    tp_comm = {"none": 2 * tp_fwd_s, "selective": 2 * tp_fwd_s, "full": 3 * tp_fwd_s}
+    return recompute_s, {p: tp_comm[p] + cp_comm[p] for p in POLICIES}, cp_comm
+
+
 def layer_costs(plan, *, model, cluster, job, engine: str = "ours") -> LayerCosts:
     """Per-layer time and memory of `plan` as `engine` runs it (see LayerCosts); estimate() prices chunks
     as sums of these."""
@@ -311,17 +327,7 @@ def layer_costs(plan, *, model, cluster, job, engine: str = "ours") -> LayerCost
     embed_comm_s = exposed * (scatter_s if sp else reduce_s)
     tp_fwd_s = 2 * one_s
     cp_fwd_s, cp_bwd_s = _context_comm_s(plan, cluster, model=model, job=job, core_forward_s=core_fwd_s)
-    # Each checkpointed region (the layer under full, the attention core under selective) also pays the
-    # calibrated recompute_overhead_s once per micro-batch: torch.utils.checkpoint's saved-tensor hooks,
-    # RNG state save/restore and re-entry, on top of the recomputed ops (default 0).
-    checkpoint_s = hw.calibration.get("recompute_overhead_s", 0.0)
-    recompute_s = {"none": 0.0, "selective": times.attention_core_forward_s + checkpoint_s,
-                   "full": times.forward_s + checkpoint_s}
-    # Recomputation repeats the forward's CP communication: the whole layer (full), or the core with its
-    # all-to-all and ring (selective: runners/context_parallel.py runs inside the checkpointed core).
-    cp_comm = {"none": cp_fwd_s + cp_bwd_s, "selective": 2 * cp_fwd_s + cp_bwd_s, "full": 2 * cp_fwd_s + cp_bwd_s}
-    tp_comm = {"none": 2 * tp_fwd_s, "selective": 2 * tp_fwd_s, "full": 3 * tp_fwd_s}
-    tp_comm = {p: tp_comm[p] + cp_comm[p] for p in POLICIES}
+    recompute_s, tp_comm, cp_comm = _policy_times(times, hw, tp_fwd_s=tp_fwd_s, cp_fwd_s=cp_fwd_s, cp_bwd_s=cp_bwd_s)
     time_s = {p: times.forward_s + times.backward_s + recompute_s[p] + tp_comm[p] for p in POLICIES}
     activation = _layer_activations(plan, model=model, job=job, eng=eng, hw=hw, dims=dims, ring=ring)
     shards = dict(param_shard=plan.param_shard, grad_shard=plan.grad_shard, optim_shard=plan.optim_shard,
@@ -702,6 +708,19 @@ def _chunk_wire_fractions(plan, cluster, *, layer_bytes: float, grad_bytes: floa
     return gather, scatter, reduce
 
 
+def _maz3_tiers(plan, cluster, *, tiers: list[str], layer_bytes: float, chunk: int) -> tuple[float, float]:
+    """(share of the chunk's forward gathers left under MAZ3's device tier, bytes the device and secondary
+    tiers keep). One kept copy per layer (module doc of runners/sharding/): the full layer on the device
+    tier, the node's 1/per_node slice of it on the secondary tier. With pp > 1 a device-tier layer gathers
+    only on its fresh forwards (a micro-batch's first pass through the chunk since its last backward)."""
+    fraction = 1.0
+    if "device" in tiers and plan.pp > 1:
+        fresh = _fresh_forwards(plan.schedule, plan.pp, plan.virtual_stages, plan.num_micro_batches)[chunk]
+        fraction = fresh / plan.num_micro_batches
+    per_node = cluster.ranks_per_node_in_group(size=plan.param_shard, stride=plan.tp)
+    return fraction, layer_bytes * (tiers.count("device") + tiers.count("secondary") / per_node)
+
+
 def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, layers: range,
                  end_params: tuple[float, float], eng) -> _ChunkPrice:
     policies = [plan.layer_recompute(i) for i in layers]
@@ -719,10 +738,7 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
     grad_bytes = reduce_bytes_per_param(job.precision, eng, reduce_fp32=plan.reduce_fp32)
     layer_bytes = layer_params * param_bytes
     end_bytes = ((end_params[0] if first else 0.0) + (end_params[1] if last else 0.0)) * param_bytes
-    fraction = 1.0
-    if "device" in tiers and plan.pp > 1:
-        fresh = _fresh_forwards(plan.schedule, plan.pp, plan.virtual_stages, plan.num_micro_batches)[chunk]
-        fraction = fresh / plan.num_micro_batches
+    fraction, cache = _maz3_tiers(plan, cluster, tiers=tiers, layer_bytes=layer_bytes, chunk=chunk)
     # The runner's units outside the layers (runners/transformer.py): embedding (+ learned positions) first,
     # final norm and head last.
     num_end_units = (1 + int(model.learned_positions) if first else 0) + (2 if last else 0)
@@ -738,10 +754,6 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
         comm, reduce_s, last_bucket_s = _with_expert_comm(
             plan, cluster, comm, reduce_s=reduce_s, last_bucket_s=last_bucket_s, expert_params=expert_params,
             num_moe=num_moe, param_bytes=param_bytes, grad_bytes=grad_bytes, eng=eng)
-    per_node = cluster.ranks_per_node_in_group(size=plan.param_shard, stride=plan.tp)
-    # MAZ3 (module doc of runners/sharding/): one kept copy per layer, the full layer on the device
-    # tier, the node's 1/per_node slice of it on the secondary tier, the full layer in host memory.
-    cache = layer_bytes * (tiers.count("device") + tiers.count("secondary") / per_node)
     working = max((costs.activation_bytes["none"] - costs.activation_bytes[p] for p in policies), default=0.0)
     gather_wire, rs_wire, reduce_wire = _chunk_wire_fractions(plan, cluster, layer_bytes=layer_bytes,
                                                               grad_bytes=num_params * grad_bytes)
