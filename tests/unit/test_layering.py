@@ -111,3 +111,30 @@ def test_the_check_sees_a_violation(tmp_path, monkeypatch):
     source = tmp_path / "mod.py"
     source.write_text("def f():\n    from cost_models.estimate import estimate\n    import runners.train\n")
     assert _imports(source) >= {"cost_models.estimate", "runners.train"}
+
+
+# issue 12: a unit of code a reader holds in one view. The engine's techniques each have their own file
+# (runners/sharding/), so a class over this has grown a second job.
+MAX_FUNCTION_LINES, MAX_CLASS_LINES = 60, 300
+
+
+def _oversized(paths, root: Path = ROOT) -> list[str]:
+    out = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            limit = (MAX_CLASS_LINES if isinstance(node, ast.ClassDef)
+                     else MAX_FUNCTION_LINES if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None)
+            if limit is not None and node.end_lineno - node.lineno + 1 > limit:
+                out.append(f"{path.relative_to(root)}:{node.lineno} {node.name} "
+                           f"({node.end_lineno - node.lineno + 1} lines > {limit})")
+    return out
+
+
+def test_no_function_or_class_in_the_rooms_outgrows_one_view():
+    assert _oversized(p for room in ROOMS for p in (ROOT / room).rglob("*.py")) == []
+
+
+def test_the_size_check_sees_a_long_function(tmp_path):
+    long = tmp_path / "long.py"
+    long.write_text("def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES + "class C:\n    pass\n")
+    assert _oversized([long], tmp_path) == [f"long.py:1 f ({MAX_FUNCTION_LINES + 1} lines > {MAX_FUNCTION_LINES})"]
