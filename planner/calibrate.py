@@ -159,7 +159,10 @@ def fit_parameters(predict, measured: np.ndarray, base: Hardware, *, parameters:
 def _starting_points(base: Hardware, parameters: tuple[str, ...], units: np.ndarray) -> list[np.ndarray]:
     """The hardware's current values (or the defaults), and the same with the overheads 10x larger and
     smaller: the overheads and the scales trade off, and LM only finds the nearest minimum."""
-    current = np.array([math.log(max(base.calibration.get(p, _default(base, p)), 1e-30) / unit)
+    # A share that hides (the overlap probe may read <= 0 on a host with fewer cores than ranks) starts
+    # from 5% at least: from the log floor its gradient is nil and the fit could never raise it.
+    floors = {"comm_overlap_efficiency": 0.05}
+    current = np.array([math.log(max(base.calibration.get(p, _default(base, p)), floors.get(p, 1e-30)) / unit)
                         for p, unit in zip(parameters, units)])
     current = np.maximum(current, LOG_FLOOR)
     overhead = np.array([p.endswith("_overhead_s") for p in parameters])

@@ -14,8 +14,9 @@ Closing the loop: the profile's probes fit the CPU's per-op cost, compute slowdo
 layer (runners/probe.py), but not what a whole engine step adds (hooks, the optimizer step,
 collectives under load). So when the profile has never been fitted to training runs, tune times a
 handful of real plans first (the search's top 3 and the validation spread, CALIBRATION_PLANS in all, and
-CALIBRATION_PLANS_2X more at twice the global batch) in batched, interleaved torchrun launches
-(planner/validate.py), fits CALIBRATION_PARAMETERS to them by
+CALIBRATION_PLANS_2X more at twice the global batch, and the no-prefetch twin of a ZeRO-3 plan among
+them) in batched, interleaved torchrun launches (planner/validate.py), fits CALIBRATION_PARAMETERS (and,
+with the twin, OVERLAP_PARAMETER) to them by
 least squares (planner/calibrate.py), writes the result into the profile, and searches on the
 calibrated profile. The next tune reuses it (`--no-calibrate` skips the step; `--recalibrate` redoes it).
 """
@@ -40,6 +41,12 @@ CALIBRATION_PLANS = 8
 # And at twice the batch (calibrate_profile says why): the search's pick and the spread's first plans.
 CALIBRATION_PLANS_2X = 4
 CALIBRATION_PARAMETERS = ("compute_time_scale", "op_overhead_s", "collective_overhead_s", "step_overhead_s")
+# Fitted too when the timed plans hold a ZeRO-3 plan that prefetches and its twin that does not
+# (`with_prefetch_twin`): the pair differs only in the gathers hidden behind compute, so it pins the share
+# that hides (the profile's overlap probe is the starting value). Without the twin this parameter trades
+# off against compute_time_scale and step_overhead_s: fitted alone from 12 plans in a fresh clone it ran
+# to its bounds (efficiency 1, compute scale 3.14, step overhead 0).
+OVERLAP_PARAMETER = "comm_overlap_efficiency"
 
 
 def _no_progress(stage: str, done: int, total: int | None, label: str) -> None:
@@ -117,6 +124,8 @@ def calibrate_profile(profile: str, settings: TuneSettings, *, progress: Progres
                               seed=settings.seed, timeout_s=settings.timeout_s)
         problem = vs.problem()
         entries = candidate_plans(problem, top_k=top_k, max_plans=count)
+        if batch == settings.global_batch:
+            entries = with_prefetch_twin(entries)
         progress("calibrate", 0, None, f"timing {len(entries)} plans at global batch {batch}")
         times = measure_step_times_batched(entries, vs, rounds=2, steps_per_round=3,
                                            progress=lambda done, total, label: progress("calibrate", done, total, label))
@@ -126,6 +135,8 @@ def calibrate_profile(profile: str, settings: TuneSettings, *, progress: Progres
         groups.append((rows, problem))
     num_rows = sum(len(rows) for rows, _ in groups)
     parameters = CALIBRATION_PARAMETERS[:max(1, min(len(CALIBRATION_PARAMETERS), num_rows - 1))]
+    if _has_prefetch_pair([r.plan for rows, _ in groups for r in rows]) and num_rows > len(parameters) + 1:
+        parameters += (OVERLAP_PARAMETER,)
     calibration, _ = fit_time_parameters_over(groups, parameters=parameters)
     hardware = resolve_hardware(profile)
     calibrated = dataclasses.replace(with_calibration(hardware, calibration), calibrated_from_runs=num_rows)
@@ -138,6 +149,24 @@ def calibrate_profile(profile: str, settings: TuneSettings, *, progress: Progres
     calibrated.save(profile)
     return TuneCalibration(num_plans=num_rows, parameters=calibration, mape_before=before, mape_after=after,
                            at_bounds=parameters_at_bounds(calibration))
+
+
+def with_prefetch_twin(entries: list) -> list:
+    """`entries` and, after them, the no-prefetch twin of the first ZeRO-3 plan that prefetches (none if
+    there is no such plan or its twin is already timed)."""
+    from planner.validate import PlanEntry
+
+    plans = {e.plan for e in entries}
+    for e in entries:
+        if e.plan.param_shard > 1 and e.plan.prefetch_depth > 0:
+            twin = e.plan.replace(prefetch_depth=0)
+            return entries if twin in plans else [*entries, PlanEntry(f"{e.label} no prefetch", e.source, twin)]
+    return entries
+
+
+def _has_prefetch_pair(plans: list) -> bool:
+    timed = set(plans)
+    return any(p.param_shard > 1 and p.prefetch_depth > 0 and p.replace(prefetch_depth=0) in timed for p in plans)
 
 
 def _default_precision(profile: str) -> str:

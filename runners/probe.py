@@ -8,8 +8,8 @@ runner executes (runners/transformer.py), at a few (micro-batch, sequence) shape
 simultaneously, so that what a training step pays on this host is in the numbers: eager dispatch and
 autograd bookkeeping per op, and processes sharing cores (4 ranks on 2 cores each get half a core,
 which a single-process GEMM sweep never sees). One more point runs the middle shape under full
-recomputation (torch.utils.checkpoint's own cost). The overlap probe then times a layer's
-forward+backward beside an asynchronous all-gather of its parameters, the way ZeRO-3 prefetches.
+recomputation (torch.utils.checkpoint's own cost). The overlap probe then times a chunk's micro-step
+with each unit's parameter all-gather blocking, and prefetched one unit ahead the way ZeRO-3 does.
 
 What the points mean for the cost model (the fit of op_overhead_s, compute_time_scale,
 recompute_overhead_s and comm_overlap_efficiency) is the application's business: planner/profiling.py.
@@ -38,13 +38,15 @@ CUDA_PROBE_SHAPES = ((1, 1024), (2, 2048), (4, 2048))
 # charge all of it to the layer.
 PROBE_LAYERS = 4
 PROBE_ROUNDS = 3
+# The overlap probe's rounds (each times every mode once; medians kept).
+OVERLAP_ROUNDS = 5
 
 
 @dataclass(frozen=True)
 class ProbeSpec:
     model: ModelSpec
     budget_s: float  # seconds per probe point (over all rounds)
-    overlap_repeats: int = 10
+    overlap_repeats: int = 12
     timeout_s: float = 300.0
 
 
@@ -132,54 +134,92 @@ def measure_layer(model: ModelSpec, *, device: torch.device, dtype: torch.dtype,
             for key in keys for (b, s), policy in [key]]
 
 
+def _micro_step(units, x, gather, mode: str) -> None:
+    """One forward and backward of the chunk `units` on input `x`, each unit's parameters fetched by
+    `gather(i, async_op=)`: mode "compute" (no gathers), "forward" (forward only), "serial" or "prefetch"."""
+    pending = gather(0, async_op=True) if mode == "prefetch" else None
+    ins, outs = [], []  # each unit's input is a leaf, so its backward runs alone, as under the hooks
+    for i, unit in enumerate(units):
+        if mode == "serial":
+            gather(i, async_op=False)
+        elif mode == "prefetch":
+            pending.wait()
+            pending = gather(i + 1, async_op=True) if i + 1 < len(units) else None
+        ins.append(x if i == 0 else outs[-1].detach().requires_grad_())
+        outs.append(unit(ins[-1]))
+    if mode == "forward":
+        return
+    grad, last = torch.ones_like(outs[-1]), len(units) - 1
+    pending = gather(last, async_op=True) if mode == "prefetch" else None
+    for i in range(last, -1, -1):
+        if mode == "serial":
+            gather(i, async_op=False)
+        elif mode == "prefetch":
+            pending.wait()
+            pending = gather(i - 1, async_op=True) if i > 0 else None
+        outs[i].backward(grad)  # weight gradients too, as in training
+        grad, ins[i].grad = ins[i].grad, None
+
+
 def measure_overlap(model: ModelSpec, *, device: torch.device, dtype: torch.dtype, group, repeats: int,
-                    rounds: int = PROBE_ROUNDS) -> dict[str, float]:
-    """How much of a collective issued beside compute actually hides, the way the engine overlaps a
-    ZeRO-3 prefetch with a layer: every rank times `repeats` layer forward+backward passes alone
-    (compute_s), `repeats` all-gathers of one layer's parameters alone (comm_s), and both with each
-    all-gather issued asynchronously before a pass and waited for after it (both_s); efficiency =
-    (compute_s + comm_s - both_s) / min(compute_s, comm_s), clipped to [-1, 1]. Each time is the slowest
-    rank's; `rounds` rounds, the median one kept. On a host with fewer cores than ranks the collective's
-    thread competes with compute, and a peer that is computing answers late, so little hides, and the pair
-    can even take longer than the two one after the other (a negative efficiency)."""
+                    rounds: int = OVERLAP_ROUNDS) -> dict[str, float]:
+    """How much of the parameter gathers that ZeRO-3 prefetches hides behind compute, measured the way
+    the engine overlaps them (runners/sharding/gather.py, prefetch depth 1) and in the terms the cost
+    model prices them (cost_models/estimate._overlap).
+
+    A chunk of PROBE_LAYERS one-layer units, each with its parameters' all-gather, runs a micro-step
+    four ways, `repeats` times each, interleaved in `rounds` rounds: compute alone and its forward alone, "serial" (every gather blocking just before its unit, forward and backward) and
+    "prefetch" (unit i+1's gather issued before unit i computes and waited for just before unit i+1;
+    backward runs unit by unit, last to first, each next gather issued before the current unit's
+    backward). The medians over rounds give the forward F and backward B compute, the gathers' time
+    G = serial - compute, and the efficiency e that the cost model's overlap formula needs to reproduce
+    the prefetch step: prefetch = serial - e x (min(F, G_f) + min(B, G_b)), where G_f = G_b = (n - 1)
+    gathers of the 2n are the ones issued beside compute; clipped to [-1, 1]. Each time is the slowest
+    rank's. The earlier probe timed one gather beside a whole forward+backward for a few milliseconds:
+    on a 2-core host it read -1 (worse than serial) while prefetch in the engine saved 12-15% of a ZeRO-3
+    step (303 -> 267 ms at 8 micro-batches of 1), which the cost model prices as e ~ 0.4."""
     from runners.comm import all_gather_single
 
-    chunk = _probe_chunk(model, num_layers=1, recompute="none", device=device, dtype=dtype)
     n = dist.get_world_size(group)
-    numel = -(-sum(p.numel() for p in chunk.parameters()) // n) * n
+    units = [_probe_chunk(model, num_layers=1, recompute="none", device=device, dtype=dtype)
+             for _ in range(min(PROBE_LAYERS, model.num_layers))]
+    numel = -(-sum(p.numel() for p in units[0].parameters()) // n) * n
     shard = torch.ones(numel // n, dtype=dtype, device=device)
-    full = torch.empty(numel, dtype=dtype, device=device)
+    full = [torch.empty(numel, dtype=dtype, device=device) for _ in units]
     x = torch.randn(1, min(64, model.max_seq_len), model.hidden_size, device=device, dtype=dtype, requires_grad=True)
 
-    def compute() -> None:
-        chunk(x).sum().backward()
+    def gather(i: int, *, async_op: bool):
+        return all_gather_single(full[i], shard, group=group, async_op=async_op)
 
-    def timed(body) -> float:
-        body()  # warm-up
+    def timed(mode: str) -> float:
+        _micro_step(units, x, gather, mode)  # warm-up
         dist.barrier(group=group)
         _synchronize(device)
         start = time.perf_counter()
         for _ in range(repeats):
-            body()
+            _micro_step(units, x, gather, mode)
         _synchronize(device)
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+        elapsed = torch.tensor([(time.perf_counter() - start) / repeats], dtype=torch.float64, device=device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
         return float(elapsed.item())
 
-    def both() -> None:
-        work = all_gather_single(full, shard, group=group, async_op=True)
-        compute()
-        work.wait()
+    modes = ("compute", "forward", "serial", "prefetch")
+    samples: dict[str, list[float]] = {m: [] for m in modes}
+    for r in range(rounds):
+        for mode in modes[r % 2:] + modes[:r % 2]:  # alternate the order so drift lands on all
+            samples[mode].append(timed(mode))
+    return _overlap_result({m: statistics.median(v) for m, v in samples.items()}, num_units=len(units))
 
-    rows = []
-    for _ in range(rounds):
-        compute_s = timed(compute)
-        comm_s = timed(lambda: all_gather_single(full, shard, group=group))
-        both_s = timed(both)
-        efficiency = (compute_s + comm_s - both_s) / max(min(compute_s, comm_s), 1e-12)
-        rows.append({"compute_s": compute_s, "comm_s": comm_s, "both_s": both_s,
-                     "efficiency": min(1.0, max(-1.0, efficiency))})
-    return sorted(rows, key=lambda r: r["efficiency"])[len(rows) // 2]
+
+def _overlap_result(med: dict[str, float], *, num_units: int) -> dict[str, float]:
+    """measure_overlap's figures from the median seconds of each micro-step mode."""
+    compute_s, forward_s = med["compute"], min(med["forward"], med["compute"])
+    comm_s = max(0.0, med["serial"] - compute_s)
+    beside = (num_units - 1) * comm_s / (2 * num_units)  # gathers beside the forward; as many beside the backward
+    hideable = min(forward_s, beside) + min(compute_s - forward_s, beside)
+    efficiency = (med["serial"] - med["prefetch"]) / max(hideable, 1e-12)
+    return {"compute_s": compute_s, "comm_s": comm_s, "both_s": med["prefetch"], "serial_s": med["serial"],
+            "forward_s": forward_s, "efficiency": min(1.0, max(-1.0, efficiency))}
 
 
 def run_task(spec_dict: dict) -> ProbeResult | None:

@@ -115,7 +115,8 @@ class Hardware:
     # The layer probe's raw points; on CPU `planner profile` fits op_overhead_s and compute_time_scale
     # from them into `calibration`.
     layer_probe: tuple[LayerProbePoint, ...] = ()
-    # The overlap probe (runners/probe.measure_overlap): compute_s, comm_s, both_s, efficiency.
+    # The overlap probe (runners/probe.measure_overlap): compute_s, forward_s, comm_s, serial_s, both_s
+    # (the prefetched micro-step), efficiency.
     overlap_probe: dict[str, float] = field(default_factory=dict)
     # Measured training runs the calibration was last fitted to (`planner calibrate`, `planner tune`);
     # 0: only the profile's own probes.

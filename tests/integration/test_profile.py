@@ -43,7 +43,9 @@ def test_profile_json_round_trips_through_resolve_hardware(profile_path: Path) -
         [(1, 8, "none"), (1, 64, "none"), (4, 64, "none"), (1, 64, "full")]
     assert all(0 < p.forward_s < p.forward_backward_s for p in hw.layer_probe)
     assert hw.calibration["recompute_overhead_s"] >= 0
-    assert set(hw.overlap_probe) == {"compute_s", "comm_s", "both_s", "efficiency"}
+    assert set(hw.overlap_probe) == {"compute_s", "forward_s", "comm_s", "serial_s", "both_s", "efficiency"}
+    probe = hw.overlap_probe
+    assert 0 < probe["forward_s"] <= probe["compute_s"] < probe["serial_s"] and -1 <= probe["efficiency"] <= 1
     assert hw.calibration["compute_time_scale"] > 0 and hw.calibration["op_overhead_s"] >= 0
     assert hw.calibration["comm_overlap_efficiency"] == hw.overlap_probe["efficiency"]
 

@@ -11,7 +11,7 @@ import pytest
 from cost_models.estimate import estimate
 from planner.cli import app
 from planner.search import SearchOptions, search
-from planner.tune import CALIBRATION_PARAMETERS, TuneSettings, cached_profile_path, ensure_profile
+from planner.tune import CALIBRATION_PARAMETERS, OVERLAP_PARAMETER, TuneSettings, cached_profile_path, ensure_profile
 from planner.validate import ValidateSettings
 from runners.launch import num_cores
 from runners.config import RunConfig
@@ -50,7 +50,7 @@ def test_tune_profiles_searches_runs_and_reuses_the_cache(tmp_path, monkeypatch)
     # The fresh profile was fitted to timed plans before the search, and the fit is in the cache.
     calibration = report["calibration"]
     assert calibration["num_plans"] >= 4 and report["calibrated_from_runs"] == calibration["num_plans"]
-    assert set(calibration["parameters"]) <= set(CALIBRATION_PARAMETERS)
+    assert set(calibration["parameters"]) <= {*CALIBRATION_PARAMETERS, OVERLAP_PARAMETER}
     assert calibration["mape_after"] <= calibration["mape_before"] + 1e-9
     hardware = resolve_hardware(str(cached))
     assert hardware.calibrated_from_runs == calibration["num_plans"]

@@ -215,3 +215,37 @@ def test_a_second_global_batch_pins_down_the_fixed_cost_of_a_step():
     assert rms < 1e-5
     for name in CALIBRATION_PARAMETERS:
         assert calibration[name] == pytest.approx(truth[name], rel=1e-3), name
+
+
+def test_the_zero3_twin_without_prefetch_pins_the_share_of_gathers_that_hides():
+    """tune times the no-prefetch twin of its ZeRO-3 plan (with_prefetch_twin): the pair differs only in
+    the gathers hidden behind compute, so comm_overlap_efficiency is fitted with the other four and comes
+    out at the truth, from a start at the overlap probe's -1 (the earlier probe's reading on 2 cores)."""
+    from planner.calibrate import fit_time_parameters_over
+    from planner.tune import (CALIBRATION_PARAMETERS, CALIBRATION_PLANS, CALIBRATION_PLANS_2X, OVERLAP_PARAMETER,
+                              _has_prefetch_pair, with_prefetch_twin)
+
+    truth = {"compute_time_scale": 1.3, "op_overhead_s": 4e-6, "collective_overhead_s": 8e-4, "step_overhead_s": 7e-3,
+             OVERLAP_PARAMETER: 0.4}
+    groups = []
+    for batch, count, top_k in ((8, CALIBRATION_PLANS, 3), (16, CALIBRATION_PLANS_2X, 1)):
+        problem = make_problem(model="tiny", hardware="cpu", gpus=2, gpus_per_node=2, global_batch=batch, seq_len=64)
+        entries = candidate_plans(problem, top_k=top_k, max_plans=count)
+        if batch == 8:
+            twinned = with_prefetch_twin(entries)
+            assert len(twinned) == len(entries) + 1 and twinned[-1].plan.prefetch_depth == 0
+            assert with_prefetch_twin(twinned) == twinned  # a timed twin is not added twice
+            entries = twinned
+        problem = dataclasses.replace(problem, cluster=dataclasses.replace(
+            problem.cluster, hardware=with_calibration(problem.cluster.hardware, {OVERLAP_PARAMETER: -1.0})))
+        real = dataclasses.replace(problem.cluster, hardware=with_calibration(problem.cluster.hardware, truth))
+        rows = []
+        for entry in entries:
+            est = estimate(entry.plan, model=problem.model, cluster=real, job=problem.job)
+            rows.append(plan_row(Measurement(entry, step_times_s=[est.step_time_s],
+                                             peak_memory_bytes=[est.peak_memory_bytes]), problem))
+        groups.append((rows, problem))
+    assert _has_prefetch_pair([r.plan for rows, _ in groups for r in rows])
+    calibration, rms = fit_time_parameters_over(groups, parameters=(*CALIBRATION_PARAMETERS, OVERLAP_PARAMETER))
+    assert rms < 1e-4
+    assert calibration[OVERLAP_PARAMETER] == pytest.approx(0.4, rel=1e-2)
