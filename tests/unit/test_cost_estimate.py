@@ -59,7 +59,8 @@ def test_estimate_prices_layers_exactly_as_layer_costs_says():
 
 def test_unequal_stages_are_priced_from_layer_costs():
     # pp=2, one micro-batch, layers split 20/12 with per-layer policies: the step is chunk 0 forward,
-    # a send, chunk 1 forward and backward, a send back, chunk 0 backward, then rank 0's optimizer.
+    # a send, chunk 1 forward and backward, a send back, chunk 0 backward, then rank 0's optimizer; each
+    # send's kernels hold SMs beside the sender's compute (estimate._send_toll): (1 - e) x the send.
     policies = tuple("full" if i < 10 else "none" for i in range(LLAMA8.num_layers))
     plan = Plan(pp=2, num_micro_batches=1, stage_layers=(20, 12), recompute_layers=policies)
     job = Job(global_batch=1, seq_len=2048)
@@ -69,7 +70,10 @@ def test_unequal_stages_are_priced_from_layer_costs():
     compute = sum(costs.time_s[p] for p in policies) + costs.first_extra_time_s + costs.last_extra_time_s
     b = est.breakdown
     assert b["critical_rank"] == 0
-    assert est.step_time_s == pytest.approx(compute + 2 * b["pp_comm_s"] + b["optimizer_s"])
+    send_s = b["pp_comm_s"]  # rank 0 sends once
+    tolls = (2 - costs.overlap_efficiency_forward - costs.overlap_efficiency_backward) * send_s
+    assert 0 < tolls < send_s
+    assert est.step_time_s == pytest.approx(compute + 2 * send_s + tolls + b["optimizer_s"])
     # Rank 0 holds 20 layers' states, rank 1 only 12 plus the head: rank 0 is the memory's worst rank.
     assert b["memory_worst_rank"] == 0
 
