@@ -368,14 +368,15 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
     # max / mean rows of the busiest EP rank: measured (a calibration's moe_imbalance) or expected from
     # how the model balances its router (cost_models/moe.py)
     imbalance = hw.calibration.get("moe_imbalance", moe_cost.expected_imbalance(model, tokens=tokens, ep=plan.ep))
+    eng = engine_model(engine)
     times = moe_cost.moe_compute_times(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp, tp=plan.tp,
-                                       imbalance=imbalance, dtype="bf16" if job.precision == "fp8" else job.precision)
+                                       imbalance=imbalance, dtype="bf16" if job.precision == "fp8" else job.precision,
+                                       accumulate_fp32=eng.main_grads_fp32)
     elementwise = moe_cost.permutation_times_s(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp, imbalance=imbalance,
                                                precision=job.precision)
     times = moe_cost.MoETimes(forward_s=times.forward_s + elementwise.forward_s,
                               backward_s=times.backward_s + elementwise.backward_s)
     buffer = tokens * model.num_experts_per_token * model.hidden_size * p
-    eng = engine_model(engine)
     a2a_s = moe_cost.all_to_all_time_s(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp,
                                        ranks_per_node=cluster.devices_per_node, precision=job.precision,
                                        dispatcher=eng.moe_dispatcher) * imbalance  # the busiest rank's rows

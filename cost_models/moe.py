@@ -27,7 +27,7 @@ import warnings
 from dataclasses import dataclass
 
 from cost_models.comm import flat_collective_time_s
-from cost_models.compute import Gemm, activation_bytes_per_element, gemm_time_s, memory_time_s
+from cost_models.compute import Gemm, activation_bytes_per_element, backward_gemms_time_s, gemm_time_s, memory_time_s
 from cost_models.memory import model_state_bytes
 from specs.hardware import Hardware
 from specs.model import ModelSpec
@@ -130,15 +130,17 @@ class MoETimes:
 
 
 def moe_compute_times(model: ModelSpec, hw: Hardware, *, tokens: int, ep: int, etp: int = 1, tp: int = 1,
-                      imbalance: float = 1.0, dtype: str) -> MoETimes:
+                      imbalance: float = 1.0, dtype: str, accumulate_fp32: bool = False) -> MoETimes:
     """Forward and backward (input + weight gradients) GEMM seconds of one MoE layer's MLP on one rank; the
-    router runs in fp32 (runners/moe.py, Megatron-Core's --moe-router-dtype fp32)."""
+    router runs in fp32 (runners/moe.py, Megatron-Core's --moe-router-dtype fp32). `accumulate_fp32`: the
+    weight gradients are added into fp32 main gradients (Megatron's gradient-accumulation fusion,
+    compute.gemm_time_s), which an expert's weight gradient, over its few rows, waits for in HBM bytes."""
     gemms = moe_gemms(model, tokens=tokens, ep=ep, etp=etp, tp=tp, imbalance=imbalance)
     fwd = bwd = 0.0
     for group, items in gemms.items():
         kind = "fp32" if group == "router" else dtype
         fwd += sum(gemm_time_s(hw, g, dtype=kind) for g in items)
-        bwd += sum(gemm_time_s(hw, g2, dtype=kind) for g in items for g2 in g.backward())
+        bwd += sum(backward_gemms_time_s(hw, g, dtype=kind, accumulate_fp32=accumulate_fp32) for g in items)
     return MoETimes(forward_s=fwd, backward_s=bwd)
 
 

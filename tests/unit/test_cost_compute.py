@@ -82,6 +82,21 @@ def test_measured_gemm_points_are_exact_where_measured_and_scaled_between():
         HW["a100"], m=4096, n=4096, k=4096, dtype="fp32")
 
 
+def test_a_weight_gradient_added_into_fp32_main_grads_waits_for_its_bytes():
+    """An expert's weight gradient over 512 rows (K) into a 4096 x 1536 fp32 main gradient: 6.4 GFLOP, but
+    the buffer read and written (8 bytes x 6.29M) and the operands read once ((4096 + 1536) x 512 x 2)
+    are 56.1 MB, 20.9 us at the H100's 3.35 TB/s x 0.8, against 11.2 us of tensor-core time: the GEMM
+    waits for HBM.
+    Over 16384 rows the same output is compute bound and the flag changes nothing."""
+    h100 = HW["h100"]
+    short = Gemm(4096, 1536, 512)
+    num_bytes = 4096 * 1536 * 8 + (4096 * 512 + 512 * 1536) * 2
+    assert gemm_time_s(h100, short, dtype="bf16", accumulate_fp32=True) == pytest.approx(num_bytes / (3.35e12 * 0.8))
+    assert gemm_time_s(h100, short, dtype="bf16", accumulate_fp32=True) > 1.8 * gemm_time_s(h100, short, dtype="bf16")
+    long = Gemm(4096, 1536, 16384)
+    assert gemm_time_s(h100, long, dtype="bf16", accumulate_fp32=True) == gemm_time_s(h100, long, dtype="bf16")
+
+
 def test_memory_bound_ops_use_bandwidth():
     hw = HW["h100"]
     assert memory_time_s(hw, 3.35e12 * 0.8) == pytest.approx(1.0)
