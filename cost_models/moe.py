@@ -81,7 +81,10 @@ def rows_per_expert(model: ModelSpec, *, tokens: float, ep: int, etp: int = 1, i
 # Table 2: MaxVio_global = (max_i Load_i - mean Load_i) / mean Load_i over the validation set, 0.52 for
 # their 3B model trained with a balancing loss (alpha 0.001, 200B tokens; 0.72 at 1B) and 0.04 with
 # bias-adjusted (auxiliary-loss-free) routing at both scales. The larger model's figure stands for
-# "aux_loss"; "forced" routing is exactly balanced.
+# "aux_loss". "forced" routing has no standing preference, but it is random, not round-robin:
+# Megatron-Core's --moe-router-force-load-balancing replaces the router's logits with i.i.d. normal ones
+# drawn per token (moe_utils.RandomSTE), so each token's top-k is a uniform draw and the loads keep
+# their sampling spread.
 MAX_LOAD_VIOLATION = {"aux_loss": 0.52, "aux_free": 0.04, "forced": 0.0}
 
 
@@ -91,14 +94,15 @@ def expected_imbalance(model: ModelSpec, *, tokens: float, ep: int) -> float:
     ep x tokens x k assignments of its group. Two spreads add in quadrature, as relative standard deviations
     of a rank's load:
     - sampling: a token puts a hypergeometric number of its k distinct experts on the rank, variance
-      k (g/E)(1 - g/E)(E - k)/(E - 1), summed over the ep x tokens tokens (uniform routing's floor);
+      k (g/E)(1 - g/E)(E - k)/(E - 1), summed over the ep x tokens tokens (uniform routing's floor, all
+      that "forced" routing's random logits leave);
     - the trained router's standing preference for some experts: a measured maximum excess MaxVio over E
       experts is ~ sqrt(2 ln E) standard deviations of one expert's share, sigma_e = MaxVio / sqrt(2 ln E),
       and a rank's g experts average theirs, sigma_e / sqrt(g).
     The expected maximum of ep such loads is about mean + sqrt(2 ln ep) sigma (Gaussian maximum). A capacity
     factor caps it (tokens over capacity are dropped); ep 1 has no rank to wait for."""
     violation = MAX_LOAD_VIOLATION[model.load_balancing]
-    if ep == 1 or violation == 0.0 or tokens <= 0:
+    if ep == 1 or tokens <= 0:
         return 1.0
     e, k = model.num_experts, model.num_experts_per_token
     share = 1.0 / ep  # g / E

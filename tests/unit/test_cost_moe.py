@@ -38,7 +38,11 @@ def test_expected_imbalance_by_hand():
 def test_expected_imbalance_limits():
     qwen = PRESETS["qwen3-235b-a22b"]
     assert expected_imbalance(qwen, tokens=4096, ep=1) == 1.0  # no other rank to wait for
-    assert expected_imbalance(dataclasses.replace(qwen, load_balancing="forced"), tokens=4096, ep=8) == 1.0
+    # Forced balancing routes on random logits (Megatron-Core's RandomSTE): no preference, the sampling
+    # floor stays, 1 + sqrt(2 ln 8) x 0.0050231; at 1024 tokens a rank (tp4 under SP) twice that spread.
+    forced = dataclasses.replace(qwen, load_balancing="forced")
+    assert expected_imbalance(forced, tokens=4096, ep=8) == pytest.approx(1.010244, abs=2e-6)
+    assert expected_imbalance(forced, tokens=1024, ep=8) == pytest.approx(1.020488, abs=4e-6)
     # DeepSeek-V3's bias-adjusted routing: MaxVio 0.04, 4 experts a rank at ep 64.
     free = expected_imbalance(PRESETS["deepseek-v3"], tokens=4096, ep=64)
     assert 1.0 < free < 1.03
@@ -279,23 +283,25 @@ def test_moe_recompute_reruns_the_moe_layer_with_its_dispatch():
     qwen, problem, default = _named_recompute_costs(("core_attn",))
     _, _, moe = _named_recompute_costs(("moe",))
     hw = problem.cluster.hardware
-    # The MoE layer's forward on one rank: 4096 tokens a rank, ep 8, balanced.
-    forward_s = (moe_compute_times(qwen, hw, tokens=4096, ep=8, dtype="bf16").forward_s
-                 + permutation_times_s(qwen, hw, tokens=4096, ep=8, precision="bf16").forward_s)
+    # The MoE layer's forward on one rank: 4096 tokens a rank, ep 8, forced (random) routing's busiest rank.
+    imbalance = expected_imbalance(qwen, tokens=4096, ep=8)
+    forward_s = (moe_compute_times(qwen, hw, tokens=4096, ep=8, dtype="bf16", imbalance=imbalance).forward_s
+                 + permutation_times_s(qwen, hw, tokens=4096, ep=8, precision="bf16", imbalance=imbalance).forward_s)
     assert moe.recompute_time_s["selective"] == pytest.approx(forward_s, rel=1e-9)
     # Its dispatch and combine run again: the selective policy's communication is full recomputation's.
     assert moe.tp_comm_s["selective"] == pytest.approx(default.tp_comm_s["full"], rel=1e-9)
-    kept = moe_activation_bytes(qwen, tokens=4096, ep=8, precision="bf16")
+    kept = moe_activation_bytes(qwen, tokens=4096, ep=8, precision="bf16", imbalance=imbalance)
     assert default.activation_bytes["none"] - moe.activation_bytes["selective"] == pytest.approx(kept, rel=1e-9)
 
 
 def test_moe_act_recompute_reruns_the_swiglu():
     from cost_models.compute import memory_time_s
 
-    _, problem, default = _named_recompute_costs(("core_attn",))
+    qwen, problem, default = _named_recompute_costs(("core_attn",))
     _, _, act = _named_recompute_costs(("moe_act",))
-    # 4096 x 8 rows of width 768 on the rank's 16 experts: two read and one written, bf16.
-    rows, width = 4096 * 8, 768
+    # 4096 x 8 rows of width 768 on the rank's 16 experts (times the busiest rank's share under random
+    # routing): two read and one written, bf16.
+    rows, width = 4096 * 8 * expected_imbalance(qwen, tokens=4096, ep=8), 768
     assert act.recompute_time_s["selective"] == pytest.approx(
         memory_time_s(problem.cluster.hardware, 3 * 2 * rows * width, num_kernels=1), rel=1e-9)
     assert default.activation_bytes["none"] - act.activation_bytes["selective"] == pytest.approx(2 * rows * width)
