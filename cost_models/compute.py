@@ -342,6 +342,8 @@ def _elementwise_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, tp: 
     - the MLP activation: GELU read + write f; SwiGLU eager silu then the product, 5p f; fused 3p f;
     - RoPE on q and k (llama): fused one pass, 2p (h + kv); eager half-split (four products, two sums,
       the concatenation), 9p (h + kv);
+    - Qwen3's RMSNorm of every query and key head (qk_norm; Megatron's --qk-layernorm, one TE norm
+      each): as the block's norms, over the q (heads x head_dim) and k (kv) widths;
     - in eager GQA, the repeat of k and v to every query head.
     Per attention score (materialised attention only): the fused scale-mask-softmax reads and writes it;
     GPT's dropout reads, writes and stores a mask. Hidden-sized ops are split by sequence parallelism,
@@ -363,6 +365,8 @@ def _elementwise_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, tp: 
         rope_bytes = 2 * p if engine.fused_elementwise else 9 * p
         repeat = 2 * p * (model.kv_dim + h) if model.kv_dim < h and not engine.fused_elementwise else 0
         sharded += rope_bytes * (h + model.kv_dim) + repeat
+    if model.qk_norm:
+        sharded += norm * (model.num_heads * model.head_dim + model.kv_dim)
     if not materialized:
         return tokens * (hidden_per_rank + sharded / tp), 0.0
     score_bytes = (4 * p + 1) if dropout else 2 * p

@@ -97,6 +97,23 @@ def test_a_weight_gradient_added_into_fp32_main_grads_waits_for_its_bytes():
     assert gemm_time_s(h100, long, dtype="bf16", accumulate_fp32=True) == gemm_time_s(h100, long, dtype="bf16")
 
 
+def test_qwen3_query_and_key_norms_move_their_widths():
+    """Qwen3's qk norm (Megatron's --qk-layernorm) reads and writes every query and key head once more:
+    4096 tokens x (32 x 128 + 4 x 128) wide, 2 + 2 bytes, at the H100's 3.35 TB/s x 0.8 forward, twice
+    that backward."""
+    from cost_models.engines import ENGINES
+    from cost_models.moe import dense_view
+
+    qwen = dense_view(PRESETS["qwen3-30b-a3b"])
+    assert qwen.qk_norm
+    kw = dict(micro_batch=1, seq_len=4096, tp=1, sequence_parallel=False, precision="bf16", engine=ENGINES["megatron"])
+    normed = layer_compute_times(qwen, HW["h100"], **kw)
+    plain = layer_compute_times(dataclasses.replace(qwen, qk_norm=False), HW["h100"], **kw)
+    extra_s = 2 * 2 * 4096 * (32 * 128 + 4 * 128) / (3.35e12 * 0.8)
+    assert normed.forward_s - plain.forward_s == pytest.approx(extra_s)
+    assert normed.backward_s - plain.backward_s == pytest.approx(2 * extra_s)
+
+
 def test_memory_bound_ops_use_bandwidth():
     hw = HW["h100"]
     assert memory_time_s(hw, 3.35e12 * 0.8) == pytest.approx(1.0)
