@@ -340,8 +340,8 @@ def _elementwise_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, tp: 
       the scaling (8), the cast back (4 + p) and the weight (2p): (28 + 4p) h each (28 h in fp32: no casts);
     - two residual adds (read 2, write 1: 3p h; GPT's fused bias-dropout-add also writes a 1-byte mask);
     - the MLP activation: GELU read + write f; SwiGLU eager silu then the product, 5p f; fused 3p f;
-    - RoPE on q and k (llama): fused one pass, 2p (h + kv); eager half-split (four products, two sums,
-      the concatenation), 9p (h + kv);
+    - RoPE on q and k (llama): fused one pass, 2p (q + kv); eager half-split (four products, two sums,
+      the concatenation), 9p (q + kv), q the query width (heads x head_dim);
     - Qwen3's RMSNorm of every query and key head (qk_norm; Megatron's --qk-layernorm, one TE norm
       each): as the block's norms, over the q (heads x head_dim) and k (kv) widths;
     - in eager GQA, the repeat of k and v to every query head.
@@ -362,11 +362,12 @@ def _elementwise_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, tp: 
     else:
         sharded = 2 * p * f
     if model.arch == "llama":
+        q = model.num_heads * model.head_dim  # the query width: h, except where head_dim is set (Qwen3)
         rope_bytes = 2 * p if engine.fused_elementwise else 9 * p
-        repeat = 2 * p * (model.kv_dim + h) if model.kv_dim < h and not engine.fused_elementwise else 0
-        sharded += rope_bytes * (h + model.kv_dim) + repeat
+        repeat = 2 * p * (model.kv_dim + q) if model.kv_dim < q and not engine.fused_elementwise else 0
+        sharded += rope_bytes * (q + model.kv_dim) + repeat
     if model.qk_norm:
-        sharded += norm * (model.num_heads * model.head_dim + model.kv_dim)
+        sharded += norm * (model.num_heads * model.head_dim + model.kv_dim)  # q: as RoPE's
     if not materialized:
         return tokens * (hidden_per_rank + sharded / tp), 0.0
     score_bytes = (4 * p + 1) if dropout else 2 * p

@@ -114,6 +114,21 @@ def test_qwen3_query_and_key_norms_move_their_widths():
     assert normed.backward_s - plain.backward_s == pytest.approx(2 * extra_s)
 
 
+def test_fused_rope_runs_over_the_query_width_not_the_hidden_size():
+    """Qwen3-30B-A3B's 32 query heads of 128 are 4096 wide on a hidden size of 2048: Megatron's fused RoPE
+    reads and writes q (4096) and k (512), 2 x 2 bytes each, beside the two norms (2 x 2 x 2 h), the two
+    residual adds (2 x 3 x 2 h) and the fused SwiGLU (3 x 2 f) of every token."""
+    from cost_models.compute import _elementwise_bytes
+    from cost_models.engines import ENGINES
+    from cost_models.moe import dense_view
+
+    qwen = dataclasses.replace(dense_view(PRESETS["qwen3-30b-a3b"]), qk_norm=False)
+    h, f = qwen.hidden_size, qwen.ffn_hidden_size
+    hidden, _ = _elementwise_bytes(qwen, micro_batch=1, seq_len=4096, tp=1, sequence_parallel=False,
+                                   precision="bf16", engine=ENGINES["megatron"], materialized=False)
+    assert hidden == 4096 * (2 * 4 * h + 2 * 6 * h + 6 * f + 4 * (32 * 128 + 4 * 128))
+
+
 def test_memory_bound_ops_use_bandwidth():
     hw = HW["h100"]
     assert memory_time_s(hw, 3.35e12 * 0.8) == pytest.approx(1.0)
