@@ -373,7 +373,7 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
                                        imbalance=imbalance, dtype="bf16" if job.precision == "fp8" else job.precision,
                                        accumulate_fp32=eng.main_grads_fp32)
     elementwise = moe_cost.permutation_times_s(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp, imbalance=imbalance,
-                                               precision=job.precision)
+                                               precision=job.precision, dispatcher=eng.moe_dispatcher)
     times = moe_cost.MoETimes(forward_s=times.forward_s + elementwise.forward_s,
                               backward_s=times.backward_s + elementwise.backward_s)
     buffer = tokens * model.num_experts_per_token * model.hidden_size * p

@@ -217,20 +217,46 @@ def all_to_all_time_s(model: ModelSpec, hw: Hardware, *, tokens: int, ep: int, e
                + (peers - 1) * hw.link(link).latency_s for num_bytes, link, peers in parts if num_bytes > 0)
 
 
+def permutation_bytes(model: ModelSpec, *, tokens: int, ep: int, etp: int = 1, imbalance: float = 1.0,
+                      precision: str, dispatcher: str = "alltoall") -> float:
+    """Forward HBM bytes one rank's token permutations move around one MoE layer's dispatch and combine,
+    as Megatron-Core's dispatchers run them (megatron/core/transformer/moe/token_dispatcher.py, each pass a
+    fused kernel under --moe-permute-fusion that reads and writes every row once). With `own` = tokens x k
+    assignments of the rank's tokens and `recv` the rows its experts receive:
+    - "alltoall" (MoEAlltoAllTokenDispatcher): permutation 1 gathers `own` rows by destination rank before
+      the all-to-all; with more than one local expert, permutation 2 sorts the `recv` rows by local expert
+      after it (sort_chunks_by_idxs) and sorts them back before the combine; unpermutation 1 sums the
+      returned `own` rows into the tokens: 3 own + tokens (+ 4 recv) rows.
+    - "deepep" / "hybridep" (MoEFlexTokenDispatcher): the dispatch delivers each token once per rank, the
+      `unique` tokens that have an expert here; one permutation spreads them to `recv` expert rows after
+      it and one unpermutation sums those back before the combine (the source's sum is in the combine
+      kernel): 3 recv + unique rows."""
+    if dispatcher not in DISPATCHERS:
+        raise ValueError(f"unknown MoE dispatcher {dispatcher!r}; choose from {', '.join(DISPATCHERS)}")
+    row = activation_bytes_per_element(precision) * model.hidden_size
+    k, local = model.num_experts_per_token, model.num_experts // ep
+    recv = rows_per_expert(model, tokens=tokens, ep=ep, etp=etp, imbalance=imbalance) * local
+    if dispatcher == "alltoall":
+        return row * (3 * tokens * k + tokens + (4 * recv if local > 1 else 0.0))
+    hit = share_of_groups_hit(num_experts=model.num_experts, top_k=k, group_experts=local)
+    unique = recv * ep * hit / k  # a rank's tokens x ep x hit, scaled like its rows
+    return row * (3 * recv + unique)
+
+
 def permutation_times_s(model: ModelSpec, hw: Hardware, *, tokens: int, ep: int, etp: int = 1,
-                        imbalance: float = 1.0, precision: str) -> MoETimes:
+                        imbalance: float = 1.0, precision: str, dispatcher: str = "alltoall") -> MoETimes:
     """The MoE layer's bandwidth-bound work outside its GEMMs, forward and backward (twice the bytes): the
-    router's softmax and top-k over tokens x E fp32 probabilities, the permutation of the tokens x k
-    assignments into expert order and back (read and write, each way), the experts' SwiGLU (two rows x F
-    inputs read, one written) and the weighted combine (tokens x k rows read, tokens rows written)."""
-    p, h, k = activation_bytes_per_element(precision), model.hidden_size, model.num_experts_per_token
+    router's softmax and top-k over tokens x E fp32 probabilities, the token permutations of the
+    dispatcher (`permutation_bytes`) and the experts' SwiGLU (two rows x F inputs read, one written; the
+    routing weights are applied inside it, Megatron-Core's weighted SwiGLU)."""
+    p = activation_bytes_per_element(precision)
     rows = rows_per_expert(model, tokens=tokens, ep=ep, etp=etp, imbalance=imbalance) * model.num_experts / ep
     f = model.expert_ffn_hidden_size / etp
     router = 3 * 4 * tokens * model.num_experts
-    permute = 2 * 2 * p * tokens * k * h
+    permute = permutation_bytes(model, tokens=tokens, ep=ep, etp=etp, imbalance=imbalance, precision=precision,
+                                dispatcher=dispatcher)
     swiglu = 3 * p * rows * f
-    combine = p * (tokens * k * h + tokens * h)
-    forward = memory_time_s(hw, router + permute + swiglu + combine, num_kernels=6 + model.num_experts // ep)
+    forward = memory_time_s(hw, router + permute + swiglu, num_kernels=6 + model.num_experts // ep)
     return MoETimes(forward_s=forward, backward_s=2 * forward)
 
 

@@ -216,6 +216,27 @@ def test_ep_overlap_hides_each_all_to_all_only_behind_its_own_phase():
     assert _phased_ep_comm({"none": 4.0}, efficiency=0.5, **kw)["none"] == pytest.approx(0.5 + 0.7 + 0.5 + 0.75)
 
 
+def test_permutation_bytes_follow_the_dispatcher():
+    """Qwen3-235B, 4096 tokens a rank at ep 8 (16 local experts, 32768 assignments each way), bf16 rows of
+    4096 x 2 bytes. Megatron-Core's all-to-all dispatcher gathers the rank's 32768 assignments before the
+    all-to-all (read + write), sorts the 32768 received rows by local expert after it and back before the
+    combine (2 x read + write), and sums the returned rows into the 4096 tokens (read 32768, write 4096);
+    the flex dispatcher (DeepEP, HybridEP) receives each token once per rank that holds one of its
+    experts, spreads those to the 32768 expert rows and sums them back: 3 x 32768 + unique rows. With one
+    expert a rank (Mixtral at ep 8) nothing is sorted after the all-to-all."""
+    from cost_models.moe import permutation_bytes, share_of_groups_hit
+
+    qwen, row = PRESETS["qwen3-235b-a22b"], 4096 * 2
+    kw = dict(tokens=4096, ep=8, precision="bf16")
+    assert permutation_bytes(qwen, **kw) == row * (3 * 32768 + 4096 + 4 * 32768)
+    unique = 8 * 4096 * share_of_groups_hit(num_experts=128, top_k=8, group_experts=16)
+    for dispatcher in ("deepep", "hybridep"):
+        assert permutation_bytes(qwen, dispatcher=dispatcher, **kw) == pytest.approx(row * (3 * 32768 + unique))
+    assert permutation_bytes(MIXTRAL, **kw) == 4096 * 2 * (3 * 4096 * 2 + 4096)
+    with pytest.raises(ValueError, match="dispatcher"):
+        permutation_bytes(qwen, dispatcher="nccl", **kw)
+
+
 def test_megatron_prices_expert_weight_gradients_into_fp32_main_grads():
     """Qwen3-235B at tp4 ep8 (1024 tokens a rank, 512 rows for each of 16 local experts): each expert's
     weight gradients add into 4096 x 1536 fp32 main gradients, bound by those bytes, so the megatron
