@@ -226,7 +226,9 @@ def permutation_bytes(model: ModelSpec, *, tokens: int, ep: int, etp: int = 1, i
     - "alltoall" (MoEAlltoAllTokenDispatcher): permutation 1 gathers `own` rows by destination rank before
       the all-to-all; with more than one local expert, permutation 2 sorts the `recv` rows by local expert
       after it (sort_chunks_by_idxs) and sorts them back before the combine; unpermutation 1 sums the
-      returned `own` rows into the tokens: 3 own + tokens (+ 4 recv) rows.
+      returned `own` rows into the tokens: 3 own + tokens (+ 4 recv) rows. This project's engine
+      (runners/expert_parallel.py: sort by expert, all_to_all_single, group by local expert and back,
+      index_add) runs the same passes.
     - "deepep" / "hybridep" (MoEFlexTokenDispatcher): the dispatch delivers each token once per rank, the
       `unique` tokens that have an expert here; one permutation spreads them to `recv` expert rows after
       it and one unpermutation sums those back before the combine (the source's sum is in the combine
