@@ -214,11 +214,41 @@ def gemm_efficiency(hw: Hardware, *, m: int, n: int, k: int, dtype: str, batch: 
     return min(1.0, measured * analytic / _analytic_efficiency(hw, nearest.m, nearest.n, nearest.k))
 
 
-def gemm_time_s(hw: Hardware, gemm: Gemm, *, dtype: str) -> float:
-    """Seconds for one (batched) GEMM: FLOPs at the shape's efficiency, floored at the kernel overhead."""
+# Bytes an element of a GEMM operand takes in HBM, by the GEMM's dtype.
+OPERAND_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
+# An output accumulated into an fp32 buffer (beta = 1) is read and written: 4 + 4 bytes an element.
+FP32_ACCUMULATE_BYTES = 8
+
+
+def gemm_time_s(hw: Hardware, gemm: Gemm, *, dtype: str, accumulate_fp32: bool = False) -> float:
+    """Seconds for one (batched) GEMM: FLOPs at the shape's efficiency, floored at the kernel overhead.
+
+    `accumulate_fp32`: the GEMM adds its result into an fp32 buffer, as Megatron's weight-gradient GEMMs
+    add into the fp32 main gradients (--gradient-accumulation-fusion, on by default; Transformer Engine's
+    fuse_wgrad_accumulation, its GroupedLinear's for the experts). Such a GEMM also waits for its bytes:
+    its operands read once and the buffer read and written (`gemm_accumulate_bytes`) over the achieved
+    HBM bandwidth, which binds when its K dimension (the tokens, or an expert's few rows) is short beside
+    an output of the weight's size. Other GEMMs are priced by their FLOPs only."""
     eff = gemm_efficiency(hw, m=gemm.m, n=gemm.n, k=gemm.k, dtype=dtype, batch=gemm.batch)
     scale = hw.calibration.get("compute_time_scale", 1.0)
-    return max(scale * gemm.flops / (hw.peak_flops(dtype) * eff), hw.kernel_overhead_s)
+    compute_s = max(scale * gemm.flops / (hw.peak_flops(dtype) * eff), hw.kernel_overhead_s)
+    if not accumulate_fp32:
+        return compute_s
+    return max(compute_s, memory_time_s(hw, gemm_accumulate_bytes(gemm, dtype=dtype)))
+
+
+def gemm_accumulate_bytes(gemm: Gemm, *, dtype: str) -> float:
+    """HBM bytes of a GEMM accumulating into fp32: both operands read once, the m x n fp32 output read and
+    written (the compulsory traffic; tiles re-reading operands through L2 add to it)."""
+    operands = (gemm.m * gemm.k + gemm.k * gemm.n) * OPERAND_BYTES.get(dtype, 2)
+    return gemm.batch * (operands + gemm.m * gemm.n * FP32_ACCUMULATE_BYTES)
+
+
+def backward_gemms_time_s(hw: Hardware, gemm: Gemm, *, dtype: str, accumulate_fp32: bool = False) -> float:
+    """Seconds of a GEMM's input gradient and weight gradient (Gemm.backward), the weight gradient added
+    into fp32 main gradients where `accumulate_fp32` (gemm_time_s)."""
+    dgrad, wgrad = gemm.backward()
+    return gemm_time_s(hw, dgrad, dtype=dtype) + gemm_time_s(hw, wgrad, dtype=dtype, accumulate_fp32=accumulate_fp32)
 
 
 def memory_time_s(hw: Hardware, num_bytes: float, *, num_kernels: int = 1) -> float:
@@ -310,8 +340,10 @@ def _elementwise_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, tp: 
       the scaling (8), the cast back (4 + p) and the weight (2p): (28 + 4p) h each (28 h in fp32: no casts);
     - two residual adds (read 2, write 1: 3p h; GPT's fused bias-dropout-add also writes a 1-byte mask);
     - the MLP activation: GELU read + write f; SwiGLU eager silu then the product, 5p f; fused 3p f;
-    - RoPE on q and k (llama): fused one pass, 2p (h + kv); eager half-split (four products, two sums,
-      the concatenation), 9p (h + kv);
+    - RoPE on q and k (llama): fused one pass, 2p (q + kv); eager half-split (four products, two sums,
+      the concatenation), 9p (q + kv), q the query width (heads x head_dim);
+    - Qwen3's RMSNorm of every query and key head (qk_norm; Megatron's --qk-layernorm, one TE norm
+      each): as the block's norms, over the q (heads x head_dim) and k (kv) widths;
     - in eager GQA, the repeat of k and v to every query head.
     Per attention score (materialised attention only): the fused scale-mask-softmax reads and writes it;
     GPT's dropout reads, writes and stores a mask. Hidden-sized ops are split by sequence parallelism,
@@ -330,9 +362,12 @@ def _elementwise_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, tp: 
     else:
         sharded = 2 * p * f
     if model.arch == "llama":
+        q = model.num_heads * model.head_dim  # the query width: h, except where head_dim is set (Qwen3)
         rope_bytes = 2 * p if engine.fused_elementwise else 9 * p
-        repeat = 2 * p * (model.kv_dim + h) if model.kv_dim < h and not engine.fused_elementwise else 0
-        sharded += rope_bytes * (h + model.kv_dim) + repeat
+        repeat = 2 * p * (model.kv_dim + q) if model.kv_dim < q and not engine.fused_elementwise else 0
+        sharded += rope_bytes * (q + model.kv_dim) + repeat
+    if model.qk_norm:
+        sharded += norm * (model.num_heads * model.head_dim + model.kv_dim)  # q: as RoPE's
     if not materialized:
         return tokens * (hidden_per_rank + sharded / tp), 0.0
     score_bytes = (4 * p + 1) if dropout else 2 * p
@@ -375,7 +410,9 @@ def layer_compute_times(model: ModelSpec, hw: Hardware, *, micro_batch: int, seq
     local = seq_len // cp
     gemms = layer_gemms(model, micro_batch=micro_batch, seq_len=local, tp=tp)
     dense_fwd = sum(gemm_time_s(hw, g, dtype=gemm_dtype) for g in gemms["dense"])
-    dense_bwd = sum(gemm_time_s(hw, g2, dtype=gemm_dtype) for g in gemms["dense"] for g2 in g.backward())
+    # Megatron-based engines add each weight gradient into its fp32 main gradient (gemm_time_s).
+    dense_bwd = sum(backward_gemms_time_s(hw, g, dtype=gemm_dtype, accumulate_fp32=engine.main_grads_fp32)
+                    for g in gemms["dense"])
     attn_dtype = "bf16" if precision == "fp8" else precision
     if cp > 1 and ring_size > 1 and not engine.fused_ring_blocks:
         # Written out in fp32 whatever the training precision (the log-sum-exp merge needs it).

@@ -368,14 +368,15 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
     # max / mean rows of the busiest EP rank: measured (a calibration's moe_imbalance) or expected from
     # how the model balances its router (cost_models/moe.py)
     imbalance = hw.calibration.get("moe_imbalance", moe_cost.expected_imbalance(model, tokens=tokens, ep=plan.ep))
+    eng = engine_model(engine)
     times = moe_cost.moe_compute_times(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp, tp=plan.tp,
-                                       imbalance=imbalance, dtype="bf16" if job.precision == "fp8" else job.precision)
+                                       imbalance=imbalance, dtype="bf16" if job.precision == "fp8" else job.precision,
+                                       accumulate_fp32=eng.main_grads_fp32)
     elementwise = moe_cost.permutation_times_s(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp, imbalance=imbalance,
-                                               precision=job.precision)
+                                               precision=job.precision, dispatcher=eng.moe_dispatcher)
     times = moe_cost.MoETimes(forward_s=times.forward_s + elementwise.forward_s,
                               backward_s=times.backward_s + elementwise.backward_s)
     buffer = tokens * model.num_experts_per_token * model.hidden_size * p
-    eng = engine_model(engine)
     a2a_s = moe_cost.all_to_all_time_s(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp,
                                        ranks_per_node=cluster.devices_per_node, precision=job.precision,
                                        dispatcher=eng.moe_dispatcher) * imbalance  # the busiest rank's rows
@@ -384,11 +385,7 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
                                   stride=1)
     comm = {pol: moe_cost.all_to_alls_per_layer(pol) / 2 * (2 * a2a_s + etp_s) for pol in POLICIES}
     if eng.moe_a2a_overlap:
-        hidden = _hidden_ep_comm(comm, layer_compute_s=attn.time_s["none"] - attn.tp_comm_s["none"]
-                                 + times.forward_s + times.backward_s, cluster=cluster,
-                                 efficiency=0.5 * (attn.overlap_efficiency_forward + attn.overlap_efficiency_backward))
-        steady = paired_share(plan)
-        comm = {pol: c - steady * (c - hidden[pol]) for pol, c in comm.items()}
+        comm = _overlapped_ep_comm(plan, comm, a2a_s=a2a_s + etp_s / 2, attn=attn, moe=times, cluster=cluster)
     act = moe_cost.moe_activation_bytes(model, tokens=tokens, ep=plan.ep, etp=plan.etp, imbalance=imbalance,
                                         precision=job.precision)
     state = model_state_bytes(moe_cost.nonexpert_layer_params_per_device(model, tp=plan.tp), precision=job.precision,
@@ -472,13 +469,41 @@ def paired_share(plan) -> float:
     return sum(max(0.0, passes - min(passes, max(1, w))) for w in warmup) / (pp * passes)
 
 
-def _hidden_ep_comm(comm: dict[str, float], *, layer_compute_s: float, cluster, efficiency: float) -> dict[str, float]:
-    """The MoE layer's dispatch and combine under Megatron-Core's EP overlap (--overlap-moe-expert-parallel-comm):
-    the combined 1F1B schedule splits a layer into attention, dispatch, experts and combine and runs one
-    micro-batch's communication beside the other's forward or backward compute, so what shows is the part
-    of it the layer's compute (forward + backward, attention and experts) cannot cover (`_overlap`; the SMs
-    the all-to-all holds slow that compute by the GPU's contention share)."""
-    return {pol: _overlap(layer_compute_s, c, cluster, efficiency=efficiency) - layer_compute_s for pol, c in comm.items()}
+def _overlapped_ep_comm(plan, comm: dict[str, float], *, a2a_s: float, attn: LayerCosts, moe,
+                        cluster) -> dict[str, float]:
+    """The layer's EP communication under Megatron-Core's EP overlap: the phased exposure
+    (`_phased_ep_comm`) in the passes the schedule pairs (`paired_share`), all of it in the rest. The
+    attention side's times include its TP collectives, which run on the compute stream."""
+    attn_forward_s = attn.forward_time_s["none"]
+    hidden = _phased_ep_comm(comm, a2a_s=a2a_s, attn_forward_s=attn_forward_s,
+                             attn_backward_s=attn.time_s["none"] - attn_forward_s, moe=moe, cluster=cluster,
+                             efficiency=0.5 * (attn.overlap_efficiency_forward + attn.overlap_efficiency_backward))
+    steady = paired_share(plan)
+    return {pol: c - steady * (c - hidden[pol]) for pol, c in comm.items()}
+
+
+def _phased_ep_comm(comm: dict[str, float], *, a2a_s: float, attn_forward_s: float, attn_backward_s: float,
+                    moe, cluster, efficiency: float) -> dict[str, float]:
+    """The MoE layer's exposed dispatch and combine under Megatron-Core's EP overlap
+    (--overlap-moe-expert-parallel-comm). The combined 1F1B schedule pairs one micro-batch's forward of a
+    layer with another's backward of it and runs them as four phases, a communication stream beside a
+    compute stream (megatron/core/models/common/model_chunk_schedule_plan.py,
+    TransformerLayerSchedulePlan.run):
+      1. combine backward   beside attention forward (and the previous layer's attention weight gradients,
+                            which the schedule delays to here);
+      2. dispatch forward   beside the experts' input-gradient backward;
+      3. dispatch backward  beside the experts' weight gradients and their forward;
+      4. combine forward    beside attention's input-gradient backward.
+    Each phase waits for both of its predecessors (the next all-to-all needs the compute just done and the
+    next compute the tokens just moved), so an all-to-all hides only behind its own phase's compute
+    (`_overlap`: the SMs it holds slow that compute by `efficiency`), never behind the whole layer. A
+    backward's input and weight gradients are taken as halves (the same GEMM FLOPs each). The recomputed
+    forward pair of full recomputation (and of the "moe" recompute module) stays exposed."""
+    phases = ((a2a_s, attn_forward_s + attn_backward_s / 2), (a2a_s, moe.backward_s / 2),
+              (a2a_s, moe.backward_s / 2 + moe.forward_s), (a2a_s, attn_backward_s / 2))
+    exposed = sum(_overlap(compute_s, comm_s, cluster, efficiency=efficiency) - compute_s
+                  for comm_s, compute_s in phases)
+    return {pol: exposed + (c - comm["none"]) for pol, c in comm.items()}
 
 
 def _context_comm_s(plan, cluster, *, model, job, core_forward_s: float) -> tuple[float, float]:

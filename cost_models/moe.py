@@ -27,7 +27,7 @@ import warnings
 from dataclasses import dataclass
 
 from cost_models.comm import flat_collective_time_s
-from cost_models.compute import Gemm, activation_bytes_per_element, gemm_time_s, memory_time_s
+from cost_models.compute import Gemm, activation_bytes_per_element, backward_gemms_time_s, gemm_time_s, memory_time_s
 from cost_models.memory import model_state_bytes
 from specs.hardware import Hardware
 from specs.model import ModelSpec
@@ -81,7 +81,10 @@ def rows_per_expert(model: ModelSpec, *, tokens: float, ep: int, etp: int = 1, i
 # Table 2: MaxVio_global = (max_i Load_i - mean Load_i) / mean Load_i over the validation set, 0.52 for
 # their 3B model trained with a balancing loss (alpha 0.001, 200B tokens; 0.72 at 1B) and 0.04 with
 # bias-adjusted (auxiliary-loss-free) routing at both scales. The larger model's figure stands for
-# "aux_loss"; "forced" routing is exactly balanced.
+# "aux_loss". "forced" routing has no standing preference, but it is random, not round-robin:
+# Megatron-Core's --moe-router-force-load-balancing replaces the router's logits with i.i.d. normal ones
+# drawn per token (moe_utils.RandomSTE), so each token's top-k is a uniform draw and the loads keep
+# their sampling spread.
 MAX_LOAD_VIOLATION = {"aux_loss": 0.52, "aux_free": 0.04, "forced": 0.0}
 
 
@@ -91,14 +94,15 @@ def expected_imbalance(model: ModelSpec, *, tokens: float, ep: int) -> float:
     ep x tokens x k assignments of its group. Two spreads add in quadrature, as relative standard deviations
     of a rank's load:
     - sampling: a token puts a hypergeometric number of its k distinct experts on the rank, variance
-      k (g/E)(1 - g/E)(E - k)/(E - 1), summed over the ep x tokens tokens (uniform routing's floor);
+      k (g/E)(1 - g/E)(E - k)/(E - 1), summed over the ep x tokens tokens (uniform routing's floor, all
+      that "forced" routing's random logits leave);
     - the trained router's standing preference for some experts: a measured maximum excess MaxVio over E
       experts is ~ sqrt(2 ln E) standard deviations of one expert's share, sigma_e = MaxVio / sqrt(2 ln E),
       and a rank's g experts average theirs, sigma_e / sqrt(g).
     The expected maximum of ep such loads is about mean + sqrt(2 ln ep) sigma (Gaussian maximum). A capacity
     factor caps it (tokens over capacity are dropped); ep 1 has no rank to wait for."""
     violation = MAX_LOAD_VIOLATION[model.load_balancing]
-    if ep == 1 or violation == 0.0 or tokens <= 0:
+    if ep == 1 or tokens <= 0:
         return 1.0
     e, k = model.num_experts, model.num_experts_per_token
     share = 1.0 / ep  # g / E
@@ -130,15 +134,17 @@ class MoETimes:
 
 
 def moe_compute_times(model: ModelSpec, hw: Hardware, *, tokens: int, ep: int, etp: int = 1, tp: int = 1,
-                      imbalance: float = 1.0, dtype: str) -> MoETimes:
+                      imbalance: float = 1.0, dtype: str, accumulate_fp32: bool = False) -> MoETimes:
     """Forward and backward (input + weight gradients) GEMM seconds of one MoE layer's MLP on one rank; the
-    router runs in fp32 (runners/moe.py, Megatron-Core's --moe-router-dtype fp32)."""
+    router runs in fp32 (runners/moe.py, Megatron-Core's --moe-router-dtype fp32). `accumulate_fp32`: the
+    weight gradients are added into fp32 main gradients (Megatron's gradient-accumulation fusion,
+    compute.gemm_time_s), which an expert's weight gradient, over its few rows, waits for in HBM bytes."""
     gemms = moe_gemms(model, tokens=tokens, ep=ep, etp=etp, tp=tp, imbalance=imbalance)
     fwd = bwd = 0.0
     for group, items in gemms.items():
         kind = "fp32" if group == "router" else dtype
         fwd += sum(gemm_time_s(hw, g, dtype=kind) for g in items)
-        bwd += sum(gemm_time_s(hw, g2, dtype=kind) for g in items for g2 in g.backward())
+        bwd += sum(backward_gemms_time_s(hw, g, dtype=kind, accumulate_fp32=accumulate_fp32) for g in items)
     return MoETimes(forward_s=fwd, backward_s=bwd)
 
 
@@ -211,20 +217,48 @@ def all_to_all_time_s(model: ModelSpec, hw: Hardware, *, tokens: int, ep: int, e
                + (peers - 1) * hw.link(link).latency_s for num_bytes, link, peers in parts if num_bytes > 0)
 
 
+def permutation_bytes(model: ModelSpec, *, tokens: int, ep: int, etp: int = 1, imbalance: float = 1.0,
+                      precision: str, dispatcher: str = "alltoall") -> float:
+    """Forward HBM bytes one rank's token permutations move around one MoE layer's dispatch and combine,
+    as Megatron-Core's dispatchers run them (megatron/core/transformer/moe/token_dispatcher.py, each pass a
+    fused kernel under --moe-permute-fusion that reads and writes every row once). With `own` = tokens x k
+    assignments of the rank's tokens and `recv` the rows its experts receive:
+    - "alltoall" (MoEAlltoAllTokenDispatcher): permutation 1 gathers `own` rows by destination rank before
+      the all-to-all; with more than one local expert, permutation 2 sorts the `recv` rows by local expert
+      after it (sort_chunks_by_idxs) and sorts them back before the combine; unpermutation 1 sums the
+      returned `own` rows into the tokens: 3 own + tokens (+ 4 recv) rows. This project's engine
+      (runners/expert_parallel.py: sort by expert, all_to_all_single, group by local expert and back,
+      index_add) runs the same passes.
+    - "deepep" / "hybridep" (MoEFlexTokenDispatcher): the dispatch delivers each token once per rank, the
+      `unique` tokens that have an expert here; one permutation spreads them to `recv` expert rows after
+      it and one unpermutation sums those back before the combine (the source's sum is in the combine
+      kernel): 3 recv + unique rows."""
+    if dispatcher not in DISPATCHERS:
+        raise ValueError(f"unknown MoE dispatcher {dispatcher!r}; choose from {', '.join(DISPATCHERS)}")
+    row = activation_bytes_per_element(precision) * model.hidden_size
+    k, local = model.num_experts_per_token, model.num_experts // ep
+    recv = rows_per_expert(model, tokens=tokens, ep=ep, etp=etp, imbalance=imbalance) * local
+    if dispatcher == "alltoall":
+        return row * (3 * tokens * k + tokens + (4 * recv if local > 1 else 0.0))
+    hit = share_of_groups_hit(num_experts=model.num_experts, top_k=k, group_experts=local)
+    unique = recv * ep * hit / k  # a rank's tokens x ep x hit, scaled like its rows
+    return row * (3 * recv + unique)
+
+
 def permutation_times_s(model: ModelSpec, hw: Hardware, *, tokens: int, ep: int, etp: int = 1,
-                        imbalance: float = 1.0, precision: str) -> MoETimes:
+                        imbalance: float = 1.0, precision: str, dispatcher: str = "alltoall") -> MoETimes:
     """The MoE layer's bandwidth-bound work outside its GEMMs, forward and backward (twice the bytes): the
-    router's softmax and top-k over tokens x E fp32 probabilities, the permutation of the tokens x k
-    assignments into expert order and back (read and write, each way), the experts' SwiGLU (two rows x F
-    inputs read, one written) and the weighted combine (tokens x k rows read, tokens rows written)."""
-    p, h, k = activation_bytes_per_element(precision), model.hidden_size, model.num_experts_per_token
+    router's softmax and top-k over tokens x E fp32 probabilities, the token permutations of the
+    dispatcher (`permutation_bytes`) and the experts' SwiGLU (two rows x F inputs read, one written; the
+    routing weights are applied inside it, Megatron-Core's weighted SwiGLU)."""
+    p = activation_bytes_per_element(precision)
     rows = rows_per_expert(model, tokens=tokens, ep=ep, etp=etp, imbalance=imbalance) * model.num_experts / ep
     f = model.expert_ffn_hidden_size / etp
     router = 3 * 4 * tokens * model.num_experts
-    permute = 2 * 2 * p * tokens * k * h
+    permute = permutation_bytes(model, tokens=tokens, ep=ep, etp=etp, imbalance=imbalance, precision=precision,
+                                dispatcher=dispatcher)
     swiglu = 3 * p * rows * f
-    combine = p * (tokens * k * h + tokens * h)
-    forward = memory_time_s(hw, router + permute + swiglu + combine, num_kernels=6 + model.num_experts // ep)
+    forward = memory_time_s(hw, router + permute + swiglu, num_kernels=6 + model.num_experts // ep)
     return MoETimes(forward_s=forward, backward_s=2 * forward)
 
 

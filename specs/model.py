@@ -56,7 +56,8 @@ class ModelSpec:
     # How the router's load is balanced, which sets the expected load imbalance the cost model prices
     # (cost_models/moe.py, expected_imbalance): "aux_loss" (a balancing loss: Switch, Mixtral, Qwen),
     # "aux_free" (DeepSeek-V3's bias-adjusted top-k, topk_method noaux_tc) or "forced" (Megatron-Core's
-    # --moe-router-force-load-balancing, the benchmarks' round-robin routing: exactly balanced).
+    # --moe-router-force-load-balancing, the benchmarks' routing on random logits: no preferred expert,
+    # only the sampling spread).
     load_balancing: str = "aux_loss"
     # --- attention variants ------------------------------------------------------------------------
     attention_head_dim: int = 0  # 0: hidden_size / num_heads (Qwen3 sets head_dim 128 with hidden 2048, 32 heads)

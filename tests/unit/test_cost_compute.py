@@ -82,6 +82,53 @@ def test_measured_gemm_points_are_exact_where_measured_and_scaled_between():
         HW["a100"], m=4096, n=4096, k=4096, dtype="fp32")
 
 
+def test_a_weight_gradient_added_into_fp32_main_grads_waits_for_its_bytes():
+    """An expert's weight gradient over 512 rows (K) into a 4096 x 1536 fp32 main gradient: 6.4 GFLOP, but
+    the buffer read and written (8 bytes x 6.29M) and the operands read once ((4096 + 1536) x 512 x 2)
+    are 56.1 MB, 20.9 us at the H100's 3.35 TB/s x 0.8, against 11.2 us of tensor-core time: the GEMM
+    waits for HBM.
+    Over 16384 rows the same output is compute bound and the flag changes nothing."""
+    h100 = HW["h100"]
+    short = Gemm(4096, 1536, 512)
+    num_bytes = 4096 * 1536 * 8 + (4096 * 512 + 512 * 1536) * 2
+    assert gemm_time_s(h100, short, dtype="bf16", accumulate_fp32=True) == pytest.approx(num_bytes / (3.35e12 * 0.8))
+    assert gemm_time_s(h100, short, dtype="bf16", accumulate_fp32=True) > 1.8 * gemm_time_s(h100, short, dtype="bf16")
+    long = Gemm(4096, 1536, 16384)
+    assert gemm_time_s(h100, long, dtype="bf16", accumulate_fp32=True) == gemm_time_s(h100, long, dtype="bf16")
+
+
+def test_qwen3_query_and_key_norms_move_their_widths():
+    """Qwen3's qk norm (Megatron's --qk-layernorm) reads and writes every query and key head once more:
+    4096 tokens x (32 x 128 + 4 x 128) wide, 2 + 2 bytes, at the H100's 3.35 TB/s x 0.8 forward, twice
+    that backward."""
+    from cost_models.engines import ENGINES
+    from cost_models.moe import dense_view
+
+    qwen = dense_view(PRESETS["qwen3-30b-a3b"])
+    assert qwen.qk_norm
+    kw = dict(micro_batch=1, seq_len=4096, tp=1, sequence_parallel=False, precision="bf16", engine=ENGINES["megatron"])
+    normed = layer_compute_times(qwen, HW["h100"], **kw)
+    plain = layer_compute_times(dataclasses.replace(qwen, qk_norm=False), HW["h100"], **kw)
+    extra_s = 2 * 2 * 4096 * (32 * 128 + 4 * 128) / (3.35e12 * 0.8)
+    assert normed.forward_s - plain.forward_s == pytest.approx(extra_s)
+    assert normed.backward_s - plain.backward_s == pytest.approx(2 * extra_s)
+
+
+def test_fused_rope_runs_over_the_query_width_not_the_hidden_size():
+    """Qwen3-30B-A3B's 32 query heads of 128 are 4096 wide on a hidden size of 2048: Megatron's fused RoPE
+    reads and writes q (4096) and k (512), 2 x 2 bytes each, beside the two norms (2 x 2 x 2 h), the two
+    residual adds (2 x 3 x 2 h) and the fused SwiGLU (3 x 2 f) of every token."""
+    from cost_models.compute import _elementwise_bytes
+    from cost_models.engines import ENGINES
+    from cost_models.moe import dense_view
+
+    qwen = dataclasses.replace(dense_view(PRESETS["qwen3-30b-a3b"]), qk_norm=False)
+    h, f = qwen.hidden_size, qwen.ffn_hidden_size
+    hidden, _ = _elementwise_bytes(qwen, micro_batch=1, seq_len=4096, tp=1, sequence_parallel=False,
+                                   precision="bf16", engine=ENGINES["megatron"], materialized=False)
+    assert hidden == 4096 * (2 * 4 * h + 2 * 6 * h + 6 * f + 4 * (32 * 128 + 4 * 128))
+
+
 def test_memory_bound_ops_use_bandwidth():
     hw = HW["h100"]
     assert memory_time_s(hw, 3.35e12 * 0.8) == pytest.approx(1.0)

@@ -38,7 +38,11 @@ def test_expected_imbalance_by_hand():
 def test_expected_imbalance_limits():
     qwen = PRESETS["qwen3-235b-a22b"]
     assert expected_imbalance(qwen, tokens=4096, ep=1) == 1.0  # no other rank to wait for
-    assert expected_imbalance(dataclasses.replace(qwen, load_balancing="forced"), tokens=4096, ep=8) == 1.0
+    # Forced balancing routes on random logits (Megatron-Core's RandomSTE): no preference, the sampling
+    # floor stays, 1 + sqrt(2 ln 8) x 0.0050231; at 1024 tokens a rank (tp4 under SP) twice that spread.
+    forced = dataclasses.replace(qwen, load_balancing="forced")
+    assert expected_imbalance(forced, tokens=4096, ep=8) == pytest.approx(1.010244, abs=2e-6)
+    assert expected_imbalance(forced, tokens=1024, ep=8) == pytest.approx(1.020488, abs=4e-6)
     # DeepSeek-V3's bias-adjusted routing: MaxVio 0.04, 4 experts a rank at ep 64.
     free = expected_imbalance(PRESETS["deepseek-v3"], tokens=4096, ep=64)
     assert 1.0 < free < 1.03
@@ -193,15 +197,62 @@ def test_deepep_sends_a_token_once_per_node_and_rank_not_per_expert():
         all_to_all_bytes(qwen, tokens=4096, ep=16, ranks_per_node=8, precision="bf16", dispatcher="nccl")
 
 
-def test_ep_overlap_shows_only_the_dispatch_the_other_micro_batch_cannot_cover():
-    from cost_models.estimate import _hidden_ep_comm
+def test_ep_overlap_hides_each_all_to_all_only_behind_its_own_phase():
+    """Megatron-Core's combined 1F1B runs a layer pair as four phases (combine backward | attention forward,
+    dispatch forward | experts' input gradients, dispatch backward | experts' weight gradients + forward,
+    combine forward | attention's input gradients): 1 s all-to-alls beside 0.5 + 0.5, 0.6, 0.6 + 0.6 and
+    0.5 s of compute show 0, 0.4, 0 and 0.5 s, where the whole layer's 3.3 s against 4 s would show 0.7."""
+    from cost_models.estimate import _phased_ep_comm
+    from cost_models.moe import MoETimes
     from specs.cluster import Cluster
 
     gpu = Cluster(num_nodes=1, devices_per_node=8, hardware=HARDWARE_PRESETS["h100"])
-    # 3 s of all-to-all beside 2 s of compute: 1 s shows; at half speed beside it the compute covers 1 s of it.
-    assert _hidden_ep_comm({"none": 3.0}, layer_compute_s=2.0, cluster=gpu, efficiency=1.0) == {"none": 1.0}
-    assert _hidden_ep_comm({"none": 3.0}, layer_compute_s=2.0, cluster=gpu, efficiency=0.5) == {"none": 2.0}
-    assert _hidden_ep_comm({"none": 1.0}, layer_compute_s=2.0, cluster=gpu, efficiency=1.0) == {"none": 0.0}
+    kw = dict(a2a_s=1.0, attn_forward_s=0.5, attn_backward_s=1.0, moe=MoETimes(forward_s=0.6, backward_s=1.2),
+              cluster=gpu)
+    exposed = _phased_ep_comm({"none": 4.0, "full": 6.0}, efficiency=1.0, **kw)
+    # the recomputed forward pair of full recomputation stays exposed
+    assert exposed == pytest.approx({"none": 0.9, "full": 2.9})
+    # beside the SMs an all-to-all holds, compute at half speed covers half as much of each phase
+    assert _phased_ep_comm({"none": 4.0}, efficiency=0.5, **kw)["none"] == pytest.approx(0.5 + 0.7 + 0.5 + 0.75)
+
+
+def test_permutation_bytes_follow_the_dispatcher():
+    """Qwen3-235B, 4096 tokens a rank at ep 8 (16 local experts, 32768 assignments each way), bf16 rows of
+    4096 x 2 bytes. Megatron-Core's all-to-all dispatcher gathers the rank's 32768 assignments before the
+    all-to-all (read + write), sorts the 32768 received rows by local expert after it and back before the
+    combine (2 x read + write), and sums the returned rows into the 4096 tokens (read 32768, write 4096);
+    the flex dispatcher (DeepEP, HybridEP) receives each token once per rank that holds one of its
+    experts, spreads those to the 32768 expert rows and sums them back: 3 x 32768 + unique rows. With one
+    expert a rank (Mixtral at ep 8) nothing is sorted after the all-to-all."""
+    from cost_models.moe import permutation_bytes, share_of_groups_hit
+
+    qwen, row = PRESETS["qwen3-235b-a22b"], 4096 * 2
+    kw = dict(tokens=4096, ep=8, precision="bf16")
+    assert permutation_bytes(qwen, **kw) == row * (3 * 32768 + 4096 + 4 * 32768)
+    unique = 8 * 4096 * share_of_groups_hit(num_experts=128, top_k=8, group_experts=16)
+    for dispatcher in ("deepep", "hybridep"):
+        assert permutation_bytes(qwen, dispatcher=dispatcher, **kw) == pytest.approx(row * (3 * 32768 + unique))
+    assert permutation_bytes(MIXTRAL, **kw) == 4096 * 2 * (3 * 4096 * 2 + 4096)
+    with pytest.raises(ValueError, match="dispatcher"):
+        permutation_bytes(qwen, dispatcher="nccl", **kw)
+
+
+def test_megatron_prices_expert_weight_gradients_into_fp32_main_grads():
+    """Qwen3-235B at tp4 ep8 (1024 tokens a rank, 512 rows for each of 16 local experts): each expert's
+    weight gradients add into 4096 x 1536 fp32 main gradients, bound by those bytes, so the megatron
+    engine's MoE layer backward is slower than the same GEMMs written once; the forward is unchanged."""
+    from cost_models.engines import ENGINES
+    from cost_models.moe import moe_compute_times
+
+    qwen, hw = PRESETS["qwen3-235b-a22b"], HARDWARE_PRESETS["h100"]
+    kw = dict(tokens=1024, ep=8, tp=4, dtype="bf16")
+    fused = moe_compute_times(qwen, hw, accumulate_fp32=ENGINES["megatron"].main_grads_fp32, **kw)
+    plain = moe_compute_times(qwen, hw, **kw)
+    assert fused.forward_s == plain.forward_s
+    # per expert: gate and up (4096 x 1536 each, K = 512 rows) and down (1536 x 4096)
+    rows = 512
+    accumulate_bytes = 16 * 3 * (4096 * 1536 * 8 + (4096 + 1536) * rows * 2)
+    assert fused.backward_s - plain.backward_s > 0.5 * accumulate_bytes / (3.35e12 * 0.8)
 
 
 def test_dispatcher_and_ep_overlap_change_the_cross_node_step():
@@ -253,23 +304,25 @@ def test_moe_recompute_reruns_the_moe_layer_with_its_dispatch():
     qwen, problem, default = _named_recompute_costs(("core_attn",))
     _, _, moe = _named_recompute_costs(("moe",))
     hw = problem.cluster.hardware
-    # The MoE layer's forward on one rank: 4096 tokens a rank, ep 8, balanced.
-    forward_s = (moe_compute_times(qwen, hw, tokens=4096, ep=8, dtype="bf16").forward_s
-                 + permutation_times_s(qwen, hw, tokens=4096, ep=8, precision="bf16").forward_s)
+    # The MoE layer's forward on one rank: 4096 tokens a rank, ep 8, forced (random) routing's busiest rank.
+    imbalance = expected_imbalance(qwen, tokens=4096, ep=8)
+    forward_s = (moe_compute_times(qwen, hw, tokens=4096, ep=8, dtype="bf16", imbalance=imbalance).forward_s
+                 + permutation_times_s(qwen, hw, tokens=4096, ep=8, precision="bf16", imbalance=imbalance).forward_s)
     assert moe.recompute_time_s["selective"] == pytest.approx(forward_s, rel=1e-9)
     # Its dispatch and combine run again: the selective policy's communication is full recomputation's.
     assert moe.tp_comm_s["selective"] == pytest.approx(default.tp_comm_s["full"], rel=1e-9)
-    kept = moe_activation_bytes(qwen, tokens=4096, ep=8, precision="bf16")
+    kept = moe_activation_bytes(qwen, tokens=4096, ep=8, precision="bf16", imbalance=imbalance)
     assert default.activation_bytes["none"] - moe.activation_bytes["selective"] == pytest.approx(kept, rel=1e-9)
 
 
 def test_moe_act_recompute_reruns_the_swiglu():
     from cost_models.compute import memory_time_s
 
-    _, problem, default = _named_recompute_costs(("core_attn",))
+    qwen, problem, default = _named_recompute_costs(("core_attn",))
     _, _, act = _named_recompute_costs(("moe_act",))
-    # 4096 x 8 rows of width 768 on the rank's 16 experts: two read and one written, bf16.
-    rows, width = 4096 * 8, 768
+    # 4096 x 8 rows of width 768 on the rank's 16 experts (times the busiest rank's share under random
+    # routing): two read and one written, bf16.
+    rows, width = 4096 * 8 * expected_imbalance(qwen, tokens=4096, ep=8), 768
     assert act.recompute_time_s["selective"] == pytest.approx(
         memory_time_s(problem.cluster.hardware, 3 * 2 * rows * width, num_kernels=1), rel=1e-9)
     assert default.activation_bytes["none"] - act.activation_bytes["selective"] == pytest.approx(2 * rows * width)

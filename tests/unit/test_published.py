@@ -509,7 +509,7 @@ def test_moe_rows_price_imbalance_only_where_the_source_says_dropless():
     runs, _ = load_published(moe_csv)
     balancing = {r.model.load_balancing for r in runs if r.model.is_moe}
     # The zoo's dropless rows route with Qwen3's own balancing loss; NeMo's and Megatron-Bridge's forced
-    # ones, and the zoo's table that does not say, are priced exactly balanced.
+    # ones, and the zoo's table that does not say, are priced on random routing (its sampling spread only).
     assert balancing == {"aux_loss", "forced"}
     pairs = {}
     for r in runs:
