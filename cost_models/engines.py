@@ -78,6 +78,12 @@ class EngineModel:
     # route each CP rank's tokens (parallel folding); this project's engine refuses cp > 1 with MoE layers,
     # and the others are not modelled running MoE with CP.
     moe_context_parallel: bool = False
+    # PyTorch FSDP1's post-backward work on each FlatParameter's whole unsharded gradient every micro-batch
+    # (llm-foundry's Composer FSDP; `estimate.unsharded_grad_pass_bytes`): the concatenation of the
+    # original parameters' gradients, the cast to the reduce dtype and the in-place pre-divide before the
+    # reduce-scatter. Off elsewhere: Megatron accumulates into its main-gradient buffer inside the wgrad
+    # GEMM and scales the bucket once per step; FSDP2's and this engine's copies are not priced.
+    unsharded_grad_passes: bool = False
 
 
 # Composer's DecoupledAdamW (composer/optim/decoupled_weight_decay.py, `adamw`), which llm-foundry's MPT yamls
@@ -124,7 +130,7 @@ ENGINES: dict[str, EngineModel] = {e.name: e for e in (
     EngineModel("fsdp", "PyTorch FSDP1 with FlashAttention-2 (llm-foundry / Composer), eager elementwise",
                 attention="flash2", fused_elementwise=False, tp_comm_hidden=0.0, reduce_fp32=False,
                 main_grads_fp32=False, gpt_dropout=False, context_parallel=False,
-                optimizer_bytes_per_param=COMPOSER_ADAMW_BYTES_PER_PARAM),
+                optimizer_bytes_per_param=COMPOSER_ADAMW_BYTES_PER_PARAM, unsharded_grad_passes=True),
 )}
 
 if tuple(ENGINES) != ENGINE_NAMES:  # the names are declared once, in specs (a plan file records its engine)
