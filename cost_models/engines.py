@@ -84,6 +84,11 @@ class EngineModel:
     # reduce-scatter. Off elsewhere: Megatron accumulates into its main-gradient buffer inside the wgrad
     # GEMM and scales the bucket once per step; FSDP2's and this engine's copies are not priced.
     unsharded_grad_passes: bool = False
+    # llm-foundry's `attn_impl: flash` (llmfoundry/models/layers/attention.py, flash_attn_fn) packs q, k and v
+    # into unpadded rows before FlashAttention's varlen kernel and scatters the output back, each layer
+    # (flash_attn.bert_padding: unpad_input / pad_input, priced in compute.unpadded_attention_bytes); its
+    # Triton path (`attn_impl: triton`, the CSV's flash1 rows) calls the kernel on the padded tensors.
+    unpadded_attention: bool = False
 
 
 # Composer's DecoupledAdamW (composer/optim/decoupled_weight_decay.py, `adamw`), which llm-foundry's MPT yamls
@@ -130,7 +135,8 @@ ENGINES: dict[str, EngineModel] = {e.name: e for e in (
     EngineModel("fsdp", "PyTorch FSDP1 with FlashAttention-2 (llm-foundry / Composer), eager elementwise",
                 attention="flash2", fused_elementwise=False, tp_comm_hidden=0.0, reduce_fp32=False,
                 main_grads_fp32=False, gpt_dropout=False, context_parallel=False,
-                optimizer_bytes_per_param=COMPOSER_ADAMW_BYTES_PER_PARAM, unsharded_grad_passes=True),
+                optimizer_bytes_per_param=COMPOSER_ADAMW_BYTES_PER_PARAM, unsharded_grad_passes=True,
+                unpadded_attention=True),
 )}
 
 if tuple(ENGINES) != ENGINE_NAMES:  # the names are declared once, in specs (a plan file records its engine)

@@ -411,6 +411,31 @@ def test_llm_foundry_rows_pay_fsdp1s_passes_over_the_whole_unsharded_gradient():
     assert not any(e.unsharded_grad_passes for name, e in ENGINES.items() if name != "fsdp")
 
 
+def test_llm_foundry_flash_path_pays_flash_attns_unpad_and_pad_passes():
+    """llm-foundry's flash_attn_fn gathers q, k, v into unpadded rows and scatters the output back on every
+    layer (flash_attn.bert_padding): with MHA in bf16, 3 x (2 + 2) + (2 + 2 + 2) = 18 bytes per token and
+    hidden element forward, (2 + 2) + 3 x (2 + 2 + 2) = 22 backward, at 80% of the H100's 3.35 TB/s. Its
+    Triton path (the flash1 rows) and the other engines' flash kernels pay none."""
+    from cost_models.compute import layer_compute_times, unpadded_attention_bytes
+    from cost_models.engines import ENGINES
+
+    model, hw = PRESETS["gpt3-1.7b"], HW["h100"]
+    assert model.kv_dim == model.hidden_size
+    tokens_h = 4 * 2048 * model.hidden_size
+    assert unpadded_attention_bytes(model, micro_batch=4, seq_len=2048, tp=1, precision="bf16") == (
+        18 * tokens_h, 22 * tokens_h)
+    dims = dict(micro_batch=4, seq_len=2048, tp=1, sequence_parallel=False, precision="bf16")
+    fsdp = ENGINES["fsdp"]
+    packed = layer_compute_times(model, hw, **dims, engine=fsdp)
+    plain = layer_compute_times(model, hw, **dims, engine=dataclasses.replace(fsdp, unpadded_attention=False))
+    assert packed.forward_s - plain.forward_s == pytest.approx(18 * tokens_h / (3.35e12 * 0.8), rel=1e-9)
+    assert packed.backward_s - plain.backward_s == pytest.approx(22 * tokens_h / (3.35e12 * 0.8), rel=1e-9)
+    triton = dataclasses.replace(fsdp, attention="flash1")
+    assert layer_compute_times(model, hw, **dims, engine=triton) == layer_compute_times(
+        model, hw, **dims, engine=dataclasses.replace(triton, unpadded_attention=False))
+    assert [name for name, e in ENGINES.items() if e.unpadded_attention] == ["fsdp"]
+
+
 def test_the_bloom_prequel_rows_carry_the_vocabulary_their_size_column_implies():
     """chronicles-prequel.md sizes its models as l (12 h^2 + 13 h) + v h + s h + 2 h: with the 250k BigScience
     vocabulary 72 x 14336 comes to the table's 181B and 96 x 12288 to its 177B (GPT-2's 50257: 178B, 175B)."""
