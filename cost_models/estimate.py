@@ -197,15 +197,20 @@ def reduce_bytes_per_param(precision: str, eng, *, reduce_fp32: bool = False) ->
 # to MixedPrecision's reduce_dtype when that differs (`flat_param.grad.to(reduce_dtype)`: read 2, write 4
 # under Composer's DEFAULT, fp32) and the default reduce-scatter hook divides it in place by the gradient
 # pre-divide factor (default_hooks.reduce_scatter_hook; the factor is above 1 for every world size of 2 or
-# more: read + write in the reduce dtype). The shard-sized post-divide and accumulation (1/dp of it) are
-# left out. Kernels per flat parameter: the three passes.
-UNSHARDED_GRAD_KERNELS = 3
+# more: read + write in the reduce dtype). FSDP2 (torch/distributed/_composable/fsdp/_fsdp_collectives.py,
+# foreach_reduce) copies the per-parameter gradients into one reduce-scatter input in the reduce dtype
+# (foreach_reduce_scatter_copy_in: read in the compute dtype, write in the reduce dtype) and pre-divides
+# only an fp16 reduction (fp32 and bf16 use NCCL's average). The shard-sized post-divide and accumulation
+# (1/dp of it) are left out. Kernels per unit: FSDP1's three passes, FSDP2's one copy.
+UNSHARDED_GRAD_KERNELS = {"fsdp1": 3, "fsdp2": 1}
 
 
-def unsharded_grad_pass_bytes(precision: str, *, reduce_bytes: int, dp: int) -> int:
-    """HBM bytes per parameter FSDP1's post-backward passes move each micro-batch (comment above):
-    `reduce_bytes` is the reduce dtype's size, `dp` the gradient reduction's group size."""
+def unsharded_grad_pass_bytes(precision: str, *, reduce_bytes: int, dp: int, kind: str = "fsdp1") -> int:
+    """HBM bytes per parameter an FSDP's passes over the unsharded gradient move each micro-batch (comment
+    above): `kind` "fsdp1" or "fsdp2", `reduce_bytes` the reduce dtype's size, `dp` the reduction's group size."""
     compute = activation_bytes_per_element(precision)
+    if kind == "fsdp2":
+        return compute + reduce_bytes if dp > 1 else 0
     cast = compute + reduce_bytes if reduce_bytes != compute else 0
     return 2 * compute + (cast + 2 * reduce_bytes if dp > 1 else 0)
 
@@ -377,15 +382,17 @@ def layer_costs(plan, *, model, cluster, job, engine: str = "ours") -> LayerCost
 
 
 def _unsharded_grad_pass_s(plan, *, eng, hw, precision: str):
-    """Seconds per micro-batch of FSDP1's post-backward passes over `params` parameters' unsharded
-    gradient (`unsharded_grad_pass_bytes`), as a function of `params`; 0 for engines without them. They
-    run on the post-backward stream beside the backward's GEMMs, which leave no bandwidth-bound kernel
-    room to hide: priced on the backward's path."""
-    if not eng.unsharded_grad_passes or hw.device_type != "cuda":
+    """Seconds per micro-batch of the engine's FSDP passes over `params` parameters' unsharded gradient
+    (`unsharded_grad_pass_bytes`), as a function of `params`; 0 for engines without them. They run on a
+    side stream beside the backward's GEMMs, which leave a bandwidth-bound kernel no room to hide:
+    priced on the backward's path."""
+    kind = eng.unsharded_grad_passes
+    if not kind or hw.device_type != "cuda":
         return lambda params: 0.0
     per_param = unsharded_grad_pass_bytes(precision, reduce_bytes=reduce_bytes_per_param(
-        precision, eng, reduce_fp32=plan.reduce_fp32), dp=plan.dp_cp)
-    return lambda params: memory_time_s(hw, per_param * params, num_kernels=UNSHARDED_GRAD_KERNELS) if params else 0.0
+        precision, eng, reduce_fp32=plan.reduce_fp32), dp=plan.dp_cp, kind=kind)
+    kernels = UNSHARDED_GRAD_KERNELS[kind]
+    return lambda params: memory_time_s(hw, per_param * params, num_kernels=kernels) if params and per_param else 0.0
 
 
 def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:

@@ -402,13 +402,33 @@ def test_llm_foundry_rows_pay_fsdp1s_passes_over_the_whole_unsharded_gradient():
     cluster, job = Cluster(num_nodes=1, devices_per_node=8, hardware=hw), Job(global_batch=8, seq_len=2048)
     plan = Plan(dp=8, micro_batch=1, num_micro_batches=1, recompute="full", param_shard=8, grad_shard=8,
                 optim_shard=8, reduce_fp32=True)
-    without = dataclasses.replace(ENGINES["fsdp"], unsharded_grad_passes=False)
+    without = dataclasses.replace(ENGINES["fsdp"], unsharded_grad_passes="")
     with_passes = layer_costs(plan, model=model, cluster=cluster, job=job, engine="fsdp")
     plain = layer_costs(plan, model=model, cluster=cluster, job=job, engine=without)
     extra_s = with_passes.time_s["full"] - plain.time_s["full"]
     assert extra_s == pytest.approx(18 * layer_params_per_device(model, tp=1) / (3.35e12 * 0.8), rel=1e-9)
     assert with_passes.forward_time_s == plain.forward_time_s  # backward-side work only
-    assert not any(e.unsharded_grad_passes for name, e in ENGINES.items() if name != "fsdp")
+    assert {name: e.unsharded_grad_passes for name, e in ENGINES.items() if e.unsharded_grad_passes} == {
+        "fsdp": "fsdp1", "torchtitan": "fsdp2"}
+
+
+def test_torchtitan_copies_each_gradient_into_its_fp32_reduce_scatter_input():
+    """FSDP2's foreach_reduce copies the per-parameter bf16 gradients into one fp32 reduce-scatter input (2 + 4
+    bytes per parameter of the whole layer every micro-batch) and leaves the division to NCCL's average."""
+    from cost_models.engines import ENGINES
+    from cost_models.estimate import layer_costs, unsharded_grad_pass_bytes
+
+    assert unsharded_grad_pass_bytes("bf16", reduce_bytes=4, dp=8, kind="fsdp2") == 2 + 4
+    assert unsharded_grad_pass_bytes("bf16", reduce_bytes=4, dp=1, kind="fsdp2") == 0
+    model, hw = PRESETS["llama3-8b"], HW["a100"]
+    cluster, job = Cluster(num_nodes=1, devices_per_node=8, hardware=hw), Job(global_batch=8, seq_len=2048)
+    plan = Plan(dp=8, micro_batch=1, num_micro_batches=1, recompute="full", param_shard=8, grad_shard=8, optim_shard=8)
+    titan = ENGINES["torchtitan"]
+    copied = layer_costs(plan, model=model, cluster=cluster, job=job, engine=titan)
+    plain = layer_costs(plan, model=model, cluster=cluster, job=job,
+                        engine=dataclasses.replace(titan, unsharded_grad_passes=""))
+    assert copied.time_s["full"] - plain.time_s["full"] == pytest.approx(
+        6 * layer_params_per_device(model, tp=1) / (2.039e12 * 0.8), rel=1e-9)
 
 
 def test_llm_foundry_flash_path_pays_flash_attns_unpad_and_pad_passes():
