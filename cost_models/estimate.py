@@ -389,12 +389,8 @@ def _unsharded_grad_pass_s(plan, *, eng, hw, precision: str):
     kind = eng.unsharded_grad_passes
     if not kind or hw.device_type != "cuda":
         return lambda params: 0.0
-    assert kind in UNSHARDED_GRAD_KERNELS, kind
-    # FSDP1's hooks run under every sharding strategy (NO_SHARD all-reduces through the same cast and
-    # pre-divide); FSDP2's copy-in feeds its reduce-scatter, so only sharded gradients pay it.
-    group = plan.grad_shard if kind == "fsdp2" else plan.dp_cp
     per_param = unsharded_grad_pass_bytes(precision, reduce_bytes=reduce_bytes_per_param(
-        precision, eng, reduce_fp32=plan.reduce_fp32), dp=group, kind=kind)
+        precision, eng, reduce_fp32=plan.reduce_fp32), dp=plan.dp_cp, kind=kind)
     kernels = UNSHARDED_GRAD_KERNELS[kind]
     return lambda params: memory_time_s(hw, per_param * params, num_kernels=kernels) if params and per_param else 0.0
 
