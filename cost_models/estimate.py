@@ -389,6 +389,10 @@ def _unsharded_grad_pass_s(plan, *, eng, hw, precision: str):
     kind = eng.unsharded_grad_passes
     if not kind or hw.device_type != "cuda":
         return lambda params: 0.0
+    assert kind in UNSHARDED_GRAD_KERNELS, kind
+    # The reduction group (dp x cp) decides, not the gradients' sharding: the search hands one slot's layer
+    # costs to every sharding variant of it, so they may not depend on it (FSDP1's hooks run under every
+    # strategy; FSDP2's copy-in is priced for a replicate-only torchtitan run too).
     per_param = unsharded_grad_pass_bytes(precision, reduce_bytes=reduce_bytes_per_param(
         precision, eng, reduce_fp32=plan.reduce_fp32), dp=plan.dp_cp, kind=kind)
     kernels = UNSHARDED_GRAD_KERNELS[kind]
