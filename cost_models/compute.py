@@ -307,6 +307,24 @@ def flash_attention_times_s(hw: Hardware, *, kernel: str, micro_batch: int, seq_
     return max(forward, hw.kernel_overhead_s), max(backward, hw.kernel_overhead_s)
 
 
+# flash_attn.bert_padding (flash-attn 2.4.2), as llm-foundry's flash_attn_fn calls it on every layer: unpad_input
+# gathers each of q, k and v into packed rows (IndexFirstAxis: torch.gather, read + write) and pad_input scatters
+# the output back into a zeroed padded tensor (IndexPutFirstAxis: zeros, then index_put: read + write); backward,
+# pad_input's gradient is a gather (read + write) and each unpad's a scatter into zeros (write, read + write).
+UNPAD_KERNELS_FWD = 5
+UNPAD_KERNELS_BWD = 7
+
+
+def unpadded_attention_bytes(model: ModelSpec, *, micro_batch: int, seq_len: int, tp: int,
+                             precision: str) -> tuple[float, float]:
+    """(forward, backward) HBM bytes one layer's unpad / pad passes move on one TP rank (comment above)."""
+    p = activation_bytes_per_element(precision)
+    tokens, q, kv = micro_batch * seq_len, model.hidden_size / tp, model.kv_dim / tp
+    forward = tokens * (2 * p * (q + 2 * kv) + 3 * p * q)
+    backward = tokens * (2 * p * q + 3 * p * (q + 2 * kv))
+    return forward, backward
+
+
 def contended(hw: Hardware) -> Hardware:
     """The device as the compute beside a running collective sees it: the collective's CTAs hold
     `nccl_ctas` SMs, so each GEMM's waves run over the rest (a GEMM of about one wave nearly doubles, a long
@@ -425,6 +443,11 @@ def layer_compute_times(model: ModelSpec, hw: Hardware, *, micro_batch: int, seq
                                            tp=tp, dtype=attn_dtype,
                                            key_block=seq_len // (2 * cp) if ring_size > 1 else None)
         attn_fwd, attn_bwd = attn_fwd / cp, attn_bwd / cp
+        if engine.unpadded_attention and kernel == "flash2" and hw.device_type == "cuda":
+            fwd_bytes, bwd_bytes = unpadded_attention_bytes(model, micro_batch=micro_batch, seq_len=local, tp=tp,
+                                                            precision=attn_dtype)
+            attn_fwd += memory_time_s(hw, fwd_bytes, num_kernels=UNPAD_KERNELS_FWD)
+            attn_bwd += memory_time_s(hw, bwd_bytes, num_kernels=UNPAD_KERNELS_BWD)
     hidden_bytes, materialized_bytes = _elementwise_bytes(model, micro_batch=micro_batch, seq_len=local, tp=tp,
                                                           sequence_parallel=sequence_parallel, precision=precision,
                                                           engine=engine, materialized=kernel == "materialized")

@@ -78,6 +78,19 @@ class EngineModel:
     # route each CP rank's tokens (parallel folding); this project's engine refuses cp > 1 with MoE layers,
     # and the others are not modelled running MoE with CP.
     moe_context_parallel: bool = False
+    # What the engine's FSDP does to the whole unsharded gradient every micro-batch before its reduce-scatter
+    # (`estimate.unsharded_grad_pass_bytes`): "fsdp1", PyTorch FSDP1 (llm-foundry's Composer): the
+    # concatenation of the original parameters' gradients into the flat parameter's, the cast to the reduce
+    # dtype and the in-place pre-divide; "fsdp2" (torchtitan): the copy of each gradient into the
+    # reduce-scatter input in the reduce dtype (foreach_reduce_scatter_copy_in). Empty where none is priced:
+    # Megatron accumulates into its main-gradient buffer inside the wgrad GEMM and scales the bucket once per
+    # step; this engine's copies are not priced.
+    unsharded_grad_passes: str = ""
+    # llm-foundry's `attn_impl: flash` (llmfoundry/models/layers/attention.py, flash_attn_fn) packs q, k and v
+    # into unpadded rows before FlashAttention's varlen kernel and scatters the output back, each layer
+    # (flash_attn.bert_padding: unpad_input / pad_input, priced in compute.unpadded_attention_bytes); its
+    # Triton path (`attn_impl: triton`, the CSV's flash1 rows) calls the kernel on the padded tensors.
+    unpadded_attention: bool = False
 
 
 # Composer's DecoupledAdamW (composer/optim/decoupled_weight_decay.py, `adamw`), which llm-foundry's MPT yamls
@@ -120,11 +133,12 @@ ENGINES: dict[str, EngineModel] = {e.name: e for e in (
     # (pytorch/torchtitan#1196, 2025-05).
     EngineModel("torchtitan", "torchtitan (FSDP2, eager, SDPA attention, fp32 gradient reduction)",
                 attention="flash2", fused_elementwise=False, tp_comm_hidden=0.0, reduce_fp32=True,
-                main_grads_fp32=False),
+                main_grads_fp32=False, unsharded_grad_passes="fsdp2"),
     EngineModel("fsdp", "PyTorch FSDP1 with FlashAttention-2 (llm-foundry / Composer), eager elementwise",
                 attention="flash2", fused_elementwise=False, tp_comm_hidden=0.0, reduce_fp32=False,
                 main_grads_fp32=False, gpt_dropout=False, context_parallel=False,
-                optimizer_bytes_per_param=COMPOSER_ADAMW_BYTES_PER_PARAM),
+                optimizer_bytes_per_param=COMPOSER_ADAMW_BYTES_PER_PARAM, unsharded_grad_passes="fsdp1",
+                unpadded_attention=True),
 )}
 
 if tuple(ENGINES) != ENGINE_NAMES:  # the names are declared once, in specs (a plan file records its engine)

@@ -190,6 +190,31 @@ def reduce_bytes_per_param(precision: str, eng, *, reduce_fp32: bool = False) ->
     return 4 if eng.reduce_fp32 else grad_bytes
 
 
+# PyTorch FSDP1 (torch/distributed/fsdp/_runtime_utils.py `_post_backward_hook`, 2.0-2.1; the same steps
+# in 1.13's fully_sharded_data_parallel.py) handles each FlatParameter's whole unsharded gradient every
+# micro-batch: autograd writes it by concatenating the original parameters' gradients (the backward of the
+# split that made them views of the flat parameter: read + write in the compute dtype); the hook casts it
+# to MixedPrecision's reduce_dtype when that differs (`flat_param.grad.to(reduce_dtype)`: read 2, write 4
+# under Composer's DEFAULT, fp32) and the default reduce-scatter hook divides it in place by the gradient
+# pre-divide factor (default_hooks.reduce_scatter_hook; the factor is above 1 for every world size of 2 or
+# more: read + write in the reduce dtype). FSDP2 (torch/distributed/_composable/fsdp/_fsdp_collectives.py,
+# foreach_reduce) copies the per-parameter gradients into one reduce-scatter input in the reduce dtype
+# (foreach_reduce_scatter_copy_in: read in the compute dtype, write in the reduce dtype) and pre-divides
+# only an fp16 reduction (fp32 and bf16 use NCCL's average). The shard-sized post-divide and accumulation
+# (1/dp of it) are left out. Kernels per unit: FSDP1's three passes, FSDP2's one copy.
+UNSHARDED_GRAD_KERNELS = {"fsdp1": 3, "fsdp2": 1}
+
+
+def unsharded_grad_pass_bytes(precision: str, *, reduce_bytes: int, dp: int, kind: str = "fsdp1") -> int:
+    """HBM bytes per parameter an FSDP's passes over the unsharded gradient move each micro-batch (comment
+    above): `kind` "fsdp1" or "fsdp2", `reduce_bytes` the reduce dtype's size, `dp` the reduction's group size."""
+    compute = activation_bytes_per_element(precision)
+    if kind == "fsdp2":
+        return compute + reduce_bytes if dp > 1 else 0
+    cast = compute + reduce_bytes if reduce_bytes != compute else 0
+    return 2 * compute + (cast + 2 * reduce_bytes if dp > 1 else 0)
+
+
 def gathered_param_bytes(precision: str, eng) -> int:
     """Bytes per parameter a parameter all-gather moves: the compute-dtype weight; in fp8 the bf16 copy, or
     the 1-byte fp8 weight where the engine keeps only that (EngineModel.fp8_param_gather: Megatron's
@@ -328,19 +353,21 @@ def layer_costs(plan, *, model, cluster, job, engine: str = "ours") -> LayerCost
     tp_fwd_s = 2 * one_s
     cp_fwd_s, cp_bwd_s = _context_comm_s(plan, cluster, model=model, job=job, core_forward_s=core_fwd_s)
     recompute_s, tp_comm, cp_comm = _policy_times(times, hw, tp_fwd_s=tp_fwd_s, cp_fwd_s=cp_fwd_s, cp_bwd_s=cp_bwd_s)
-    time_s = {p: times.forward_s + times.backward_s + recompute_s[p] + tp_comm[p] for p in POLICIES}
+    first_params, last_params = end_params_per_device(model, tp=tp, pp=plan.pp)
+    grad_pass_s = _unsharded_grad_pass_s(plan, eng=eng, hw=hw, precision=job.precision)
+    layer_grad_s = grad_pass_s(layer_params_per_device(model, tp=tp))
+    time_s = {p: times.forward_s + times.backward_s + recompute_s[p] + tp_comm[p] + layer_grad_s for p in POLICIES}
     activation = _layer_activations(plan, model=model, job=job, eng=eng, hw=hw, dims=dims, ring=ring)
     shards = dict(param_shard=plan.param_shard, grad_shard=plan.grad_shard, optim_shard=plan.optim_shard,
                   precision=job.precision, reduce_fp32=plan.reduce_fp32, fp8_params=eng.fp8_param_gather)
     state = model_state_bytes(layer_params_per_device(model, tp=tp), **shards)
-    first_params, last_params = end_params_per_device(model, tp=tp, pp=plan.pp)
     first_act, last_act = end_activation_bytes(model, **dims)
     return LayerCosts(
         time_s=time_s, activation_bytes=activation, state_bytes=state.total_bytes,
         # The vocabulary-parallel embedding sums its partial lookups (all-reduce; reduce-scatter under
         # SP); the head's input is all-reduced in backward (under SP: gathered forward, scattered back).
-        first_extra_time_s=ends.embed_forward_s + ends.embed_backward_s + embed_comm_s,
-        last_extra_time_s=ends.head_forward_s + ends.head_backward_s + one_s,
+        first_extra_time_s=ends.embed_forward_s + ends.embed_backward_s + embed_comm_s + grad_pass_s(first_params),
+        last_extra_time_s=ends.head_forward_s + ends.head_backward_s + one_s + grad_pass_s(last_params),
         first_extra_bytes=model_state_bytes(first_params, **shards).total_bytes,
         last_extra_bytes=model_state_bytes(last_params, **shards).total_bytes
         + logits_bytes(model, micro_batch=b, seq_len=s, tp=tp),
@@ -352,6 +379,24 @@ def layer_costs(plan, *, model, cluster, job, engine: str = "ours") -> LayerCost
         tp_comm_s=tp_comm, cp_comm_s=cp_comm, recompute_time_s=recompute_s,
         cp_working_bytes=_ring_working_bytes(model, plan=plan, seq_len=job.seq_len, ring=ring, eng=eng),
         overlap_efficiency_forward=share_f, overlap_efficiency_backward=share_b)
+
+
+def _unsharded_grad_pass_s(plan, *, eng, hw, precision: str):
+    """Seconds per micro-batch of the engine's FSDP passes over `params` parameters' unsharded gradient
+    (`unsharded_grad_pass_bytes`), as a function of `params`; 0 for engines without them. They run on a
+    side stream beside the backward's GEMMs, which leave a bandwidth-bound kernel no room to hide:
+    priced on the backward's path."""
+    kind = eng.unsharded_grad_passes
+    if not kind or hw.device_type != "cuda":
+        return lambda params: 0.0
+    assert kind in UNSHARDED_GRAD_KERNELS, kind
+    # The reduction group (dp x cp) decides, not the gradients' sharding: the search hands one slot's layer
+    # costs to every sharding variant of it, so they may not depend on it (FSDP1's hooks run under every
+    # strategy; FSDP2's copy-in is priced for a replicate-only torchtitan run too).
+    per_param = unsharded_grad_pass_bytes(precision, reduce_bytes=reduce_bytes_per_param(
+        precision, eng, reduce_fp32=plan.reduce_fp32), dp=plan.dp_cp, kind=kind)
+    kernels = UNSHARDED_GRAD_KERNELS[kind]
+    return lambda params: memory_time_s(hw, per_param * params, num_kernels=kernels) if params and per_param else 0.0
 
 
 def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:

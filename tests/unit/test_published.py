@@ -386,6 +386,76 @@ def test_llm_foundry_steps_composer_adamw_in_unfused_passes():
     assert optimizer_s == pytest.approx(PRESETS["llama3-8b"].num_params() / 8 * 100 / (3.35e12 * 0.8), rel=1e-9)
 
 
+def test_llm_foundry_rows_pay_fsdp1s_passes_over_the_whole_unsharded_gradient():
+    """FSDP1's post-backward hook works on each flat parameter's unsharded gradient every micro-batch: the
+    split's backward writes it (2 + 2 bytes per parameter in bf16), the hook casts it to fp32 under
+    Composer's DEFAULT mixed precision (2 + 4) and pre-divides it in place (4 + 4): 18 bytes per parameter
+    of the whole layer, not of its 1/8 shard, at 80% of the H100's 3.35 TB/s; PURE (bf16 reduction) skips
+    the cast: 8 bytes; one GPU (no reduction) only the concatenation: 4. Other engines pay none of it."""
+    from cost_models.engines import ENGINES
+    from cost_models.estimate import layer_costs, unsharded_grad_pass_bytes
+
+    assert unsharded_grad_pass_bytes("bf16", reduce_bytes=4, dp=8) == 2 + 2 + 2 + 4 + 4 + 4
+    assert unsharded_grad_pass_bytes("bf16", reduce_bytes=2, dp=8) == 2 + 2 + 2 + 2
+    assert unsharded_grad_pass_bytes("bf16", reduce_bytes=2, dp=1) == 4
+    model, hw = PRESETS["llama3-8b"], HW["h100"]
+    cluster, job = Cluster(num_nodes=1, devices_per_node=8, hardware=hw), Job(global_batch=8, seq_len=2048)
+    plan = Plan(dp=8, micro_batch=1, num_micro_batches=1, recompute="full", param_shard=8, grad_shard=8,
+                optim_shard=8, reduce_fp32=True)
+    without = dataclasses.replace(ENGINES["fsdp"], unsharded_grad_passes="")
+    with_passes = layer_costs(plan, model=model, cluster=cluster, job=job, engine="fsdp")
+    plain = layer_costs(plan, model=model, cluster=cluster, job=job, engine=without)
+    extra_s = with_passes.time_s["full"] - plain.time_s["full"]
+    assert extra_s == pytest.approx(18 * layer_params_per_device(model, tp=1) / (3.35e12 * 0.8), rel=1e-9)
+    assert with_passes.forward_time_s == plain.forward_time_s  # backward-side work only
+    assert {name: e.unsharded_grad_passes for name, e in ENGINES.items() if e.unsharded_grad_passes} == {
+        "fsdp": "fsdp1", "torchtitan": "fsdp2"}
+
+
+def test_torchtitan_copies_each_gradient_into_its_fp32_reduce_scatter_input():
+    """FSDP2's foreach_reduce copies the per-parameter bf16 gradients into one fp32 reduce-scatter input (2 + 4
+    bytes per parameter of the whole layer every micro-batch) and leaves the division to NCCL's average."""
+    from cost_models.engines import ENGINES
+    from cost_models.estimate import layer_costs, unsharded_grad_pass_bytes
+
+    assert unsharded_grad_pass_bytes("bf16", reduce_bytes=4, dp=8, kind="fsdp2") == 2 + 4
+    assert unsharded_grad_pass_bytes("bf16", reduce_bytes=4, dp=1, kind="fsdp2") == 0
+    model, hw = PRESETS["llama3-8b"], HW["a100"]
+    cluster, job = Cluster(num_nodes=1, devices_per_node=8, hardware=hw), Job(global_batch=8, seq_len=2048)
+    plan = Plan(dp=8, micro_batch=1, num_micro_batches=1, recompute="full", param_shard=8, grad_shard=8, optim_shard=8)
+    titan = ENGINES["torchtitan"]
+    copied = layer_costs(plan, model=model, cluster=cluster, job=job, engine=titan)
+    plain = layer_costs(plan, model=model, cluster=cluster, job=job,
+                        engine=dataclasses.replace(titan, unsharded_grad_passes=""))
+    assert copied.time_s["full"] - plain.time_s["full"] == pytest.approx(
+        6 * layer_params_per_device(model, tp=1) / (2.039e12 * 0.8), rel=1e-9)
+
+
+def test_llm_foundry_flash_path_pays_flash_attns_unpad_and_pad_passes():
+    """llm-foundry's flash_attn_fn gathers q, k, v into unpadded rows and scatters the output back on every
+    layer (flash_attn.bert_padding): with MHA in bf16, 3 x (2 + 2) + (2 + 2 + 2) = 18 bytes per token and
+    hidden element forward, (2 + 2) + 3 x (2 + 2 + 2) = 22 backward, at 80% of the H100's 3.35 TB/s. Its
+    Triton path (the flash1 rows) and the other engines' flash kernels pay none."""
+    from cost_models.compute import layer_compute_times, unpadded_attention_bytes
+    from cost_models.engines import ENGINES
+
+    model, hw = PRESETS["gpt3-1.7b"], HW["h100"]
+    assert model.kv_dim == model.hidden_size
+    tokens_h = 4 * 2048 * model.hidden_size
+    assert unpadded_attention_bytes(model, micro_batch=4, seq_len=2048, tp=1, precision="bf16") == (
+        18 * tokens_h, 22 * tokens_h)
+    dims = dict(micro_batch=4, seq_len=2048, tp=1, sequence_parallel=False, precision="bf16")
+    fsdp = ENGINES["fsdp"]
+    packed = layer_compute_times(model, hw, **dims, engine=fsdp)
+    plain = layer_compute_times(model, hw, **dims, engine=dataclasses.replace(fsdp, unpadded_attention=False))
+    assert packed.forward_s - plain.forward_s == pytest.approx(18 * tokens_h / (3.35e12 * 0.8), rel=1e-9)
+    assert packed.backward_s - plain.backward_s == pytest.approx(22 * tokens_h / (3.35e12 * 0.8), rel=1e-9)
+    triton = dataclasses.replace(fsdp, attention="flash1")
+    assert layer_compute_times(model, hw, **dims, engine=triton) == layer_compute_times(
+        model, hw, **dims, engine=dataclasses.replace(triton, unpadded_attention=False))
+    assert [name for name, e in ENGINES.items() if e.unpadded_attention] == ["fsdp"]
+
+
 def test_the_bloom_prequel_rows_carry_the_vocabulary_their_size_column_implies():
     """chronicles-prequel.md sizes its models as l (12 h^2 + 13 h) + v h + s h + 2 h: with the 250k BigScience
     vocabulary 72 x 14336 comes to the table's 181B and 96 x 12288 to its 177B (GPT-2's 50257: 178B, 175B)."""
