@@ -207,3 +207,44 @@ def test_intra_node_shapes_are_measured_on_every_copy_at_once() -> None:
     assert copies(shapes["inter2"], 8) == [(0, 4)]
     assert copies(shapes["both8"], 8) == [tuple(range(8))]
     assert copies(GroupShape("odd", "intra_node", (1, 2)), 8) == [(1, 2)]
+
+
+def test_an_aborted_probe_rank_is_measured_again_once(monkeypatch):
+    """A probe rank killed by SIGABRT (a rare gloo abort, profilers.profile.PROBE_ATTEMPTS) reruns the probe
+    once; any other failure, or a second abort, is reported as it is."""
+    import profilers.profile as profile
+    from runners.launch import RunFailed
+
+    calls = []
+    result = {"points": [], "overlap": {"efficiency": 0.5}}
+
+    def flaky(module, spec, *, where, on_event=None):
+        calls.append(module)
+        if len(calls) == 1:
+            raise RunFailed("rank 1 failed (killed by signal 6)")
+        return result
+
+    monkeypatch.setattr(profile, "run_workers", flaky)
+    options = profile.ProfileOptions(quick=True, nproc=2)
+    assert profile.run_layer_probe(options) == ((), {"efficiency": 0.5})
+    assert calls == ["runners.probe", "runners.probe"]
+
+    def broken(module, spec, *, where, on_event=None):
+        calls.append(module)
+        raise RunFailed("rank 0 failed (exit code 1)")
+
+    calls.clear()
+    monkeypatch.setattr(profile, "run_workers", broken)
+    with pytest.raises(RunFailed, match="exit code 1"):
+        profile.run_layer_probe(options)
+    assert len(calls) == 1
+
+    def aborts(module, spec, *, where, on_event=None):
+        calls.append(module)
+        raise RunFailed("rank 1 failed (killed by signal 6)")
+
+    calls.clear()
+    monkeypatch.setattr(profile, "run_workers", aborts)
+    with pytest.raises(RunFailed, match="signal 6"):
+        profile.run_layer_probe(options)
+    assert len(calls) == profile.PROBE_ATTEMPTS
