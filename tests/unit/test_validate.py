@@ -173,3 +173,19 @@ def test_the_spread_holds_legal_context_parallel_plans():
         assert {label: (p.dp, p.cp, p.cp_kind) for label, p in entries.items()} == expected
         for plan in entries.values():
             check_plan(plan, model=problem.model, num_devices=nproc, job=problem.job)
+
+
+def test_the_batched_timing_freezes_what_is_alive_after_a_trainers_first_step():
+    """runners.timing keeps many trainers in one process; their objects are frozen out of the cyclic
+    collector's traversals (`_freeze_long_lived`) so that a plan's step does not grow with the plans beside it."""
+    import gc
+
+    from runners.timing import _freeze_long_lived
+
+    kept = [[object()] for _ in range(1000)]  # noqa: F841 - alive across the freeze
+    before = gc.get_freeze_count()
+    try:
+        _freeze_long_lived()
+        assert gc.get_freeze_count() >= before + 1000
+    finally:
+        gc.unfreeze()
