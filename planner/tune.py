@@ -151,6 +151,11 @@ def calibrate_profile(profile: str, settings: TuneSettings, *, progress: Progres
                            at_bounds=parameters_at_bounds(calibration))
 
 
+def _prefetch_twin(plan):
+    """The same plan without parameter prefetch, for a plan that gathers sharded parameters ahead; else None."""
+    return plan.replace(prefetch_depth=0) if plan.param_shard > 1 and plan.prefetch_depth > 0 else None
+
+
 def with_prefetch_twin(entries: list) -> list:
     """`entries` and, after them, the no-prefetch twin of the first ZeRO-3 plan that prefetches (none if
     there is no such plan or its twin is already timed)."""
@@ -158,15 +163,15 @@ def with_prefetch_twin(entries: list) -> list:
 
     plans = {e.plan for e in entries}
     for e in entries:
-        if e.plan.param_shard > 1 and e.plan.prefetch_depth > 0:
-            twin = e.plan.replace(prefetch_depth=0)
+        twin = _prefetch_twin(e.plan)
+        if twin is not None:
             return entries if twin in plans else [*entries, PlanEntry(f"{e.label} no prefetch", e.source, twin)]
     return entries
 
 
 def _has_prefetch_pair(plans: list) -> bool:
     timed = set(plans)
-    return any(p.param_shard > 1 and p.prefetch_depth > 0 and p.replace(prefetch_depth=0) in timed for p in plans)
+    return any(_prefetch_twin(p) in timed for p in plans)
 
 
 def _default_precision(profile: str) -> str:

@@ -215,36 +215,36 @@ def test_an_aborted_probe_rank_is_measured_again_once(monkeypatch):
     import profilers.profile as profile
     from runners.launch import RunFailed
 
-    calls = []
     result = {"points": [], "overlap": {"efficiency": 0.5}}
-
-    def flaky(module, spec, *, where, on_event=None):
-        calls.append(module)
-        if len(calls) == 1:
-            raise RunFailed("rank 1 failed (killed by signal 6)")
-        return result
-
-    monkeypatch.setattr(profile, "run_workers", flaky)
+    abort = RunFailed("rank 1 failed (killed by signal 6)")
     options = profile.ProfileOptions(quick=True, nproc=2)
+
+    def workers(*outcomes):
+        """A run_workers that raises or returns each outcome in turn, recording its calls."""
+        calls = []
+
+        def run(module, spec, *, where, on_event=None):
+            calls.append(module)
+            outcome = outcomes[len(calls) - 1]
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+
+        return run, calls
+
+    run, calls = workers(abort, result)
+    monkeypatch.setattr(profile, "run_workers", run)
     assert profile.run_layer_probe(options) == ((), {"efficiency": 0.5})
     assert calls == ["runners.probe", "runners.probe"]
 
-    def broken(module, spec, *, where, on_event=None):
-        calls.append(module)
-        raise RunFailed("rank 0 failed (exit code 1)")
-
-    calls.clear()
-    monkeypatch.setattr(profile, "run_workers", broken)
+    run, calls = workers(RunFailed("rank 0 failed (exit code 1)"))
+    monkeypatch.setattr(profile, "run_workers", run)
     with pytest.raises(RunFailed, match="exit code 1"):
         profile.run_layer_probe(options)
     assert len(calls) == 1
 
-    def aborts(module, spec, *, where, on_event=None):
-        calls.append(module)
-        raise RunFailed("rank 1 failed (killed by signal 6)")
-
-    calls.clear()
-    monkeypatch.setattr(profile, "run_workers", aborts)
+    run, calls = workers(*[abort] * profile.PROBE_ATTEMPTS)
+    monkeypatch.setattr(profile, "run_workers", run)
     with pytest.raises(RunFailed, match="signal 6"):
         profile.run_layer_probe(options)
     assert len(calls) == profile.PROBE_ATTEMPTS
