@@ -1,4 +1,5 @@
 """python benchmarks/engine_before_after.py [--baseline 0041d03] [--rounds 3] [--steps 4]
+python benchmarks/engine_before_after.py --fresh ZeRO-3 [--rounds 10] [--steps 12]
 
 This engine now against the same engine at an older commit, side by side in one run: the "no worse than
 before" check of a restructure (the one-house issue: `--baseline 0041d03` is the last commit before the
@@ -17,6 +18,14 @@ ZeRO-1/2/3 for our engine and torch's own components on 4 gloo CPU processes. Pr
 
 Medians over rounds; "no worse" means ours now / ours before <= 1 within the rounds' spread, and the
 ours / torch ratio now no higher than before.
+
+`--fresh PLAN` times one plan of our engine alone, each run on a fresh set of processes: the default
+runs every plan in order in one set of processes, and a later plan there inherits what the earlier ones
+left (allocator state, resident memory): ZeRO-3, run last, reads ~1.4x slower there than alone, in both
+trees, so its ratio carries the most of that noise. Each round runs the plan once per tree (order
+alternating); printed: the median over rounds of the paired ratios now / before of the median step
+time (wall, rank 0) and of the CPU seconds per step summed over the ranks, with their range, and in
+how many rounds now was the faster.
 """
 
 from __future__ import annotations
@@ -53,17 +62,51 @@ def run_tree(tree: Path, *, steps: int) -> dict[str, tuple[float, float, float, 
     return rows
 
 
+def run_fresh(tree: Path, *, level: int, steps: int) -> tuple[float, float]:
+    """(median step wall seconds on rank 0, CPU seconds per step summed over ranks) of our engine running
+    ZeRO-`level` (0: DDP) alone on 4 fresh processes with `tree`'s code; the first step is dropped."""
+    worker = ROOT / "benchmarks" / "fresh_plan.py"
+    out = subprocess.run([sys.executable, str(worker), str(tree), str(level), str(steps)], cwd=tree,
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(tree)})
+    line = next((l for l in out.stdout.splitlines() if l.startswith("FRESH ")), None)
+    if out.returncode != 0 or line is None:
+        raise SystemExit(f"the fresh run failed in {tree} (exit {out.returncode}):\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+    wall, cpu = (float(x) for x in line.split()[1:])
+    return wall, cpu
+
+
+def compare_fresh(base: Path, *, plan: str, rounds: int, steps: int) -> None:
+    level = PLANS.index(plan)
+    pairs = []
+    for r in range(rounds):
+        order = [("before", base), ("now", ROOT)] if r % 2 == 0 else [("now", ROOT), ("before", base)]
+        got = {which: run_fresh(tree, level=level, steps=steps) for which, tree in order}
+        pairs.append(got)
+        print(f"round {r + 1}/{rounds}: now {got['now'][0] * 1e3:.0f} ms, before {got['before'][0] * 1e3:.0f} ms",
+              file=sys.stderr, flush=True)
+    print(f"{plan} alone on fresh processes, {rounds} rounds x {steps} steps, alternating; now / before:")
+    for i, what in ((0, "wall (rank 0 median step)"), (1, "CPU seconds per step (all ranks)")):
+        ratios = [p["now"][i] / p["before"][i] for p in pairs]
+        faster = sum(x < 1 for x in ratios)
+        print(f"  {what:<34} median {statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f}), "
+              f"now faster in {faster} of {rounds}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="engine_before_after")
     parser.add_argument("--baseline", default="0041d03", help="the commit to compare against")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4, help="steps per run; the first is dropped")
+    parser.add_argument("--fresh", choices=PLANS, help="time this plan of our engine alone on fresh processes")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="planner-baseline-") as tmp:
         base = Path(tmp) / "tree"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), args.baseline],
                        check=True, capture_output=True)
         try:
+            if args.fresh:
+                compare_fresh(base, plan=args.fresh, rounds=args.rounds, steps=args.steps)
+                return
             before: list[dict] = []
             now: list[dict] = []
             for r in range(args.rounds):
