@@ -414,8 +414,9 @@ def layer_compute_times(model: ModelSpec, hw: Hardware, *, micro_batch: int, seq
 
     The attention core: materialised, its GEMMs priced like the others plus the softmax's bytes over the
     full square (as Megatron computed it); flash, at the hardware's measured flash kernel efficiency over
-    the causal half (`flash_attention_times_s`), or, where the profile has none (CPUs), as its GEMMs over
-    the causal half with a backward of 2.5 forwards.
+    the causal half (`flash_attention_times_s`), or, where the profile has none (CPUs), from the profile's
+    timed kernel (`measured_attention_times_s`), else as its GEMMs over the causal half with a backward of
+    2.5 forwards.
 
     Context parallelism over `cp` ranks (`seq_len` is the whole sequence): the token-wise GEMMs and
     elementwise ops see seq_len / cp tokens; the balanced causal split gives every rank 1/cp of the
@@ -471,6 +472,9 @@ def _core_times_s(model: ModelSpec, hw: Hardware, *, kernel: str, micro_batch: i
     if kernel != "materialized" and hw.has_kernel(f"{kernel}_forward"):
         return flash_attention_times_s(hw, kernel=kernel, micro_batch=micro_batch, seq_len=seq_len,
                                        num_heads=model.num_heads // tp, head_dim=model.head_dim, key_block=key_block)
+    if kernel != "materialized" and hw.attention_points:
+        return measured_attention_times_s(hw, micro_batch=micro_batch, seq_len=seq_len,
+                                          num_heads=model.num_heads // tp, head_dim=model.head_dim, dtype=dtype)
     attention = layer_gemms(model, micro_batch=micro_batch, seq_len=seq_len, tp=tp)["attention"]
     attn_fwd = sum(gemm_time_s(hw, g, dtype=dtype) for g in attention)
     attn_bwd = sum(gemm_time_s(hw, g2, dtype=dtype) for g in attention for g2 in g.backward())
@@ -478,6 +482,44 @@ def _core_times_s(model: ModelSpec, hw: Hardware, *, kernel: str, micro_batch: i
         attn_fwd *= FUSED_CAUSAL_FRACTION
         attn_bwd = FUSED_BACKWARD_RATIO * attn_fwd
     return attn_fwd, attn_bwd
+
+
+def _per_score_s(points: list, seq_len: int, which: str) -> float:
+    """Seconds per causal score of one head at `seq_len`, linear in log(seq_len) between the measured
+    points of one head width (held at the end points' value beyond them)."""
+    points = sorted(points, key=lambda p: p.seq_len)
+    costs = [getattr(p, which) / (p.num_heads * p.seq_len ** 2 / 2) for p in points]
+    if seq_len <= points[0].seq_len:
+        return costs[0]
+    for (a, ca), (b, cb) in zip(zip(points, costs), zip(points[1:], costs[1:])):
+        if seq_len <= b.seq_len:
+            f = math.log(seq_len / a.seq_len) / math.log(b.seq_len / a.seq_len)
+            return ca + f * (cb - ca)
+    return costs[-1]
+
+
+def measured_attention_times_s(hw: Hardware, *, micro_batch: int, seq_len: int, num_heads: int, head_dim: int,
+                               dtype: str) -> tuple[float, float]:
+    """(forward, backward) seconds of the causal fused attention kernel from the profile's measured points
+    (Hardware.attention_points; profilers/compute.measure_attention): per score and head, interpolated over
+    log(seq_len) at each measured head width, then linear in the head width through the two (its GEMMs'
+    share grows with it, the softmax's does not; extrapolated beyond them), floored at the narrower width's
+    cost scaled by the width; times the causal scores b h s^2 / 2 and compute_time_scale."""
+    points = [p for p in hw.attention_points if p.dtype == dtype] or list(hw.attention_points)
+    widths = sorted({p.head_dim for p in points})
+    scale = hw.calibration.get("compute_time_scale", 1.0)
+    scores = micro_batch * num_heads * seq_len ** 2 / 2
+    out = []
+    for which in ("forward_s", "backward_s"):
+        by_width = [_per_score_s([p for p in points if p.head_dim == w], seq_len, which) for w in widths]
+        if len(widths) == 1:
+            per_score = by_width[0] * head_dim / widths[0]
+        else:
+            (w1, c1), (w2, c2) = (widths[0], by_width[0]), (widths[-1], by_width[-1])
+            per_score = c1 + (c2 - c1) * (head_dim - w1) / (w2 - w1)
+            per_score = max(per_score, c1 * min(1.0, head_dim / w1))
+        out.append(max(scale * per_score * scores, hw.kernel_overhead_s))
+    return out[0], out[1]
 
 
 # This engine's ring blocks (runners/context_parallel.py) in fp32, bytes read and written per score, pass

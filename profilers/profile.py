@@ -241,7 +241,7 @@ def build_hardware(*, device: torch.device, compute: ComputeResult, memory: Memo
         collectives=tuple(fits),
         gemm_points=tuple(GemmPoint(m=g.m, n=g.n, k=g.k, dtype=g.dtype, flops_per_s=g.flops / g.time_s)
                           for g in compute.gemms),
-        elementwise_bytes_per_s=compute.elementwise_bytes_per_s,
+        elementwise_bytes_per_s=compute.elementwise_bytes_per_s, attention_points=tuple(compute.attention),
         links_from=f"{base.name} preset ({', '.join(kept)})" if kept else "",
         # The wave model (cost_models/compute.py) needs the SM count; the device reports it, and the
         # tile and NCCL's CTAs are the library's choices the preset records for this GPU family.

@@ -71,6 +71,20 @@ class GemmPoint:
 
 
 @dataclass(frozen=True)
+class AttentionPoint:
+    """Causal fused attention (torch's scaled_dot_product_attention, the engine's attention core) timed on
+    one device: `num_heads` heads of `head_dim` over `seq_len` tokens, micro-batch 1; forward seconds and
+    backward seconds (forward + backward less forward)."""
+
+    seq_len: int
+    num_heads: int
+    head_dim: int
+    dtype: str
+    forward_s: float
+    backward_s: float
+
+
+@dataclass(frozen=True)
 class LayerProbePoint:
     """One transformer layer timed on every rank at once (runners/probe.py): the slowest rank's
     mean forward and forward+backward seconds at this micro-batch and sequence length."""
@@ -128,8 +142,12 @@ class Hardware:
     # Measured efficiencies (fraction of the dtype's peak) of kernels that are not plain GEMMs, by name:
     # flash1_forward/backward (FlashAttention-1 class), flash2_forward/backward (FlashAttention-2),
     # flash3_forward/backward (FlashAttention-3 / cuDNN fused attention, Hopper only), fp8_gemm (the largest-GEMM rate in fp8, whose peak is peak_flops_per_s["fp8"]).
-    # Absent: the kernel is priced as its GEMMs at gemm_max_efficiency (CPU profiles).
+    # Absent: the kernel is priced from `attention_points` where measured (CPU profiles), else as its
+    # GEMMs at gemm_max_efficiency.
     kernel_efficiency: dict[str, float] = field(default_factory=dict)
+    # CPU profiles: the fused attention kernel timed by sequence length at two head widths
+    # (profilers/compute.measure_attention; cost_models/compute.measured_attention_times_s prices from them).
+    attention_points: tuple[AttentionPoint, ...] = ()
     # GPUs: streaming multiprocessors and the output tile (rows, columns) of the library's large-GEMM kernel;
     # a GEMM runs in waves of one tile per SM, so shapes that leave the last wave part-empty or pad their
     # edge tiles lose that share (cost_models/compute.py). 0 SMs: no wave model (CPU).

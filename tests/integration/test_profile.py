@@ -38,6 +38,10 @@ def test_profile_json_round_trips_through_resolve_hardware(profile_path: Path) -
     assert hw.gemm_points and {p.dtype for p in hw.gemm_points} >= {"fp32"}
     assert set(hw.elementwise_bytes_per_s) >= {"layer_norm", "rms_norm", "gelu", "silu"}
     assert 0 < hw.gemm_max_efficiency <= 1 and hw.kernel_overhead_s > 0
+    # The fused attention kernel by sequence at the tiny model's head width (8) and 64, forward and backward.
+    assert {(p.head_dim, p.seq_len) for p in hw.attention_points if p.dtype == "fp32"} == \
+        {(d, s) for d in (8, 64) for s in (64, 256, 1024, 2048)}
+    assert all(0 < p.forward_s and 0 < p.backward_s for p in hw.attention_points)
     # The layer probe ran on both ranks at once and, on CPU, its fit is the profile's calibration.
     assert [(p.micro_batch, p.seq_len, p.recompute) for p in hw.layer_probe] == \
         [(1, 8, "none"), (1, 64, "none"), (4, 64, "none"), (1, 64, "full")]

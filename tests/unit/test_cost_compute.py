@@ -143,3 +143,56 @@ def test_backward_costs_about_twice_forward_and_sequence_parallel_saves_elementw
     assert 1.9 < plain.backward_s / plain.forward_s < 2.2
     assert sp.forward_s < plain.forward_s
     assert 0 < plain.attention_core_forward_s < plain.forward_s
+
+
+def _attention_points(forward_ns_per_score: dict[tuple[int, int], float]) -> tuple:
+    from specs.hardware import AttentionPoint
+
+    return tuple(AttentionPoint(seq_len=s, num_heads=2, head_dim=d, dtype="fp32",
+                                forward_s=ns * 1e-9 * 2 * s * s / 2, backward_s=3 * ns * 1e-9 * 2 * s * s / 2)
+                 for (s, d), ns in forward_ns_per_score.items())
+
+
+def test_measured_attention_is_exact_at_its_points_and_interpolated_by_log_sequence_and_width():
+    from cost_models.compute import measured_attention_times_s
+
+    # Per-score forward cost (ns) at (seq, head width); backward 3x.
+    points = _attention_points({(256, 8): 1.0, (1024, 8): 2.0, (256, 64): 4.0, (1024, 64): 8.0})
+    hw = dataclasses.replace(HW["cpu"], attention_points=points, kernel_overhead_s=0.0)
+    scores = lambda b, h, s: b * h * s * s / 2  # noqa: E731
+
+    fwd, bwd = measured_attention_times_s(hw, micro_batch=3, seq_len=1024, num_heads=5, head_dim=64, dtype="fp32")
+    assert fwd == pytest.approx(8e-9 * scores(3, 5, 1024)) and bwd == pytest.approx(3 * fwd)
+    # Halfway in log(seq) between 256 and 1024 (512), at width 8: 1.5 ns a score.
+    fwd, _ = measured_attention_times_s(hw, micro_batch=1, seq_len=512, num_heads=1, head_dim=8, dtype="fp32")
+    assert fwd == pytest.approx(1.5e-9 * scores(1, 1, 512))
+    # Width 36 is halfway between 8 and 64: at seq 256, (1 + 4) / 2.
+    fwd, _ = measured_attention_times_s(hw, micro_batch=1, seq_len=256, num_heads=1, head_dim=36, dtype="fp32")
+    assert fwd == pytest.approx(2.5e-9 * scores(1, 1, 256))
+    # Beyond the longest point the per-score cost holds (time grows as s^2); compute_time_scale applies.
+    scaled = dataclasses.replace(hw, calibration={"compute_time_scale": 2.0})
+    fwd, _ = measured_attention_times_s(scaled, micro_batch=1, seq_len=4096, num_heads=1, head_dim=8, dtype="fp32")
+    assert fwd == pytest.approx(2 * 2e-9 * scores(1, 1, 4096))
+    # A narrower head than any measured: the line through the two widths, extrapolated (1 + 3 x (4 - 8) / 56)...
+    fwd, _ = measured_attention_times_s(hw, micro_batch=1, seq_len=256, num_heads=1, head_dim=4, dtype="fp32")
+    assert fwd == pytest.approx((1 - 12 / 56) * 1e-9 * scores(1, 1, 256))
+    # ...but never below the narrow width's cost scaled by the width (a steep line would reach zero).
+    steep = dataclasses.replace(hw, attention_points=_attention_points({(256, 8): 1.0, (256, 64): 20.0}))
+    fwd, _ = measured_attention_times_s(steep, micro_batch=1, seq_len=256, num_heads=1, head_dim=4, dtype="fp32")
+    assert fwd == pytest.approx(0.5e-9 * scores(1, 1, 256))
+
+
+def test_a_cpu_profile_with_attention_points_prices_the_core_from_them():
+    from cost_models.compute import _core_times_s
+
+    model = dataclasses.replace(PRESETS["tiny"], hidden_size=128, num_heads=4, num_kv_heads=4)
+    plain = HW["cpu"]
+    measured = dataclasses.replace(plain, attention_points=_attention_points(
+        {(64, 32): 50.0, (2048, 32): 50.0, (64, 64): 60.0, (2048, 64): 60.0}))
+    fwd_plain, _ = _core_times_s(model, plain, kernel="flash2", micro_batch=1, seq_len=2048, tp=1, dtype="fp32")
+    fwd, bwd = _core_times_s(model, measured, kernel="flash2", micro_batch=1, seq_len=2048, tp=1, dtype="fp32")
+    assert fwd == pytest.approx(50e-9 * 4 * 2048 * 2048 / 2) and bwd == pytest.approx(3 * fwd)
+    assert fwd != pytest.approx(fwd_plain)
+    # The materialised kernel stays priced as its GEMMs and softmax.
+    assert _core_times_s(model, measured, kernel="materialized", micro_batch=1, seq_len=2048, tp=1, dtype="fp32") == \
+        _core_times_s(model, plain, kernel="materialized", micro_batch=1, seq_len=2048, tp=1, dtype="fp32")
