@@ -27,6 +27,14 @@ group fills a node before it spans nodes. For position q and degrees s_p | s_g |
   above built over the expert-DP positions at Plan.expert_shard_degrees (`Mesh.expert_view`).
 - param intra group (only when the plan has a MAZ3 "secondary" tier): the ranks of my param group inside
   my node (ZeRO++ hpZ's secondary partition, Wang et al. 2023), for the backward gather of cached layers.
+
+Process groups are few and shared (`shared_group`): every group of one rank (tp = 1, cp = 1, ...) is one
+group per rank whatever its kind, and a process that builds many meshes on one world (the batched
+timing holds every compared plan's trainer; benchmarks run plans one after another) creates each group
+once. A gloo group is not free while idle: each keeps its own threads (three per group here), which cost CPU
+even with nothing to send, measured here at ~0.09% of a core per group per process (4 processes on 2 cores, 200 groups:
+17.7% of a core each), so a set of processes holding 32 trainers' own groups ran every plan up to ~2x
+slower than a fresh run of it.
 """
 
 from __future__ import annotations
@@ -256,6 +264,24 @@ def _uses_secondary(plan) -> bool:
     return "secondary" in tiers
 
 
+SOLO_STREAM = "solo"
+# This process's groups by (stream, ranks, timeout), for the world they were created on (module docstring).
+_SHARED: dict = {"world": None, "groups": {}}
+
+
+def shared_group(ranks: tuple[int, ...], *, stream: str, timeout=None):
+    """The process group over `ranks` for `stream`, created on first use and reused by every later mesh
+    of the same world (call on every rank, in the same order, like dist.new_group: a group missing here
+    is missing on every rank, since all ranks ask for the same groups)."""
+    world = dist.group.WORLD
+    if _SHARED["world"] is not world:  # a new world (destroy_process_group, then init): its own groups
+        _SHARED.update(world=world, groups={})
+    key = (stream, tuple(ranks), timeout)
+    if key not in _SHARED["groups"]:
+        _SHARED["groups"][key] = dist.new_group(list(ranks), timeout=timeout)
+    return _SHARED["groups"][key]
+
+
 def build_mesh(plan, *, ranks_per_node: int, timeout=None, moe: bool = False) -> Mesh:
     """Create every process group of `plan` (call after dist.init_process_group, on every rank).
 
@@ -273,8 +299,10 @@ def build_mesh(plan, *, ranks_per_node: int, timeout=None, moe: bool = False) ->
     handles: dict[tuple[str, tuple[int, ...]], object] = {}
     mine: dict[str, tuple[str, tuple[int, ...]]] = {}
     for kind, stream, ranks in group_keys(plan, ranks_per_node=ranks_per_node, moe=moe):
+        # A one-rank group carries no communication, so its stream does not matter: one per rank.
+        stream = SOLO_STREAM if len(ranks) == 1 else stream
         if (stream, ranks) not in handles:
-            handles[(stream, ranks)] = dist.new_group(list(ranks), timeout=timeout)
+            handles[(stream, ranks)] = shared_group(ranks, stream=stream, timeout=timeout)
         if rank in ranks:
             mine[kind] = (stream, ranks)
     r = rank % (tp * cp * dp)  # my place in my pipeline stage

@@ -142,6 +142,7 @@ class Trainer:
         Megatron's embedding group does. Every rank creates every such group, in the same order."""
         if not self.cfg.model.tied_embeddings:
             return [], None
+        from runners.mesh import shared_group
         from runners.transformer import Embedding, LMHead
 
         units = [u for chunk in self.chunks for u in chunk.units if isinstance(u, (Embedding, LMHead))]
@@ -154,7 +155,8 @@ class Trainer:
                     for tp_rank in range(self.plan.tp):
                         ends = [self.mesh.global_rank(pp_rank=p, dp_rank=dp_rank, tp_rank=tp_rank, cp_rank=cp_rank)
                                 for p in (0, self.plan.pp - 1)]
-                        handle = dist.new_group(ends, timeout=datetime.timedelta(seconds=self.cfg.timeout_s))
+                        handle = shared_group(tuple(ends), stream="tied",
+                                              timeout=datetime.timedelta(seconds=self.cfg.timeout_s))
                         if self.mesh.rank in ends:
                             group = handle
         return units, group
