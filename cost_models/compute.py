@@ -291,15 +291,25 @@ FUSED_BACKWARD_RATIO = 2.5
 FLASH_HALF_SEQ = 384
 
 
+def flash_head_dim_scale(hw: Hardware, *, kernel: str, head_dim: int) -> float:
+    """The flash kernel's rate at `head_dim` over its rate at 128 (what kernel_efficiency holds): the
+    measured head-dim-64 ratio (`head_dim_64_<kernel>`, specs/hardware.py) at 64 and below, 1 at 128 and
+    above, linear in between (MPT-3b's 80)."""
+    ratio = hw.kernel_efficiency.get(f"head_dim_64_{kernel}", 1.0)
+    weight = min(1.0, max(0.0, (128 - head_dim) / 64))
+    return 1.0 + (ratio - 1.0) * weight
+
+
 def flash_attention_times_s(hw: Hardware, *, kernel: str, micro_batch: int, seq_len: int, num_heads: int,
                             head_dim: int, key_block: int | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of causal flash attention over `num_heads` heads on one device, at the
     hardware's measured kernel efficiency (Hardware.kernel_efficiency; FlashAttention papers' FLOP
-    count: 4 b s^2 d per head forward, causal half of it, backward 2.5x). `key_block`: the keys one kernel
+    count: 4 b s^2 d per head forward, causal half of it, backward 2.5x; at its head dimension,
+    `flash_head_dim_scale`). `key_block`: the keys one kernel
     call sees when the work is cut into blocks (a context-parallel ring step), which sets its efficiency."""
     flops = 4 * micro_batch * seq_len * seq_len * head_dim * num_heads * FUSED_CAUSAL_FRACTION
     keys = key_block or seq_len
-    shape = keys / (keys + FLASH_HALF_SEQ)
+    shape = keys / (keys + FLASH_HALF_SEQ) * flash_head_dim_scale(hw, kernel=kernel, head_dim=head_dim)
     peak = hw.peak_flops("bf16")
     scale = hw.calibration.get("compute_time_scale", 1.0)
     forward = scale * flops / (peak * hw.kernel_efficiency[f"{kernel}_forward"] * shape)

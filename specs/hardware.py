@@ -141,7 +141,9 @@ class Hardware:
     measured_cores: int = 0
     # Measured efficiencies (fraction of the dtype's peak) of kernels that are not plain GEMMs, by name:
     # flash1_forward/backward (FlashAttention-1 class), flash2_forward/backward (FlashAttention-2),
-    # flash3_forward/backward (FlashAttention-3 / cuDNN fused attention, Hopper only), fp8_gemm (the largest-GEMM rate in fp8, whose peak is peak_flops_per_s["fp8"]).
+    # flash3_forward/backward (FlashAttention-3 / cuDNN fused attention, Hopper only), fp8_gemm (the largest-GEMM rate in fp8, whose peak is peak_flops_per_s["fp8"]),
+    # and head_dim_64_<kernel>: that flash kernel's rate at head dimension 64 over its rate at 128 (the
+    # flash entries are for 128; cost_models/compute.flash_head_dim_scale), 1 where absent.
     # Absent: the kernel is priced from `attention_points` where measured (CPU profiles), else as its
     # GEMMs at gemm_max_efficiency.
     kernel_efficiency: dict[str, float] = field(default_factory=dict)
@@ -299,9 +301,18 @@ def _with_flash1(kernels: dict[str, float], *, fwd_bwd_efficiency: float) -> dic
             "flash1_backward": kernels["flash2_backward"] * scale}
 
 
-_AMPERE = _with_flash1({"flash2_forward": 0.62, "flash2_backward": 0.50}, fwd_bwd_efficiency=0.261)
-_HOPPER = _with_flash1({"flash2_forward": 0.35, "flash2_backward": 0.30, "flash3_forward": 0.62, "flash3_backward": 0.47},
-                       fwd_bwd_efficiency=0.139)
+# - Head dimension (the same two figures, causal, at 16k keys; the flash entries above are head dim 128): at
+#   head dim 64 FlashAttention-1 runs faster, FlashAttention-2 slower, on both GPUs. A100 panels c/d:
+#   FlashAttention 97 against 83 TFLOP/s, FlashAttention-2 171 against 189; H100: 156 against 137 and 284
+#   against 328. (The A100 figure's "FlashAttention Triton" bars are triton.ops.flash_attention, OpenAI's
+#   tutorial kernel, per the repository's benchmarks/benchmark_flash_attention.py, not the
+#   flash_attn_triton.py that MPT vendored, which its docstring puts "slightly slower than CUDA forward +
+#   backward": the CUDA FlashAttention bars carry the head-dim dependence.)
+_AMPERE = {**_with_flash1({"flash2_forward": 0.62, "flash2_backward": 0.50}, fwd_bwd_efficiency=0.261),
+           "head_dim_64_flash1": 97 / 83, "head_dim_64_flash2": 171 / 189}
+_HOPPER = {**_with_flash1({"flash2_forward": 0.35, "flash2_backward": 0.30, "flash3_forward": 0.62,
+                           "flash3_backward": 0.47}, fwd_bwd_efficiency=0.139),
+           "head_dim_64_flash1": 156 / 137, "head_dim_64_flash2": 284 / 328}
 
 
 PRESETS: dict[str, Hardware] = {

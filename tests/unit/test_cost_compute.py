@@ -196,3 +196,21 @@ def test_a_cpu_profile_with_attention_points_prices_the_core_from_them():
     # The materialised kernel stays priced as its GEMMs and softmax.
     assert _core_times_s(model, measured, kernel="materialized", micro_batch=1, seq_len=2048, tp=1, dtype="fp32") == \
         _core_times_s(model, plain, kernel="materialized", micro_batch=1, seq_len=2048, tp=1, dtype="fp32")
+
+
+def test_flash_rate_follows_the_measured_head_dim_ratio():
+    # A100 causal fwd + bwd at 16k keys (flash-attention's assets/flash2_a100_fwd_bwd_benchmark.png):
+    # FlashAttention 97 TFLOP/s at head dim 64 against 83 at 128, FlashAttention-2 171 against 189.
+    from cost_models.compute import flash_attention_times_s, flash_head_dim_scale
+
+    hw = HW["a100"]
+    assert flash_head_dim_scale(hw, kernel="flash1", head_dim=64) == pytest.approx(97 / 83)
+    assert flash_head_dim_scale(hw, kernel="flash2", head_dim=32) == pytest.approx(171 / 189)
+    assert flash_head_dim_scale(hw, kernel="flash1", head_dim=96) == pytest.approx(1 + (97 / 83 - 1) / 2)
+    assert flash_head_dim_scale(hw, kernel="flash1", head_dim=256) == 1.0
+    assert flash_head_dim_scale(HW["h100"], kernel="flash3", head_dim=64) == 1.0  # not measured: unscaled
+    # The same FLOPs (heads x head dim fixed) in heads of 64 run 97/83 as fast as in heads of 128.
+    kwargs = dict(kernel="flash1", micro_batch=4, seq_len=8192)
+    narrow = flash_attention_times_s(hw, num_heads=32, head_dim=64, **kwargs)
+    wide = flash_attention_times_s(hw, num_heads=16, head_dim=128, **kwargs)
+    assert wide[0] / narrow[0] == pytest.approx(97 / 83) and wide[1] / narrow[1] == pytest.approx(97 / 83)
