@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 from specs.model import ModelSpec
 from cost_models.engines import ENGINES, EngineModel
-from specs.hardware import Hardware
+from specs.hardware import FLASH_HALF_SEQ, Hardware
 
 # Elementwise kernels reach about 80% of the HBM datasheet bandwidth (STREAM-like copies on A100/H100).
 MEMORY_BANDWIDTH_EFFICIENCY = 0.8
@@ -285,10 +285,8 @@ def fused_attention(model: ModelSpec, engine: EngineModel | None = None, hw: Har
 # (5 GEMM-sized passes against the forward's 2: 2.5x its FLOPs, FlashAttention-2's own count).
 FUSED_CAUSAL_FRACTION = 0.5
 FUSED_BACKWARD_RATIO = 2.5
-# A flash kernel's efficiency falls on short key sequences (fewer tiles per head to pipeline):
-# FlashAttention-2's A100 curves (Dao 2023, Fig. 4-5) reach about half their long-sequence rate at 512
-# keys, i.e. efficiency x s / (s + FLASH_HALF_SEQ).
-FLASH_HALF_SEQ = 384
+# A flash kernel's efficiency falls on short key sequences: efficiency x s / (s + FLASH_HALF_SEQ), declared
+# in specs/hardware.py beside the kernel efficiencies measured at a given key length.
 
 
 def flash_head_dim_scale(hw: Hardware, *, kernel: str, head_dim: int) -> float:

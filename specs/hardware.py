@@ -286,19 +286,41 @@ def _gpu(name: str, device_name: str, *, bf16: float, fp32: float, mem: int, mem
 #   default until 2024): forward + backward, causal, head dim 128, at 16k keys, from the flash-attention
 #   repository's own benchmark figures: assets/flash2_a100_fwd_bwd_benchmark.png panel d (FlashAttention 83 and
 #   FlashAttention Triton 80 TFLOP/s, so 0.261 of the A100's 312; FlashAttention-2 189) and
-#   assets/flash2_h100_fwd_bwd_benchmark.png panel d (137 of 989: 0.139; FlashAttention-2 328). Split into
-#   forward and backward as FlashAttention-2's rates are; the short-key fall-off is the shared one (2k keys:
-#   68-69 and 108 TFLOP/s in the same figures).
+#   assets/flash2_h100_fwd_bwd_benchmark.png panel d (137 of 989: 0.139; FlashAttention-2 328). Those are rates
+#   at 16k keys, so the long-key efficiency is that over the short-key fall-off there (cost_models/compute.py
+#   prices a kernel at efficiency x keys / (keys + FLASH_HALF_SEQ)); the fall-off is the shared one (2k keys:
+#   68-69 and 108 TFLOP/s in the same figures). Split into forward and backward as the Triton kernel splits
+#   them, not as FlashAttention-2 does: FlashAttention-2 "is around 1.3-1.5x faster than FlashAttention in
+#   Triton in the forward pass and around 2x faster in the backward pass" (Dao 2023, arXiv 2307.08691, sec.
+#   4.1, Figs. 5-6), and the Triton kernel llm-foundry copies (flash_attn/flash_attn_triton.py, whose docstring
+#   llmfoundry/models/layers/flash_attn_triton.py keeps) says "Triton forward is generally faster than CUDA
+#   forward, while Triton backward is generally slower" (its backward has each program walk the query blocks of
+#   one key block and add dQ across programs by atomic adds, or walk every key block of a head in one program;
+#   its forward is one streaming pass per query block). OpenAI's Triton kernel shows the same
+#   split (triton-lang/triton#1917, A100, causal, head dim 64, 16k: forward 145, backward 84 TFLOP/s, 1.7x).
+#   So the forward runs at FlashAttention-2's over FLASH1_FORWARD_GAP (the middle of 1.3-1.5), the backward at
+#   its over FLASH1_BACKWARD_GAP, both scaled to the measured forward + backward rate; this matters where the
+#   forward runs twice (full recomputation re-runs the attention forward, then the 2.5x backward).
 NCCL_CTAS = 24
+# A flash kernel's efficiency falls on short key sequences (fewer tiles per head to pipeline):
+# FlashAttention-2's A100 curves (Dao 2023, Fig. 4-5) reach about half their long-sequence rate at 512
+# keys, i.e. efficiency x s / (s + FLASH_HALF_SEQ) (cost_models/compute.py flash_attention_times_s).
+FLASH_HALF_SEQ = 384
+FLASH1_MEASURED_KEYS = 16384
+FLASH1_FORWARD_GAP = 1.4
+FLASH1_BACKWARD_GAP = 2.0
 
 
 def _with_flash1(kernels: dict[str, float], *, fwd_bwd_efficiency: float) -> dict[str, float]:
-    """`kernels` plus flash1_forward/backward: FlashAttention-2's forward and backward rates scaled so
-    that forward + backward (1 + 2.5 passes) runs at `fwd_bwd_efficiency` of peak."""
-    combined = 3.5 / (1 / kernels["flash2_forward"] + 2.5 / kernels["flash2_backward"])
-    scale = fwd_bwd_efficiency / combined
-    return {**kernels, "flash1_forward": kernels["flash2_forward"] * scale,
-            "flash1_backward": kernels["flash2_backward"] * scale}
+    """`kernels` plus flash1_forward/backward: FlashAttention-2's forward rate over FLASH1_FORWARD_GAP and its
+    backward rate over FLASH1_BACKWARD_GAP, scaled together so that forward + backward (1 + 2.5 passes) runs
+    at `fwd_bwd_efficiency` of peak at FLASH1_MEASURED_KEYS keys (the comment above)."""
+    forward = kernels["flash2_forward"] / FLASH1_FORWARD_GAP
+    backward = kernels["flash2_backward"] / FLASH1_BACKWARD_GAP
+    combined = 3.5 / (1 / forward + 2.5 / backward)
+    fall_off = FLASH1_MEASURED_KEYS / (FLASH1_MEASURED_KEYS + FLASH_HALF_SEQ)
+    scale = fwd_bwd_efficiency / (combined * fall_off)
+    return {**kernels, "flash1_forward": forward * scale, "flash1_backward": backward * scale}
 
 
 # - Head dimension (the same two figures, causal, at 16k keys; the flash entries above are head dim 128): at
