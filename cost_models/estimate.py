@@ -416,7 +416,7 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
     eng = engine_model(engine)
     times = moe_cost.moe_compute_times(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp, tp=plan.tp,
                                        imbalance=imbalance, dtype="bf16" if job.precision == "fp8" else job.precision,
-                                       accumulate_fp32=eng.main_grads_fp32)
+                                       accumulate_fp32=eng.main_grads_fp32, expert_streams=eng.expert_gemm_streams)
     elementwise = moe_cost.permutation_times_s(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp, imbalance=imbalance,
                                                precision=job.precision, dispatcher=eng.moe_dispatcher)
     times = moe_cost.MoETimes(forward_s=times.forward_s + elementwise.forward_s,

@@ -306,7 +306,8 @@ def test_moe_recompute_reruns_the_moe_layer_with_its_dispatch():
     hw = problem.cluster.hardware
     # The MoE layer's forward on one rank: 4096 tokens a rank, ep 8, forced (random) routing's busiest rank.
     imbalance = expected_imbalance(qwen, tokens=4096, ep=8)
-    forward_s = (moe_compute_times(qwen, hw, tokens=4096, ep=8, dtype="bf16", imbalance=imbalance).forward_s
+    forward_s = (moe_compute_times(qwen, hw, tokens=4096, ep=8, dtype="bf16", imbalance=imbalance,
+                                   expert_streams=4).forward_s  # Transformer Engine's 4 GEMM streams
                  + permutation_times_s(qwen, hw, tokens=4096, ep=8, precision="bf16", imbalance=imbalance).forward_s)
     assert moe.recompute_time_s["selective"] == pytest.approx(forward_s, rel=1e-9)
     # Its dispatch and combine run again: the selective policy's communication is full recomputation's.
@@ -340,3 +341,21 @@ def test_ep_overlap_pairs_only_the_steady_passes():
     assert paired_share(Plan(dp=8, micro_batch=1, num_micro_batches=4)) == pytest.approx(3 / 4)
     # 1F1B over pp 4, 8 micro-batches: warm-ups 3, 2, 1 and (at least) 1.
     assert paired_share(Plan(dp=8, pp=4, micro_batch=1, num_micro_batches=8)) == pytest.approx((32 - 7) / 32)
+
+
+def test_megatron_runs_expert_gemms_four_at_a_time():
+    """Transformer Engine's GroupedLinear puts each local expert's GEMM on one of its 4 compute streams:
+    16 experts run as 4 rounds of 4 (a 13-expert rank as 3 rounds and a round of 1), each round's waves
+    quantized on its own, which is never faster than one batch of 16 over the SMs."""
+    from cost_models.moe import concurrent_rounds
+
+    g = Gemm(2048, 768, 2048, 16)
+    assert concurrent_rounds(g, streams=4) == [Gemm(2048, 768, 2048, 4)] * 4
+    assert concurrent_rounds(Gemm(8, 8, 8, 13), streams=4) == [Gemm(8, 8, 8, 4)] * 3 + [Gemm(8, 8, 8, 1)]
+    assert concurrent_rounds(g, streams=1) == [Gemm(2048, 768, 2048, 1)] * 16
+    qwen, hw = PRESETS["qwen3-30b-a3b"], HARDWARE_PRESETS["h100"]
+    kw = dict(tokens=4096, ep=8, dtype="bf16")
+    batched, streamed = moe_compute_times(qwen, hw, **kw), moe_compute_times(qwen, hw, expert_streams=4, **kw)
+    assert streamed.forward_s > batched.forward_s and streamed.backward_s > batched.backward_s
+    # The flops are the same; only the waves differ.
+    assert sum(r.flops for r in concurrent_rounds(g, streams=4)) == g.flops
