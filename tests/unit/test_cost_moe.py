@@ -359,3 +359,25 @@ def test_megatron_runs_expert_gemms_four_at_a_time():
     assert streamed.forward_s > batched.forward_s and streamed.backward_s > batched.backward_s
     # The flops are the same; only the waves differ.
     assert sum(r.flops for r in concurrent_rounds(g, streams=4)) == g.flops
+
+
+def test_moe_layer_pays_only_the_attentions_tp_collectives():
+    """Under TP with SP a dense layer gathers and scatters its tokens twice (attention and MLP); Megatron-Core's
+    MoE layer routes each TP rank's own shard (etp 1: no expert-TP collective), so the MoE layer's part
+    outside its MLP keeps half the dense layer's TP communication, forward and backward."""
+    from cost_models.estimate import _without_mlp_tp_comm, layer_costs
+    from cost_models.moe import attention_view
+    from specs.plan import Plan
+
+    qwen = dataclasses.replace(PRESETS["qwen3-30b-a3b"], load_balancing="forced")
+    problem = _problem(qwen, devices=8, global_batch=8, seq_len=4096, hardware="h100", precision="bf16")
+    plan = Plan(dp=4, tp=2, ep=8, sequence_parallel=True, micro_batch=1, num_micro_batches=1)
+    attn = layer_costs(plan, model=attention_view(qwen, tp=2), cluster=problem.cluster, job=problem.job,
+                       engine="megatron")
+    kept = _without_mlp_tp_comm(attn)
+    for pol in ("none", "selective", "full"):
+        assert attn.tp_comm_s[pol] > 0
+        assert kept.tp_comm_s[pol] == pytest.approx(attn.tp_comm_s[pol] / 2)  # no CP here: all of it is TP
+        assert attn.time_s[pol] - kept.time_s[pol] == pytest.approx(attn.tp_comm_s[pol] / 2)
+        # the forward's TP seconds are half of the no-recompute total (forward + backward)
+        assert attn.forward_time_s[pol] - kept.forward_time_s[pol] == pytest.approx(attn.tp_comm_s["none"] / 4)
