@@ -407,8 +407,9 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
     of 61 dense layers every chunk is priced at the mix). The states are the non-expert parameters under
     the plan's sharding; the experts' own are added per chunk (`_price_chunk`, over expert-DP)."""
     dense = layer_costs(plan, model=moe_cost.dense_view(model), cluster=cluster, job=job, engine=engine)
-    attn = _without_mlp_tp_comm(layer_costs(plan, model=moe_cost.attention_view(model, tp=plan.tp), cluster=cluster,
-                                            job=job, engine=engine))
+    attn = layer_costs(plan, model=moe_cost.attention_view(model, tp=plan.tp), cluster=cluster, job=job, engine=engine)
+    if not model.shared_expert_ffn_hidden_size:  # a shared expert is TP-split over the gathered tokens
+        attn = _without_mlp_tp_comm(attn)
     hw, p = cluster.hardware, activation_bytes_per_element(job.precision)
     tokens = plan.micro_batch * job.seq_len // plan.cp // (plan.tp if plan.sequence_parallel else 1)
     # max / mean rows of the busiest EP rank: measured (a calibration's moe_imbalance) or expected from
@@ -461,7 +462,9 @@ def _without_mlp_tp_comm(attn: LayerCosts) -> LayerCosts:
     the dense layer gathers its sequence-parallel tokens before the MLP and reduce-scatters after it (one
     of its two all-gather + reduce-scatter pairs), but Megatron-Core's MoE layer routes each TP rank's own
     sequence-parallel shard (moe_layer.py requires SP under TP; the dispatcher's only TP-like collectives
-    are expert TP's, priced as etp_s), so only the attention's pair remains: half the layer's TP part."""
+    are expert TP's, priced as etp_s), so only the attention's pair remains: half the layer's TP part. A
+    shared expert (shared_experts.py) is a TP-split dense MLP over the gathered sequence, which keeps the
+    pair (moe_gemms prices it over tp x tokens)."""
     tp_part = {pol: attn.tp_comm_s[pol] - attn.cp_comm_s.get(pol, 0.0) for pol in attn.tp_comm_s}
     return dataclasses.replace(
         attn, time_s={pol: t - tp_part[pol] / 2 for pol, t in attn.time_s.items()},

@@ -381,3 +381,25 @@ def test_moe_layer_pays_only_the_attentions_tp_collectives():
         assert attn.time_s[pol] - kept.time_s[pol] == pytest.approx(attn.tp_comm_s[pol] / 2)
         # the forward's TP seconds are half of the no-recompute total (forward + backward)
         assert attn.forward_time_s[pol] - kept.forward_time_s[pol] == pytest.approx(attn.tp_comm_s["none"] / 4)
+
+
+def test_a_shared_expert_keeps_the_mlp_tp_collectives():
+    """A shared expert is a TP-split dense MLP over the gathered sequence (Megatron-Core's SharedExpertMLP
+    gathers before and reduce-scatters after it), so its layer keeps both pairs: halving the routed-only
+    layer's TP communication must not touch a model with one."""
+    from cost_models.estimate import layer_costs
+    from cost_models.moe import attention_view
+    from specs.plan import Plan
+
+    plan = Plan(dp=4, tp=2, ep=8, sequence_parallel=True, micro_batch=1, num_micro_batches=1)
+    shares = {}
+    for name, fs in (("routed", 0), ("shared", 2048)):
+        model = dataclasses.replace(PRESETS["qwen3-30b-a3b"], load_balancing="forced", shared_expert_ffn_hidden_size=fs)
+        problem = _problem(model, devices=8, global_batch=8, seq_len=4096, hardware="h100", precision="bf16")
+        kw = dict(cluster=problem.cluster, job=problem.job, engine="megatron")
+        moe, attn = layer_costs(plan, model=model, **kw), layer_costs(plan, model=attention_view(model, tp=2), **kw)
+        shares[name] = moe.tp_comm_s["none"] - attn.tp_comm_s["none"]  # the MoE MLP's part, less what is dropped
+    dropped = shares["shared"] - shares["routed"]
+    single = layer_costs(plan, model=attention_view(dataclasses.replace(PRESETS["qwen3-30b-a3b"],
+                                                                        load_balancing="forced"), tp=2), **kw)
+    assert dropped == pytest.approx(single.tp_comm_s["none"] / 2, rel=1e-6)
