@@ -60,6 +60,10 @@ class EngineModel:
     # Megatron-Core's EP communication overlap (--overlap-moe-expert-parallel-comm, the combined 1F1B
     # schedule): one micro-batch's dispatch and combine run beside another's forward or backward compute.
     moe_a2a_overlap: bool = False
+    # Expert GEMMs run at once on one rank (cost_models/moe.concurrent_rounds): Transformer Engine's
+    # GroupedLinear spreads the local experts' GEMMs over its 4 compute streams; this project's engine runs
+    # them one by one.
+    expert_gemm_streams: int = 1
     # HBM bytes the optimizer step moves per parameter of the rank's shard (estimate.ADAM_BYTES_PER_PARAM:
     # one fused pass, 28), more where the engine's optimizer runs one unfused kernel per operation.
     optimizer_bytes_per_param: float = 28.0  # == estimate.ADAM_BYTES_PER_PARAM
@@ -118,7 +122,7 @@ ENGINES: dict[str, EngineModel] = {e.name: e for e in (
     EngineModel("megatron", "Megatron-LM / NeMo with Transformer Engine (2024+): fused kernels, cuDNN fused "
                 "attention, TP communication overlap, distributed optimizer with fp32 main gradients",
                 attention="flash3", fused_elementwise=True, tp_comm_hidden=0.8, reduce_fp32=True,
-                main_grads_fp32=True, reduce_scatter_once=True, moe_context_parallel=True),
+                main_grads_fp32=True, reduce_scatter_once=True, moe_context_parallel=True, expert_gemm_streams=4),
     EngineModel("megatron-sc21", "Megatron-LM of Narayanan et al., SC21 (2021): fused kernels, attention "
                 "scores materialised, no TP overlap, fp32 main gradients all-reduced after the pipeline schedule",
                 attention="materialized", fused_elementwise=True, tp_comm_hidden=0.0, reduce_fp32=True,

@@ -408,6 +408,8 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
     the plan's sharding; the experts' own are added per chunk (`_price_chunk`, over expert-DP)."""
     dense = layer_costs(plan, model=moe_cost.dense_view(model), cluster=cluster, job=job, engine=engine)
     attn = layer_costs(plan, model=moe_cost.attention_view(model, tp=plan.tp), cluster=cluster, job=job, engine=engine)
+    if not model.shared_expert_ffn_hidden_size:  # a shared expert is TP-split over the gathered tokens
+        attn = _without_mlp_tp_comm(attn)
     hw, p = cluster.hardware, activation_bytes_per_element(job.precision)
     tokens = plan.micro_batch * job.seq_len // plan.cp // (plan.tp if plan.sequence_parallel else 1)
     # max / mean rows of the busiest EP rank: measured (a calibration's moe_imbalance) or expected from
@@ -416,7 +418,7 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
     eng = engine_model(engine)
     times = moe_cost.moe_compute_times(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp, tp=plan.tp,
                                        imbalance=imbalance, dtype="bf16" if job.precision == "fp8" else job.precision,
-                                       accumulate_fp32=eng.main_grads_fp32)
+                                       accumulate_fp32=eng.main_grads_fp32, expert_streams=eng.expert_gemm_streams)
     elementwise = moe_cost.permutation_times_s(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp, imbalance=imbalance,
                                                precision=job.precision, dispatcher=eng.moe_dispatcher)
     times = moe_cost.MoETimes(forward_s=times.forward_s + elementwise.forward_s,
@@ -453,6 +455,22 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
 
     return dataclasses.replace(dense, state_bytes=state, **{name: mix(name) for name in (
         "time_s", "activation_bytes", "forward_time_s", "tp_comm_s", "cp_comm_s", "recompute_time_s")})
+
+
+def _without_mlp_tp_comm(attn: LayerCosts) -> LayerCosts:
+    """An MoE layer's part outside its MLP (`moe_cost.attention_view`) without the dense MLP's TP collectives:
+    the dense layer gathers its sequence-parallel tokens before the MLP and reduce-scatters after it (one
+    of its two all-gather + reduce-scatter pairs), but Megatron-Core's MoE layer routes each TP rank's own
+    sequence-parallel shard (moe_layer.py requires SP under TP; the dispatcher's only TP-like collectives
+    are expert TP's, priced as etp_s), so only the attention's pair remains: half the layer's TP part. A
+    shared expert (shared_experts.py) is a TP-split dense MLP over the gathered sequence, which keeps the
+    pair (moe_gemms prices it over tp x tokens)."""
+    tp_part = {pol: attn.tp_comm_s[pol] - attn.cp_comm_s.get(pol, 0.0) for pol in attn.tp_comm_s}
+    return dataclasses.replace(
+        attn, time_s={pol: t - tp_part[pol] / 2 for pol, t in attn.time_s.items()},
+        tp_comm_s={pol: c - tp_part[pol] / 2 for pol, c in attn.tp_comm_s.items()},
+        # the forward's share: tp_comm_s["none"] is twice the forward's TP seconds (_policy_times)
+        forward_time_s={pol: t - tp_part["none"] / 4 for pol, t in attn.forward_time_s.items()})
 
 
 def _named_module_recompute(modules, *, dense, attn, extra, moe, comm, act_bytes, model, hw, tokens, imbalance, plan,

@@ -133,13 +133,31 @@ class MoETimes:
     backward_s: float
 
 
+def concurrent_rounds(gemm: Gemm, *, streams: int) -> list[Gemm]:
+    """The local experts' GEMMs of one projection as they run: one GEMM an expert, at most `streams` of them
+    at once (each round a batch that shares the SMs' waves), the last round holding what is left.
+    Transformer Engine's GroupedLinear, Megatron-Core's grouped expert MLP (TEGroupedMLP), has "only [a]
+    multi-stream cublas backend": nvte_multi_stream_cublas_gemm puts expert i's GEMM on compute stream
+    i % 4 (transformer_engine/common/util/multi_stream.cpp, num_compute_streams = 4), so a 16-expert rank
+    runs four rounds of four GEMMs, each round's last wave part-empty, not one batch of 16 filling the
+    SMs' waves. This project's engine runs the experts one after another (runners/moe.py): 1 stream."""
+    full, rest = divmod(gemm.batch, max(1, streams))
+    rounds = [dataclasses.replace(gemm, batch=streams)] * full
+    return rounds + ([dataclasses.replace(gemm, batch=rest)] if rest else [])
+
+
 def moe_compute_times(model: ModelSpec, hw: Hardware, *, tokens: int, ep: int, etp: int = 1, tp: int = 1,
-                      imbalance: float = 1.0, dtype: str, accumulate_fp32: bool = False) -> MoETimes:
+                      imbalance: float = 1.0, dtype: str, accumulate_fp32: bool = False,
+                      expert_streams: int | None = None) -> MoETimes:
     """Forward and backward (input + weight gradients) GEMM seconds of one MoE layer's MLP on one rank; the
     router runs in fp32 (runners/moe.py, Megatron-Core's --moe-router-dtype fp32). `accumulate_fp32`: the
     weight gradients are added into fp32 main gradients (Megatron's gradient-accumulation fusion,
-    compute.gemm_time_s), which an expert's weight gradient, over its few rows, waits for in HBM bytes."""
+    compute.gemm_time_s), which an expert's weight gradient, over its few rows, waits for in HBM bytes.
+    `expert_streams`: how many expert GEMMs the engine runs at once (`concurrent_rounds`); None prices the
+    local experts as one batched GEMM."""
     gemms = moe_gemms(model, tokens=tokens, ep=ep, etp=etp, tp=tp, imbalance=imbalance)
+    if expert_streams is not None:
+        gemms["experts"] = [r for g in gemms["experts"] for r in concurrent_rounds(g, streams=expert_streams)]
     fwd = bwd = 0.0
     for group, items in gemms.items():
         kind = "fp32" if group == "router" else dtype

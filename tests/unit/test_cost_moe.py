@@ -306,7 +306,8 @@ def test_moe_recompute_reruns_the_moe_layer_with_its_dispatch():
     hw = problem.cluster.hardware
     # The MoE layer's forward on one rank: 4096 tokens a rank, ep 8, forced (random) routing's busiest rank.
     imbalance = expected_imbalance(qwen, tokens=4096, ep=8)
-    forward_s = (moe_compute_times(qwen, hw, tokens=4096, ep=8, dtype="bf16", imbalance=imbalance).forward_s
+    forward_s = (moe_compute_times(qwen, hw, tokens=4096, ep=8, dtype="bf16", imbalance=imbalance,
+                                   expert_streams=4).forward_s  # Transformer Engine's 4 GEMM streams
                  + permutation_times_s(qwen, hw, tokens=4096, ep=8, precision="bf16", imbalance=imbalance).forward_s)
     assert moe.recompute_time_s["selective"] == pytest.approx(forward_s, rel=1e-9)
     # Its dispatch and combine run again: the selective policy's communication is full recomputation's.
@@ -340,3 +341,65 @@ def test_ep_overlap_pairs_only_the_steady_passes():
     assert paired_share(Plan(dp=8, micro_batch=1, num_micro_batches=4)) == pytest.approx(3 / 4)
     # 1F1B over pp 4, 8 micro-batches: warm-ups 3, 2, 1 and (at least) 1.
     assert paired_share(Plan(dp=8, pp=4, micro_batch=1, num_micro_batches=8)) == pytest.approx((32 - 7) / 32)
+
+
+def test_megatron_runs_expert_gemms_four_at_a_time():
+    """Transformer Engine's GroupedLinear puts each local expert's GEMM on one of its 4 compute streams:
+    16 experts run as 4 rounds of 4 (a 13-expert rank as 3 rounds and a round of 1), each round's waves
+    quantized on its own, which is never faster than one batch of 16 over the SMs."""
+    from cost_models.moe import concurrent_rounds
+
+    g = Gemm(2048, 768, 2048, 16)
+    assert concurrent_rounds(g, streams=4) == [Gemm(2048, 768, 2048, 4)] * 4
+    assert concurrent_rounds(Gemm(8, 8, 8, 13), streams=4) == [Gemm(8, 8, 8, 4)] * 3 + [Gemm(8, 8, 8, 1)]
+    assert concurrent_rounds(g, streams=1) == [Gemm(2048, 768, 2048, 1)] * 16
+    qwen, hw = PRESETS["qwen3-30b-a3b"], HARDWARE_PRESETS["h100"]
+    kw = dict(tokens=4096, ep=8, dtype="bf16")
+    batched, streamed = moe_compute_times(qwen, hw, **kw), moe_compute_times(qwen, hw, expert_streams=4, **kw)
+    assert streamed.forward_s > batched.forward_s and streamed.backward_s > batched.backward_s
+    # The flops are the same; only the waves differ.
+    assert sum(r.flops for r in concurrent_rounds(g, streams=4)) == g.flops
+
+
+def test_moe_layer_pays_only_the_attentions_tp_collectives():
+    """Under TP with SP a dense layer gathers and scatters its tokens twice (attention and MLP); Megatron-Core's
+    MoE layer routes each TP rank's own shard (etp 1: no expert-TP collective), so the MoE layer's part
+    outside its MLP keeps half the dense layer's TP communication, forward and backward."""
+    from cost_models.estimate import _without_mlp_tp_comm, layer_costs
+    from cost_models.moe import attention_view
+    from specs.plan import Plan
+
+    qwen = dataclasses.replace(PRESETS["qwen3-30b-a3b"], load_balancing="forced")
+    problem = _problem(qwen, devices=8, global_batch=8, seq_len=4096, hardware="h100", precision="bf16")
+    plan = Plan(dp=4, tp=2, ep=8, sequence_parallel=True, micro_batch=1, num_micro_batches=1)
+    attn = layer_costs(plan, model=attention_view(qwen, tp=2), cluster=problem.cluster, job=problem.job,
+                       engine="megatron")
+    kept = _without_mlp_tp_comm(attn)
+    for pol in ("none", "selective", "full"):
+        assert attn.tp_comm_s[pol] > 0
+        assert kept.tp_comm_s[pol] == pytest.approx(attn.tp_comm_s[pol] / 2)  # no CP here: all of it is TP
+        assert attn.time_s[pol] - kept.time_s[pol] == pytest.approx(attn.tp_comm_s[pol] / 2)
+        # the forward's TP seconds are half of the no-recompute total (forward + backward)
+        assert attn.forward_time_s[pol] - kept.forward_time_s[pol] == pytest.approx(attn.tp_comm_s["none"] / 4)
+
+
+def test_a_shared_expert_keeps_the_mlp_tp_collectives():
+    """A shared expert is a TP-split dense MLP over the gathered sequence (Megatron-Core's SharedExpertMLP
+    gathers before and reduce-scatters after it), so its layer keeps both pairs: halving the routed-only
+    layer's TP communication must not touch a model with one."""
+    from cost_models.estimate import layer_costs
+    from cost_models.moe import attention_view
+    from specs.plan import Plan
+
+    plan = Plan(dp=4, tp=2, ep=8, sequence_parallel=True, micro_batch=1, num_micro_batches=1)
+    shares = {}
+    for name, fs in (("routed", 0), ("shared", 2048)):
+        model = dataclasses.replace(PRESETS["qwen3-30b-a3b"], load_balancing="forced", shared_expert_ffn_hidden_size=fs)
+        problem = _problem(model, devices=8, global_batch=8, seq_len=4096, hardware="h100", precision="bf16")
+        kw = dict(cluster=problem.cluster, job=problem.job, engine="megatron")
+        moe, attn = layer_costs(plan, model=model, **kw), layer_costs(plan, model=attention_view(model, tp=2), **kw)
+        shares[name] = moe.tp_comm_s["none"] - attn.tp_comm_s["none"]  # the MoE MLP's part, less what is dropped
+    dropped = shares["shared"] - shares["routed"]
+    single = layer_costs(plan, model=attention_view(dataclasses.replace(PRESETS["qwen3-30b-a3b"],
+                                                                        load_balancing="forced"), tp=2), **kw)
+    assert dropped == pytest.approx(single.tp_comm_s["none"] / 2, rel=1e-6)
