@@ -506,16 +506,30 @@ def _per_score_s(points: list, seq_len: int, which: str) -> float:
     return costs[-1]
 
 
+def cores_shared(hw: Hardware) -> float:
+    """How many times longer a kernel timed alone in one process runs when the profile's processes share
+    the host's cores: measured_processes / measured_cores where that is above 1, else 1."""
+    if hw.measured_processes and hw.measured_cores:
+        return max(1.0, hw.measured_processes / hw.measured_cores)
+    return 1.0
+
+
 def measured_attention_times_s(hw: Hardware, *, micro_batch: int, seq_len: int, num_heads: int, head_dim: int,
                                dtype: str) -> tuple[float, float]:
     """(forward, backward) seconds of the causal fused attention kernel from the profile's measured points
     (Hardware.attention_points; profilers/compute.measure_attention): per score and head, interpolated over
     log(seq_len) at each measured head width, then linear in the head width through the two (its GEMMs'
     share grows with it, the softmax's does not; extrapolated beyond them), floored at the narrower width's
-    cost scaled by the width; times the causal scores b h s^2 / 2 and compute_time_scale."""
+    cost scaled by the width; times the causal scores b h s^2 / 2.
+
+    Not times compute_time_scale: that factor says how far the GEMM sweep's prediction is from the real
+    layer, and this is a measurement of the kernel itself. What a measurement in one process does not see
+    is the processes of a run sharing the host's cores: with P processes on C < P cores (the profile's
+    measured_processes and measured_cores) each runs at C / P of a core, so the kernel takes P / C times
+    as long; with P <= C the profile timed it at the run's own thread count (profilers/profile.py)."""
     points = [p for p in hw.attention_points if p.dtype == dtype] or list(hw.attention_points)
     widths = sorted({p.head_dim for p in points})
-    scale = hw.calibration.get("compute_time_scale", 1.0)
+    scale = cores_shared(hw)
     scores = micro_batch * num_heads * seq_len ** 2 / 2
     out = []
     for which in ("forward_s", "backward_s"):

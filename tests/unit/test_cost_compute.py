@@ -169,10 +169,14 @@ def test_measured_attention_is_exact_at_its_points_and_interpolated_by_log_seque
     # Width 36 is halfway between 8 and 64: at seq 256, (1 + 4) / 2.
     fwd, _ = measured_attention_times_s(hw, micro_batch=1, seq_len=256, num_heads=1, head_dim=36, dtype="fp32")
     assert fwd == pytest.approx(2.5e-9 * scores(1, 1, 256))
-    # Beyond the longest point the per-score cost holds (time grows as s^2); compute_time_scale applies.
-    scaled = dataclasses.replace(hw, calibration={"compute_time_scale": 2.0})
+    # Beyond the longest point the per-score cost holds (time grows as s^2). A measurement is not rescaled
+    # by compute_time_scale, but 4 processes on 2 cores run it at half a core each.
+    scaled = dataclasses.replace(hw, calibration={"compute_time_scale": 3.0}, measured_processes=4, measured_cores=2)
     fwd, _ = measured_attention_times_s(scaled, micro_batch=1, seq_len=4096, num_heads=1, head_dim=8, dtype="fp32")
     assert fwd == pytest.approx(2 * 2e-9 * scores(1, 1, 4096))
+    alone = dataclasses.replace(scaled, measured_processes=2, measured_cores=8)
+    assert measured_attention_times_s(alone, micro_batch=1, seq_len=4096, num_heads=1, head_dim=8, dtype="fp32")[0] == \
+        pytest.approx(2e-9 * scores(1, 1, 4096))
     # A narrower head than any measured: the line through the two widths, extrapolated (1 + 3 x (4 - 8) / 56)...
     fwd, _ = measured_attention_times_s(hw, micro_batch=1, seq_len=256, num_heads=1, head_dim=4, dtype="fp32")
     assert fwd == pytest.approx((1 - 12 / 56) * 1e-9 * scores(1, 1, 256))
