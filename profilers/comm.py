@@ -17,7 +17,6 @@ from __future__ import annotations
 import datetime
 import os
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -216,6 +215,6 @@ def run_task(spec_dict: dict) -> dict | None:
 
 
 if __name__ == "__main__":
-    from runners.launch import worker_main
+    from runners.launch import exit_worker, worker_main
 
-    sys.exit(worker_main(run_task))
+    exit_worker(worker_main(run_task))

@@ -252,8 +252,6 @@ def run_task(spec_dict: dict) -> ProbeResult | None:
 
 
 if __name__ == "__main__":
-    import sys
+    from runners.launch import exit_worker, worker_main
 
-    from runners.launch import worker_main
-
-    sys.exit(worker_main(run_task))
+    exit_worker(worker_main(run_task))

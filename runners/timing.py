@@ -90,8 +90,6 @@ def cpu_seconds() -> float:
 
 
 if __name__ == "__main__":
-    import sys
+    from runners.launch import exit_worker, worker_main
 
-    from runners.launch import worker_main
-
-    sys.exit(worker_main(run_task))
+    exit_worker(worker_main(run_task))

@@ -243,3 +243,15 @@ def test_profile_and_plan_files_of_any_bytes(tmp_path_factory, raw):
             load(str(path))
         except PlannerError:
             pass
+
+
+def test_a_worker_that_succeeded_leaves_without_the_interpreter_teardown_and_a_failed_one_with_its_code():
+    import subprocess
+    import sys
+
+    script = ("import atexit, sys; from runners.launch import exit_worker; "
+              "atexit.register(lambda: print('teardown ran')); print('result written'); exit_worker(int(sys.argv[1]))")
+    ok = subprocess.run([sys.executable, "-c", script, "0"], capture_output=True, text=True)
+    assert (ok.returncode, ok.stdout.split()) == (0, ["result", "written"])
+    failed = subprocess.run([sys.executable, "-c", script, "2"], capture_output=True, text=True)
+    assert failed.returncode == 2 and "teardown ran" in failed.stdout
