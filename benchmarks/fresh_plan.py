@@ -2,7 +2,7 @@
 
 One plan of our engine (ZeRO-LEVEL, 0 = DDP; benchmarks/engine_vs_torch.py's model and batch) alone on 4
 fresh gloo CPU processes, with the code of the checkout at TREE (any commit whose engine_vs_torch has
-`make_config` and whose runners.train has `train`): prints "FRESH <median step wall s on rank 0> <CPU s per
+`make_config` and `cpu_seconds` and whose runners.train has `train`): prints "FRESH <median step wall s on rank 0> <CPU s per
 step summed over ranks>", the first step dropped. `benchmarks/engine_before_after.py --fresh` runs it per tree.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import importlib.util
 import os
-import resource
 import socket
 import sys
 import time
@@ -21,11 +20,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 WORLD = 4
-
-
-def cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def worker(rank: int, port: int, tree: str, level: int, steps: int) -> None:
@@ -42,7 +36,7 @@ def worker(rank: int, port: int, tree: str, level: int, steps: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=600))
     marks: list[tuple[float, float]] = []  # (wall, CPU) at the end of each step
     train(bench.make_config(level, "ours", steps=steps), device=torch.device("cpu"),
-          on_step=lambda record: marks.append((time.perf_counter(), cpu_seconds())))
+          on_step=lambda record: marks.append((time.perf_counter(), bench.cpu_seconds())))
     wall = sorted(b[0] - a[0] for a, b in zip(marks, marks[1:]))
     cpu = torch.tensor([(marks[-1][1] - marks[0][1]) / (len(marks) - 1)], dtype=torch.float64)
     dist.all_reduce(cpu)
