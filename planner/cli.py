@@ -499,7 +499,7 @@ def estimate_command(
       planner estimate --model gpt3-1.7b --hardware a100 --gpus 32 --global-batch 512 --recompute full
       planner estimate --model llama3-70b --hardware h100 --gpus 64 --global-batch 64 --seq-len 4096 --tp 8 --pp 4 --virtual-stages 2 --zero 1 --sequence-parallel
       planner estimate --plan plan.json --engine megatron --format json      # a plan file from search --out
-      planner estimate --model llama3-70b --hardware h100 --gpus 1024 --global-batch 1024 --tp 8 --pp 4 --mtbf 14400
+      planner estimate --model llama3-70b --hardware h100 --gpus 1024 --global-batch 1024 --tp 8 --pp 4 --zero 1 --sequence-parallel --recompute selective --mtbf 14400
     """
     from cost_models.checkpoint import plan_cadence
 
