@@ -110,8 +110,9 @@ def measure_layer(model: ModelSpec, *, device: torch.device, dtype: torch.dtype,
               for policy in ("none", "full")}
     shapes = probe_shapes(model, device=device)
     keys = [(shape, "none") for shape in shapes] + [(shapes[len(shapes) // 2], "full")]
-    inputs = {shape: torch.randn(*shape, model.hidden_size, device=device, dtype=dtype, requires_grad=True)
-              for shape in shapes}
+    # The Block's layout is [s, b, h] (runners/transformer.py), so shape (b, s) is fed as (s, b, h).
+    inputs = {(b, s): torch.randn(s, b, model.hidden_size, device=device, dtype=dtype, requires_grad=True)
+              for b, s in shapes}
     samples: dict[tuple, tuple[list[float], list[float]]] = {key: ([], []) for key in keys}
     for _ in range(rounds):
         for key in keys:
@@ -186,7 +187,7 @@ def measure_overlap(model: ModelSpec, *, device: torch.device, dtype: torch.dtyp
     numel = -(-sum(p.numel() for p in units[0].parameters()) // n) * n
     shard = torch.ones(numel // n, dtype=dtype, device=device)
     full = [torch.empty(numel, dtype=dtype, device=device) for _ in units]
-    x = torch.randn(1, min(64, model.max_seq_len), model.hidden_size, device=device, dtype=dtype, requires_grad=True)
+    x = torch.randn(min(64, model.max_seq_len), 1, model.hidden_size, device=device, dtype=dtype, requires_grad=True)  # [s, b, h]
 
     def gather(i: int, *, async_op: bool):
         return all_gather_single(full[i], shard, group=group, async_op=async_op)
