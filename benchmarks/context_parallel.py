@@ -4,7 +4,7 @@ Context parallelism against full recomputation on 4 local gloo CPU processes, at
 that fits: cp4 (ring, and all-to-all) against dp4 with full recomputation, the same model, the same
 global batch in tokens (4 sequences: dp4 runs one per rank, cp4 a quarter of each of the 4 as 4
 micro-batches), beside the cost model's prediction priced with this machine's measured profile (the cached
-one every command uses for 4 processes, planner/machine.py, or --profile).
+one for 4 processes, measured with this model: `load_hardware`; or --profile).
 
 "Fits" (`longest_fitting`, `confirm_fit`): the sequence is the longest of the doubling ladder LADDER (--quick:
 QUICK_LADDER) at which dp4 with full recomputation keeps its peak memory per rank within the budget
@@ -149,12 +149,27 @@ def paired_ratio(a: list[list[float]], b: list[list[float]]) -> float:
 
 # --- the benchmark --------------------------------------------------------------------------------------
 def load_hardware(profile: str | None):
-    """(Hardware, where it came from): --profile, or this machine's cached profile for WORLD processes."""
-    from planner.machine import local_hardware
+    """(Hardware, where it came from): --profile, or this machine's profile for WORLD processes measured
+    with MODEL itself (`planner profile --nproc 4 --model <MODEL's JSON>`, cached beside the default one
+    under the model's name and re-measured when stale, planner/machine.stale_reason): its layer probe runs
+    MODEL's own Block, and its attention sweep MODEL's head width, so neither is extrapolated from the tiny
+    model's (head width 8, a 64-wide layer whose GEMMs run 1.6x further from the GEMM sweep's prediction)."""
+    from planner.machine import cache_dir, cached_profile_path, stale_reason
+    from planner.profiling import measure_profile
+    from profilers.profile import ProfileOptions
     from specs.hardware import resolve_hardware
 
-    source = profile or local_hardware(WORLD)
-    return resolve_hardware(source), source
+    if profile:
+        return resolve_hardware(profile), profile
+    default = cached_profile_path(WORLD)
+    path = default.with_name(f"{default.stem}-{MODEL.name}.json")
+    if stale_reason(path, nproc=WORLD) is not None:
+        model_json = cache_dir() / f"model-{MODEL.name}.json"
+        model_json.parent.mkdir(parents=True, exist_ok=True)
+        model_json.write_text(json.dumps(MODEL.to_dict(), indent=1))
+        print(f"measuring this machine's profile for {WORLD} processes with {MODEL.name} -> {path}", flush=True)
+        measure_profile(ProfileOptions(nproc=WORLD, quick=True, model=str(model_json))).save(path)
+    return resolve_hardware(str(path)), str(path)
 
 
 def choose_seq(ladder: Sequence[int], *, hardware, budget_bytes: float, steps: int):
@@ -253,7 +268,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=None, help="timing rounds (default 3; --quick 2)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per plan per round (default 3; --quick 2)")
     parser.add_argument("--budget-mib", type=float, default=BUDGET_MIB, help="peak resident set per rank")
-    parser.add_argument("--profile", help="hardware profile JSON (default: this machine's cached one for 4 processes)")
+    parser.add_argument("--profile", help="hardware profile JSON (default: this machine's for 4 processes, measured with the benchmark's model)")
     parser.add_argument("--json-out", help="also write the JSON line here")
     args = parser.parse_args()
     args.repeats = args.repeats or (2 if args.quick else 3)

@@ -33,6 +33,16 @@ from specs.model import ModelSpec
 # are those training steps run, where kernels, not the host's dispatch, set the time.
 PROBE_SHAPES = ((1, 8), (1, 64), (4, 64))
 CUDA_PROBE_SHAPES = ((1, 1024), (2, 2048), (4, 2048))
+# On CPU one more point where the GEMMs and attention, not the dispatch, set the time (`long_probe_shape`):
+# up to LONG_PROBE_TOKENS tokens at the model's longest sequence up to LONG_PROBE_SEQ, within
+# LONG_PROBE_FLOPS of forward work per layer (a 1B model's layer is compute-bound at 64 tokens already and
+# gets no extra point). Without it a small model's points are all dispatch-bound (its kernels run ~10 us),
+# the per-op cost o and the compute scale c of the fit (planner/profiling.py) trade off, and a c fitted
+# there multiplied the GEMMs of long sequences: on benchmarks/context_parallel.py's 4-layer h128 model, 4
+# ranks on 2 cores, c came out 5.2 from its <= 256-token points, where a 2048-token layer runs at ~2.7.
+LONG_PROBE_TOKENS = 2048
+LONG_PROBE_SEQ = 1024
+LONG_PROBE_FLOPS = 2e9
 # Layers per probed chunk; times are per layer. One backward call has a fixed cost (autograd's graph
 # walk setup, the loss) that a training chunk of many layers spreads thin; a one-layer probe would
 # charge all of it to the layer.
@@ -64,8 +74,28 @@ class ProbeResult:
 
 
 def probe_shapes(model: ModelSpec, *, device: torch.device | None = None) -> list[tuple[int, int]]:
-    shapes = CUDA_PROBE_SHAPES if device is not None and device.type == "cuda" else PROBE_SHAPES
-    return [(b, min(s, model.max_seq_len)) for b, s in shapes]
+    if device is not None and device.type == "cuda":
+        return [(b, min(s, model.max_seq_len)) for b, s in CUDA_PROBE_SHAPES]
+    shapes = [(b, min(s, model.max_seq_len)) for b, s in PROBE_SHAPES]
+    long = long_probe_shape(model)
+    if long is not None and long[0] * long[1] > max(b * s for b, s in shapes):
+        shapes.append(long)
+    return shapes
+
+
+def long_probe_shape(model: ModelSpec) -> tuple[int, int] | None:
+    """(micro-batch, sequence) of the CPU probe's compute-bound point (LONG_PROBE_TOKENS above), or None
+    where even one sequence of 64 tokens would exceed LONG_PROBE_FLOPS."""
+    per_token = 2 * (model.attention_params() + model.mlp_params())  # forward FLOPs of the GEMMs
+    seq = min(LONG_PROBE_SEQ, model.max_seq_len)
+    tokens = LONG_PROBE_TOKENS
+    # Causal attention scores and values: 2 s h FLOPs per token at sequence s.
+    while tokens >= 64 and tokens * (per_token + 2 * min(seq, tokens) * model.hidden_size) > LONG_PROBE_FLOPS:
+        tokens //= 2
+    if tokens < 64:
+        return None
+    seq = min(seq, tokens)
+    return tokens // seq, seq
 
 
 def _synchronize(device: torch.device) -> None:
@@ -109,7 +139,8 @@ def measure_layer(model: ModelSpec, *, device: torch.device, dtype: torch.dtype,
     chunks = {policy: _probe_chunk(model, num_layers=num_layers, recompute=policy, device=device, dtype=dtype)
               for policy in ("none", "full")}
     shapes = probe_shapes(model, device=device)
-    keys = [(shape, "none") for shape in shapes] + [(shapes[len(shapes) // 2], "full")]
+    # The full-recomputation point at the middle of the three base shapes (not the CPU long point).
+    keys = [(shape, "none") for shape in shapes] + [(shapes[1], "full")]
     # The Block's layout is [s, b, h] (runners/transformer.py), so shape (b, s) is fed as (s, b, h).
     inputs = {(b, s): torch.randn(s, b, model.hidden_size, device=device, dtype=dtype, requires_grad=True)
               for b, s in shapes}

@@ -36,3 +36,22 @@ def test_measure_layer_feeds_each_point_as_seq_batch_hidden(monkeypatch) -> None
     assert seen == expected
     assert {(p.micro_batch, p.seq_len) for p in points} == set(probe.probe_shapes(model))
 
+
+
+def test_a_small_model_gets_one_compute_bound_point_on_cpu_within_the_flop_budget() -> None:
+    wide = dataclasses.replace(PRESETS["tiny"], name="h128", hidden_size=128, num_heads=4, num_kv_heads=4,
+                               ffn_hidden_size=352, max_seq_len=4096)
+    for model in (PRESETS["tiny"], wide):
+        shapes = probe.probe_shapes(model)
+        b, s = shapes[-1]
+        assert len(shapes) == len(probe.PROBE_SHAPES) + 1
+        assert b * s == probe.LONG_PROBE_TOKENS and s == min(probe.LONG_PROBE_SEQ, model.max_seq_len)
+        flops = b * s * (2 * (model.attention_params() + model.mlp_params()) + 2 * s * model.hidden_size)
+        assert flops <= probe.LONG_PROBE_FLOPS
+
+
+def test_a_large_model_or_a_gpu_gets_no_extra_point() -> None:
+    large = PRESETS["llama3.2-1b"]
+    assert probe.probe_shapes(large) == [(b, min(s, large.max_seq_len)) for b, s in probe.PROBE_SHAPES]
+    cuda = torch.device("cuda", 0)
+    assert probe.probe_shapes(PRESETS["tiny"], device=cuda) == [(b, min(s, 128)) for b, s in probe.CUDA_PROBE_SHAPES]
