@@ -599,3 +599,24 @@ def test_named_recompute_modules_reach_the_priced_engine():
     assert modules == {(), ("layernorm", "moe_act"), ("layernorm", "moe")}
     named = next(r for r in runs if r.recompute_modules == ("layernorm", "moe"))
     assert named.priced_engine.recompute_modules == ("layernorm", "moe") and named.plan.recompute == "selective"
+
+
+def test_megatron_bridge_moe_rows_run_their_release_branches_recipes():
+    """Two Megatron-Bridge MoE rows as their release branches' recipes ran them (SOURCES.md): GPT-OSS-120B
+    in 25.11 at micro-batch 1 with layernorm + moe_act recomputation (the printed MBS 4 without it would
+    not fit an H100 in this memory model), Qwen3-30B-A3B in 26.02.01 with DeepEP and the EP overlap."""
+    moe_csv = Path(DEFAULT_CSV).with_name("moe_runs.csv")
+    runs = [r for r in load_published(moe_csv)[0] if r.source_id == "megatron_bridge_perf"]
+    gpt_oss = [r for r in runs if r.model.name == "GPT-OSS-120B"]
+    assert len(gpt_oss) == 2
+    for run in gpt_oss:  # both containers' recipes: MBS 1, selective layernorm + moe_act
+        assert run.plan.micro_batch == 1 and run.priced_engine.recompute_modules == ("layernorm", "moe_act")
+        e = estimate(run.plan, model=run.model, cluster=run.cluster, job=run.job, engine=run.priced_engine)
+        assert e.peak_memory_bytes <= run.cluster.hardware.memory_bytes, (run.label, e.peak_memory_bytes / 2**30)
+    old = next(r for r in gpt_oss if r.plan.global_batch == 512)
+    printed = dataclasses.replace(old.plan, micro_batch=4, num_micro_batches=8, recompute="none")
+    e = estimate(printed, model=old.model, cluster=old.cluster, job=old.job, engine="megatron")
+    assert e.peak_memory_bytes > old.cluster.hardware.memory_bytes
+    qwen = {r.plan.virtual_stages: r for r in runs if r.model.name == "qwen3-30b-a3b" and r.plan.pp == 2}
+    assert qwen[12].priced_engine.moe_dispatcher == "deepep" and qwen[12].priced_engine.moe_a2a_overlap
+    assert qwen[24].moe_dispatcher == "" and qwen[24].moe_a2a_overlap is None  # 25.11: left as printed
