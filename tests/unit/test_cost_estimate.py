@@ -284,3 +284,38 @@ def test_wire_bound_communication_hides_behind_compute_whatever_the_cpu_overlap(
     wire = 0.75 * 4e6 / 1e8
     assert _wire_fraction(measured, collective="all_gather", size_bytes=4e6, group_size=4, stride=1) == \
         pytest.approx(wire / (1e-3 + wire), rel=1e-6)
+
+
+def test_reduce_scatter_calls_are_buckets_of_whole_units():
+    from cost_models.estimate import bucket_calls
+
+    mb = 2**20
+    # Units over the bucket size: one call each (FSDP's one reduce-scatter per wrapped block).
+    assert bucket_calls(24 * 200 * mb, bucket_bytes=25 * mb, num_units=24) == 24
+    # 10 MB units into 25 MB buckets: three a bucket, 48 units in 16 calls.
+    assert bucket_calls(48 * 10 * mb, bucket_bytes=25 * mb, num_units=48) == 16
+    # Everything fits in one bucket: one call.
+    assert bucket_calls(24 * mb, bucket_bytes=25 * mb, num_units=24) == 1
+    assert bucket_calls(0.0, bucket_bytes=25 * mb, num_units=24) == 1
+
+
+def test_each_reduce_scatter_call_pays_its_ring_latency():
+    """A chunk's per-micro-batch reduce-scatters are priced call by call: over 512 ranks on 64 nodes the
+    ring's latency per call (448 NVLink hops, 63 crossings) is what the one-call pricing left out."""
+    from cost_models.comm import collective_time_s
+    from cost_models.estimate import _sharding_comm, bucket_calls
+
+    cluster = _cluster(512)
+    plan = Plan(dp=512, micro_batch=1, num_micro_batches=1, **dict(zip(("param_shard", "grad_shard", "optim_shard"),
+                                                                       zero_degrees(2, 512))))
+    grad_bytes = 32 * 200e6
+    comm = _sharding_comm(plan, cluster, tiers=["none"] * 32, layer_bytes=0.0, grad_bytes=grad_bytes, end_bytes=0.0,
+                          num_end_units=0)
+    calls = bucket_calls(grad_bytes, bucket_bytes=plan.bucket_size_bytes, num_units=32)
+    assert calls == 32
+    one_call = collective_time_s(cluster, collective="reduce_scatter", size_bytes=grad_bytes, group_size=512, stride=1)
+    per_call = collective_time_s(cluster, collective="reduce_scatter", size_bytes=grad_bytes / 32, group_size=512,
+                                 stride=1)
+    assert comm.rs_s == pytest.approx(32 * per_call)
+    latency = collective_time_s(cluster, collective="reduce_scatter", size_bytes=1.0, group_size=512, stride=1)
+    assert comm.rs_s - one_call == pytest.approx(31 * latency, rel=1e-3)
