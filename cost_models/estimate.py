@@ -730,6 +730,18 @@ def bucket_calls(total_bytes: float, *, bucket_bytes: float, num_units: int) -> 
     return math.ceil(num_units / units_per_bucket)
 
 
+def _reduce_bucket_plans(plan, eng, *, grad_bytes_per_param: float):
+    """The plan as its per-micro-batch reduce-scatters and its boundary all-reduce see their bucket: both the
+    plan itself, except for an engine with its own bucket of unsharded gradient (EngineModel.
+    reduce_bucket_elements: DeepSpeed ZeRO-3 / MiCS), whose reduce-scatters take that bucket and whose
+    boundary all-reduce takes its 1/s_g shard."""
+    if not eng.reduce_bucket_elements:
+        return plan, plan
+    bucket = eng.reduce_bucket_elements * grad_bytes_per_param
+    return (plan.replace(bucket_size_bytes=max(1, int(bucket))),
+            plan.replace(bucket_size_bytes=max(1, int(bucket / plan.grad_shard))))
+
+
 def _boundary_reduce(plan, cluster, *, grad_bytes: float, reduce_scatter_once: bool = False) -> tuple[float, float]:
     """(seconds, last bucket seconds) of the step-end gradient reduction of `grad_bytes` over DP:
     an all-reduce over dp when gradients are not sharded, else an all-reduce of the shard across the
@@ -850,11 +862,12 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
     # The runner's units outside the layers (runners/transformer.py): embedding (+ learned positions) first,
     # final norm and head last.
     num_end_units = (1 + int(model.learned_positions) if first else 0) + (2 if last else 0)
-    comm = _sharding_comm(plan, cluster, tiers=tiers, layer_bytes=layer_bytes, grad_bytes=num_params * grad_bytes,
+    rs_plan, boundary_plan = _reduce_bucket_plans(plan, eng, grad_bytes_per_param=grad_bytes)
+    comm = _sharding_comm(rs_plan, cluster, tiers=tiers, layer_bytes=layer_bytes, grad_bytes=num_params * grad_bytes,
                           reduce_scatter_once=eng.reduce_scatter_once,
                           end_bytes=end_bytes, num_end_units=num_end_units, device_gather_fraction=fraction)
     backward = total - forward
-    reduce_s, last_bucket_s = _boundary_reduce(plan, cluster, grad_bytes=num_params * grad_bytes,
+    reduce_s, last_bucket_s = _boundary_reduce(boundary_plan, cluster, grad_bytes=num_params * grad_bytes,
                                                reduce_scatter_once=eng.reduce_scatter_once)
     num_moe = sum(model.is_moe_layer(i) for i in layers)
     expert_params = moe_cost.expert_params_per_device(model, num_moe_layers=num_moe, ep=plan.ep, etp=plan.etp)

@@ -319,3 +319,30 @@ def test_each_reduce_scatter_call_pays_its_ring_latency():
     assert comm.rs_s == pytest.approx(32 * per_call)
     latency = collective_time_s(cluster, collective="reduce_scatter", size_bytes=1.0, group_size=512, stride=1)
     assert comm.rs_s - one_call == pytest.approx(31 * latency, rel=1e-3)
+
+
+def test_deepspeed_mics_waits_for_its_last_bucket_and_that_buckets_shard_all_reduce():
+    """DeepSpeed's MiCS reduce-scatters each reduce_bucket_size bucket of unsharded gradient in the shard
+    group, then all-reduces that bucket's shard across the replicas on the same stream; the last bucket is
+    reduced after the backward. So its last boundary all-reduce is bucket / s_g bytes, and a 5e8-element
+    bucket leaves more exposed than this engine's 25 MB one."""
+    import dataclasses
+
+    from cost_models.comm import collective_time_s
+    from cost_models.engines import ENGINES
+    from cost_models.estimate import _boundary_reduce, _reduce_bucket_plans
+
+    mics = dataclasses.replace(ENGINES["ours"], name="ours-mics", reduce_bucket_elements=500_000_000)
+    plan = Plan(dp=64, micro_batch=1, num_micro_batches=1, param_shard=8, grad_shard=8, optim_shard=8)
+    rs_plan, boundary_plan = _reduce_bucket_plans(plan, mics, grad_bytes_per_param=2)
+    assert rs_plan.bucket_size_bytes == 10**9 and boundary_plan.bucket_size_bytes == 10**9 // 8
+    assert _reduce_bucket_plans(plan, ENGINES["ours"], grad_bytes_per_param=2) == (plan, plan)
+    cluster = _cluster(64)
+    grad_bytes = 7e9 * 2
+    _, last_s = _boundary_reduce(boundary_plan, cluster, grad_bytes=grad_bytes)
+    assert last_s == pytest.approx(collective_time_s(cluster, collective="all_reduce", size_bytes=10**9 / 8,
+                                                     group_size=8, stride=8))
+    job = Job(global_batch=64, seq_len=4096)
+    ours = estimate(plan, model=LLAMA8, cluster=cluster, job=job)
+    deepspeed = estimate(plan, model=LLAMA8, cluster=cluster, job=job, engine=mics)
+    assert deepspeed.step_time_s > ours.step_time_s
