@@ -708,7 +708,7 @@ def _sharding_comm(plan, cluster, *, tiers: list[str], layer_bytes: float, grad_
         rs_s = calls * collective_time_s(cluster, collective="reduce_scatter", size_bytes=grad_bytes / calls,
                                          group_size=s_g, stride=tp)
         rs_last = collective_time_s(cluster, collective="reduce_scatter",
-                                    size_bytes=min(grad_bytes, plan.bucket_size_bytes), group_size=s_g, stride=tp)
+                                    size_bytes=grad_bytes / calls, group_size=s_g, stride=tp)
         rs_last = min(rs_last, rs_s)
         rs_hideable = rs_s - rs_last
     return _ShardingComm(fwd_first, fwd_rest, bwd_first, bwd_rest, rs_hideable, rs_last)

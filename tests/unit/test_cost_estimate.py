@@ -346,3 +346,20 @@ def test_deepspeed_mics_waits_for_its_last_bucket_and_that_buckets_shard_all_red
     ours = estimate(plan, model=LLAMA8, cluster=cluster, job=job)
     deepspeed = estimate(plan, model=LLAMA8, cluster=cluster, job=job, engine=mics)
     assert deepspeed.step_time_s > ours.step_time_s
+
+
+def test_the_reduce_scatter_left_after_the_backward_is_one_whole_bucket():
+    """The reduce-scatter that runs after the backward's compute is the last bucket: with units over the
+    bucket size that is one unit's whole gradient (FSDP's first block), not bucket_size_bytes of it."""
+    from cost_models.comm import collective_time_s
+    from cost_models.estimate import _sharding_comm
+
+    cluster = _cluster(64)
+    plan = Plan(dp=64, micro_batch=1, num_micro_batches=1, **dict(zip(("param_shard", "grad_shard", "optim_shard"),
+                                                                      zero_degrees(2, 64))))
+    unit_bytes = 800e6
+    comm = _sharding_comm(plan, cluster, tiers=["none"] * 10, layer_bytes=0.0, grad_bytes=10 * unit_bytes, end_bytes=0.0,
+                          num_end_units=0)
+    assert comm.rs_last_s == pytest.approx(collective_time_s(cluster, collective="reduce_scatter", size_bytes=unit_bytes,
+                                                             group_size=64, stride=1))
+    assert comm.rs_hideable_s == pytest.approx(9 * comm.rs_last_s)
