@@ -104,4 +104,24 @@ def collective_time_s(cluster: Cluster, *, collective: str, size_bytes: float, g
     if collective == "all_reduce":
         time_s += flat_collective_time_s(hw, collective="all_gather", size_bytes=size_bytes, group_size=per_node,
                                          link="intra_node")
+    else:
+        time_s += ring_extra_intra_steps(per_node=per_node, num_nodes=num_nodes) * \
+            hw.intra_node.latency_s * hw.calibration.get("comm_time_scale", 1.0)
     return time_s
+
+
+def ring_extra_intra_steps(*, per_node: int, num_nodes: int) -> int:
+    """Intra-node latency steps a ring all-gather or reduce-scatter over `num_nodes` x `per_node` ranks
+    takes beyond the per_node - 1 its in-node phase is priced with: (num_nodes - 1) x (per_node - 1).
+
+    NCCL runs these two collectives on one ring through every rank (the only algorithm it has for them
+    across nodes with several ranks per node, up to PAT for one rank per node): n - 1 steps, of which
+    k - 1 cross a node boundary and n - k are NVLink hops, each a latency of its own (NCCL's tuning model,
+    src/graph/tuning.cc: `(nsteps - nInterSteps) * intraLat + nInterSteps * interLat`, with intraLat
+    floored at three net overheads on inter-node rings under the Simple protocol). The hierarchical
+    pricing above charges r - 1 intra and k - 1 inter steps, so an n-rank ring's latency grew with the
+    node count only through its k - 1 crossings. The all-reduce keeps the hierarchical count: NCCL can
+    pick its tree there, whose latency grows with log2 of the node count."""
+    if num_nodes <= 1 or per_node <= 1:
+        return 0
+    return (num_nodes - 1) * (per_node - 1)

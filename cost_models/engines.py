@@ -95,6 +95,16 @@ class EngineModel:
     # (flash_attn.bert_padding: unpad_input / pad_input, priced in compute.unpadded_attention_bytes); its
     # Triton path (`attn_impl: triton`, the CSV's flash1 rows) calls the kernel on the padded tensors.
     unpadded_attention: bool = False
+    # DeepSpeed ZeRO-3's gradient reduction, MiCS's included (deepspeed/runtime/zero/stage3.py,
+    # `__reduce_and_partition_ipg_grads`; mics.py, `allreduce_mics_shard_grads`): gradients go bucket by bucket,
+    # a bucket being up to `reduce_bucket_size` elements of unsharded gradient (default 5e8,
+    # deepspeed/runtime/zero/config.py), reduce-scattered in the shard group and, at the accumulation boundary,
+    # the bucket's shard all-reduced across the replication group right after it on the same stream; the last
+    # bucket is reduced after the backward (`independent_gradient_partition_epilogue`) and waited for. So the
+    # last boundary all-reduce is that bucket's 1/s_g shard. 0: the plan's bucket_size_bytes, counted as this
+    # engine counts it (runners/sharding/buckets.py: reduce-scatter buckets of whole gradient, boundary buckets
+    # of shard bytes).
+    reduce_bucket_elements: int = 0
 
 
 # Composer's DecoupledAdamW (composer/optim/decoupled_weight_decay.py, `adamw`), which llm-foundry's MPT yamls

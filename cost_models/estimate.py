@@ -704,12 +704,42 @@ def _sharding_comm(plan, cluster, *, tiers: list[str], layer_bytes: float, grad_
             # Nothing is gathered ahead of use: every gather waits in line before its layer computes.
             fwd_first, fwd_rest, bwd_first, bwd_rest = fwd_first + fwd_rest, 0.0, bwd_first + bwd_rest, 0.0
     if s_g > 1 and not reduce_scatter_once:
-        rs_s = collective_time_s(cluster, collective="reduce_scatter", size_bytes=grad_bytes, group_size=s_g, stride=tp)
+        calls = bucket_calls(grad_bytes, bucket_bytes=plan.bucket_size_bytes, num_units=len(tiers) + num_end_units)
+        rs_s = calls * collective_time_s(cluster, collective="reduce_scatter", size_bytes=grad_bytes / calls,
+                                         group_size=s_g, stride=tp)
         rs_last = collective_time_s(cluster, collective="reduce_scatter",
-                                    size_bytes=min(grad_bytes, plan.bucket_size_bytes), group_size=s_g, stride=tp)
+                                    size_bytes=grad_bytes / calls, group_size=s_g, stride=tp)
         rs_last = min(rs_last, rs_s)
         rs_hideable = rs_s - rs_last
     return _ShardingComm(fwd_first, fwd_rest, bwd_first, bwd_rest, rs_hideable, rs_last)
+
+
+def bucket_calls(total_bytes: float, *, bucket_bytes: float, num_units: int) -> int:
+    """Reduce-scatter calls a chunk's per-micro-batch gradient reduction of `total_bytes` over
+    `num_units` units makes: one per bucket, a bucket being whole units (layers, embedding, head) taken in
+    backward order until it holds `bucket_bytes` (runners/sharding/buckets.py; PyTorch FSDP1 and FSDP2
+    reduce-scatter each wrapped unit on its own, and llm-foundry and torchtitan wrap every block: a
+    bucket of one unit). Each call pays the ring's latency, which over n ranks grows with n
+    (cost_models/comm.ring_extra_intra_steps), so pricing the chunk's gradients as one call hid that
+    growth. Units are taken as equal in size. (The distributed optimizer's and Lins' parameter
+    all-gathers after the step stay one call: Megatron buckets by its own size, not this plan's.)"""
+    num_units = max(1, num_units)
+    if total_bytes <= 0:
+        return 1
+    units_per_bucket = max(1, math.ceil(bucket_bytes / (total_bytes / num_units)))
+    return math.ceil(num_units / units_per_bucket)
+
+
+def _reduce_bucket_plans(plan, eng, *, grad_bytes_per_param: float):
+    """The plan as its per-micro-batch reduce-scatters and its boundary all-reduce see their bucket: both the
+    plan itself, except for an engine with its own bucket of unsharded gradient (EngineModel.
+    reduce_bucket_elements: DeepSpeed ZeRO-3 / MiCS), whose reduce-scatters take that bucket and whose
+    boundary all-reduce takes its 1/s_g shard."""
+    if not eng.reduce_bucket_elements:
+        return plan, plan
+    bucket = eng.reduce_bucket_elements * grad_bytes_per_param
+    return (plan.replace(bucket_size_bytes=max(1, int(bucket))),
+            plan.replace(bucket_size_bytes=max(1, int(bucket / plan.grad_shard))))
 
 
 def _boundary_reduce(plan, cluster, *, grad_bytes: float, reduce_scatter_once: bool = False) -> tuple[float, float]:
@@ -832,11 +862,12 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
     # The runner's units outside the layers (runners/transformer.py): embedding (+ learned positions) first,
     # final norm and head last.
     num_end_units = (1 + int(model.learned_positions) if first else 0) + (2 if last else 0)
-    comm = _sharding_comm(plan, cluster, tiers=tiers, layer_bytes=layer_bytes, grad_bytes=num_params * grad_bytes,
+    rs_plan, boundary_plan = _reduce_bucket_plans(plan, eng, grad_bytes_per_param=grad_bytes)
+    comm = _sharding_comm(rs_plan, cluster, tiers=tiers, layer_bytes=layer_bytes, grad_bytes=num_params * grad_bytes,
                           reduce_scatter_once=eng.reduce_scatter_once,
                           end_bytes=end_bytes, num_end_units=num_end_units, device_gather_fraction=fraction)
     backward = total - forward
-    reduce_s, last_bucket_s = _boundary_reduce(plan, cluster, grad_bytes=num_params * grad_bytes,
+    reduce_s, last_bucket_s = _boundary_reduce(boundary_plan, cluster, grad_bytes=num_params * grad_bytes,
                                                reduce_scatter_once=eng.reduce_scatter_once)
     num_moe = sum(model.is_moe_layer(i) for i in layers)
     expert_params = moe_cost.expert_params_per_device(model, num_moe_layers=num_moe, ep=plan.ep, etp=plan.etp)

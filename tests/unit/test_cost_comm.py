@@ -87,3 +87,36 @@ def test_the_fit_of_the_group_size_used_is_chosen():
     # 8 ranks: the nearest (4) fit, its 3 latency steps scaled to 7.
     assert flat_collective_time_s(hw, collective="all_gather", size_bytes=B, group_size=8, link="intra_node") == \
         pytest.approx(3e-3 * 7 / 3 + 0.875 * B / 0.5e9, rel=1e-12)
+
+
+def test_ring_all_gather_across_nodes_pays_every_nvlink_hop():
+    """NCCL runs all-gather and reduce-scatter across nodes on one ring through all n ranks: n - k NVLink
+    hops and k - 1 node crossings, each a latency (src/graph/tuning.cc). 32 ranks on 4 nodes of 8, a
+    near-empty message: 28 intra-node and 3 inter-node steps, not the 7 + 3 of the hierarchical split."""
+    tiny = 1.0
+    for collective in ("all_gather", "reduce_scatter"):
+        t = collective_time_s(NODES, collective=collective, size_bytes=tiny, group_size=32, stride=1)
+        assert t == pytest.approx(28 * 5e-6 + 3 * 1.5e-5, rel=1e-6)
+    # With bytes: the hierarchical bandwidth terms plus the (k - 1)(r - 1) = 21 extra NVLink steps.
+    intra = 7 / 8 * B / 300e9 + 7 * 5e-6
+    inter = 3 / 4 * (B / 8) / 25e9 + 3 * 1.5e-5
+    assert collective_time_s(NODES, collective="all_gather", size_bytes=B, group_size=32, stride=1) == \
+        pytest.approx(intra + inter + 21 * 5e-6, rel=1e-12)
+
+
+def test_ring_latency_grows_with_the_node_count():
+    big = Cluster(num_nodes=64, devices_per_node=8, hardware=A100)
+    times = [collective_time_s(big, collective="reduce_scatter", size_bytes=1.0, group_size=n, stride=1)
+             for n in (64, 128, 512)]
+    # n - k NVLink steps: 56, 112, 448; node crossings: 7, 15, 63.
+    assert times == pytest.approx([56 * 5e-6 + 7 * 1.5e-5, 112 * 5e-6 + 15 * 1.5e-5, 448 * 5e-6 + 63 * 1.5e-5],
+                                  rel=1e-6)
+
+
+def test_one_rank_per_node_and_all_reduce_keep_their_step_counts():
+    # DP across TP=8: one member per node, no NVLink hop in the ring.
+    assert collective_time_s(NODES, collective="all_gather", size_bytes=1.0, group_size=4, stride=8) == \
+        pytest.approx(3 * 1.5e-5, rel=1e-6)
+    # The all-reduce stays hierarchical (NCCL may take its tree): 2 x 7 intra and 2 x 3 inter steps.
+    assert collective_time_s(NODES, collective="all_reduce", size_bytes=1.0, group_size=32, stride=1) == \
+        pytest.approx(14 * 5e-6 + 6 * 1.5e-5, rel=1e-6)

@@ -284,3 +284,82 @@ def test_wire_bound_communication_hides_behind_compute_whatever_the_cpu_overlap(
     wire = 0.75 * 4e6 / 1e8
     assert _wire_fraction(measured, collective="all_gather", size_bytes=4e6, group_size=4, stride=1) == \
         pytest.approx(wire / (1e-3 + wire), rel=1e-6)
+
+
+def test_reduce_scatter_calls_are_buckets_of_whole_units():
+    from cost_models.estimate import bucket_calls
+
+    mb = 2**20
+    # Units over the bucket size: one call each (FSDP's one reduce-scatter per wrapped block).
+    assert bucket_calls(24 * 200 * mb, bucket_bytes=25 * mb, num_units=24) == 24
+    # 10 MB units into 25 MB buckets: three a bucket, 48 units in 16 calls.
+    assert bucket_calls(48 * 10 * mb, bucket_bytes=25 * mb, num_units=48) == 16
+    # Everything fits in one bucket: one call.
+    assert bucket_calls(24 * mb, bucket_bytes=25 * mb, num_units=24) == 1
+    assert bucket_calls(0.0, bucket_bytes=25 * mb, num_units=24) == 1
+
+
+def test_each_reduce_scatter_call_pays_its_ring_latency():
+    """A chunk's per-micro-batch reduce-scatters are priced call by call: over 512 ranks on 64 nodes the
+    ring's latency per call (448 NVLink hops, 63 crossings) is what the one-call pricing left out."""
+    from cost_models.comm import collective_time_s
+    from cost_models.estimate import _sharding_comm, bucket_calls
+
+    cluster = _cluster(512)
+    plan = Plan(dp=512, micro_batch=1, num_micro_batches=1, **dict(zip(("param_shard", "grad_shard", "optim_shard"),
+                                                                       zero_degrees(2, 512))))
+    grad_bytes = 32 * 200e6
+    comm = _sharding_comm(plan, cluster, tiers=["none"] * 32, layer_bytes=0.0, grad_bytes=grad_bytes, end_bytes=0.0,
+                          num_end_units=0)
+    calls = bucket_calls(grad_bytes, bucket_bytes=plan.bucket_size_bytes, num_units=32)
+    assert calls == 32
+    one_call = collective_time_s(cluster, collective="reduce_scatter", size_bytes=grad_bytes, group_size=512, stride=1)
+    per_call = collective_time_s(cluster, collective="reduce_scatter", size_bytes=grad_bytes / 32, group_size=512,
+                                 stride=1)
+    assert comm.rs_s == pytest.approx(32 * per_call)
+    latency = collective_time_s(cluster, collective="reduce_scatter", size_bytes=1.0, group_size=512, stride=1)
+    assert comm.rs_s - one_call == pytest.approx(31 * latency, rel=1e-3)
+
+
+def test_deepspeed_mics_waits_for_its_last_bucket_and_that_buckets_shard_all_reduce():
+    """DeepSpeed's MiCS reduce-scatters each reduce_bucket_size bucket of unsharded gradient in the shard
+    group, then all-reduces that bucket's shard across the replicas on the same stream; the last bucket is
+    reduced after the backward. So its last boundary all-reduce is bucket / s_g bytes, and a 5e8-element
+    bucket leaves more exposed than this engine's 25 MB one."""
+    import dataclasses
+
+    from cost_models.comm import collective_time_s
+    from cost_models.engines import ENGINES
+    from cost_models.estimate import _boundary_reduce, _reduce_bucket_plans
+
+    mics = dataclasses.replace(ENGINES["ours"], name="ours-mics", reduce_bucket_elements=500_000_000)
+    plan = Plan(dp=64, micro_batch=1, num_micro_batches=1, param_shard=8, grad_shard=8, optim_shard=8)
+    rs_plan, boundary_plan = _reduce_bucket_plans(plan, mics, grad_bytes_per_param=2)
+    assert rs_plan.bucket_size_bytes == 10**9 and boundary_plan.bucket_size_bytes == 10**9 // 8
+    assert _reduce_bucket_plans(plan, ENGINES["ours"], grad_bytes_per_param=2) == (plan, plan)
+    cluster = _cluster(64)
+    grad_bytes = 7e9 * 2
+    _, last_s = _boundary_reduce(boundary_plan, cluster, grad_bytes=grad_bytes)
+    assert last_s == pytest.approx(collective_time_s(cluster, collective="all_reduce", size_bytes=10**9 / 8,
+                                                     group_size=8, stride=8))
+    job = Job(global_batch=64, seq_len=4096)
+    ours = estimate(plan, model=LLAMA8, cluster=cluster, job=job)
+    deepspeed = estimate(plan, model=LLAMA8, cluster=cluster, job=job, engine=mics)
+    assert deepspeed.step_time_s > ours.step_time_s
+
+
+def test_the_reduce_scatter_left_after_the_backward_is_one_whole_bucket():
+    """The reduce-scatter that runs after the backward's compute is the last bucket: with units over the
+    bucket size that is one unit's whole gradient (FSDP's first block), not bucket_size_bytes of it."""
+    from cost_models.comm import collective_time_s
+    from cost_models.estimate import _sharding_comm
+
+    cluster = _cluster(64)
+    plan = Plan(dp=64, micro_batch=1, num_micro_batches=1, **dict(zip(("param_shard", "grad_shard", "optim_shard"),
+                                                                      zero_degrees(2, 64))))
+    unit_bytes = 800e6
+    comm = _sharding_comm(plan, cluster, tiers=["none"] * 10, layer_bytes=0.0, grad_bytes=10 * unit_bytes, end_bytes=0.0,
+                          num_end_units=0)
+    assert comm.rs_last_s == pytest.approx(collective_time_s(cluster, collective="reduce_scatter", size_bytes=unit_bytes,
+                                                             group_size=64, stride=1))
+    assert comm.rs_hideable_s == pytest.approx(9 * comm.rs_last_s)
