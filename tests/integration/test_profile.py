@@ -42,9 +42,10 @@ def test_profile_json_round_trips_through_resolve_hardware(profile_path: Path) -
     assert {(p.head_dim, p.seq_len) for p in hw.attention_points if p.dtype == "fp32"} == \
         {(d, s) for d in (8, 64) for s in (64, 256, 1024, 2048)}
     assert all(0 < p.forward_s and 0 < p.backward_s for p in hw.attention_points)
-    # The layer probe ran on both ranks at once and, on CPU, its fit is the profile's calibration.
+    # The layer probe ran on both ranks at once and, on CPU, its fit is the profile's calibration; the tiny
+    # model gets the compute-bound point (2048 tokens at its longest sequence, 128).
     assert [(p.micro_batch, p.seq_len, p.recompute) for p in hw.layer_probe] == \
-        [(1, 8, "none"), (1, 64, "none"), (4, 64, "none"), (1, 64, "full")]
+        [(1, 8, "none"), (1, 64, "none"), (4, 64, "none"), (16, 128, "none"), (1, 64, "full")]
     assert all(0 < p.forward_s < p.forward_backward_s for p in hw.layer_probe)
     assert hw.calibration["recompute_overhead_s"] >= 0
     assert set(hw.overlap_probe) == {"compute_s", "forward_s", "comm_s", "serial_s", "both_s", "efficiency"}
