@@ -153,9 +153,12 @@ def test_ctrl_c_leaves_no_worker_behind(tmp_path: Path) -> None:
     import subprocess
 
     before = set(_comm_workers())
+    # Ctrl-C as a terminal delivers it: with SIGINT's default action in the child. A test run started in the
+    # background of a non-interactive shell inherits SIGINT ignored, and Python then keeps ignoring it.
     proc = subprocess.Popen(["planner", "profile", "--quick", "--nproc", "2", "--sizes", "1m,16m,64m",
                              "--collectives", "all_reduce", "--out", str(tmp_path / "p.json"), "--format", "json"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 90
     while not set(_comm_workers()) - before and time.monotonic() < deadline:
         time.sleep(0.2)
