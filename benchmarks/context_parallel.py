@@ -150,26 +150,21 @@ def paired_ratio(a: list[list[float]], b: list[list[float]]) -> float:
 # --- the benchmark --------------------------------------------------------------------------------------
 def load_hardware(profile: str | None):
     """(Hardware, where it came from): --profile, or this machine's profile for WORLD processes measured
-    with MODEL itself (`planner profile --nproc 4 --model <MODEL's JSON>`, cached beside the default one
-    under the model's name and re-measured when stale, planner/machine.stale_reason): its layer probe runs
-    MODEL's own Block, and its attention sweep MODEL's head width, so neither is extrapolated from the tiny
-    model's (head width 8, a 64-wide layer whose GEMMs run 1.6x further from the GEMM sweep's prediction)."""
-    from planner.machine import cache_dir, cached_profile_path, stale_reason
-    from planner.profiling import measure_profile
-    from profilers.profile import ProfileOptions
+    with MODEL itself (planner/machine.local_profile with MODEL's JSON, cached in its own folder of the cache
+    and re-measured when stale): its layer probe runs MODEL's own Block, and its attention sweep MODEL's head
+    width, so neither is extrapolated from the tiny model's (head width 8, a 64-wide layer whose GEMMs run
+    1.6x further from the GEMM sweep's prediction)."""
+    from planner.machine import cache_dir, local_profile
     from specs.hardware import resolve_hardware
 
     if profile:
         return resolve_hardware(profile), profile
-    default = cached_profile_path(WORLD)
-    path = default.with_name(f"{default.stem}-{MODEL.name}.json")
-    if stale_reason(path, nproc=WORLD) is not None:
-        model_json = cache_dir() / f"model-{MODEL.name}.json"
-        model_json.parent.mkdir(parents=True, exist_ok=True)
-        model_json.write_text(json.dumps(MODEL.to_dict(), indent=1))
-        print(f"measuring this machine's profile for {WORLD} processes with {MODEL.name} -> {path}", flush=True)
-        measure_profile(ProfileOptions(nproc=WORLD, quick=True, model=str(model_json))).save(path)
-    return resolve_hardware(str(path)), str(path)
+    directory = cache_dir() / MODEL.name
+    directory.mkdir(parents=True, exist_ok=True)
+    model_json = directory / "model.json"
+    model_json.write_text(json.dumps(MODEL.to_dict(), indent=1))
+    path, _ = local_profile(WORLD, model=str(model_json), directory=str(directory))
+    return resolve_hardware(path), path
 
 
 def choose_seq(ladder: Sequence[int], *, hardware, budget_bytes: float, steps: int):
