@@ -8,11 +8,11 @@ one for 4 processes, measured with this model: `load_hardware`; or --profile).
 
 "Fits" (`longest_fitting`, `confirm_fit`): the sequence is the longest of the doubling ladder LADDER (--quick:
 QUICK_LADDER) at which dp4 with full recomputation keeps its peak memory per rank within the budget
-(--budget-mib, of the resident set per rank, VmHWM as `planner run` reports it): the longest the cost
+(--budget-mib, of the peak memory per rank as `planner run` reports it): the longest the cost
 model predicts to fit, confirmed by a run of it; where the run measures more than the budget, the next
 shorter one is tried.
 
-Measured, each in fresh processes for memory: peak resident set per rank (runners/activation.py probe;
+Measured, each in fresh processes for memory: peak memory per rank (runners/activation.py probe;
 the largest rank, from step 1 on) and the activation bytes one micro-batch's forward keeps for backward
 (saved-tensor hooks, each storage once, parameters left out) for cp1 (dp4), cp2 (dp2 x cp2) and cp4 without
 recomputation, which should fall as 1/cp. Step times: one set of processes holds every timed plan's
@@ -46,7 +46,8 @@ GLOBAL_BATCH = 4  # sequences per step
 # Capped at 4096: a dp4 step there takes ~5 s on a shared 2-core host, and the fit rule may probe it.
 LADDER = (512, 1024, 2048, 4096)
 QUICK_LADDER = (256, 512, 1024)
-BUDGET_MIB = 480
+# 480 MiB of resident set before peak memory left out the mapped library files (~80 MiB a rank here).
+BUDGET_MIB = 400
 MIB = 2**20
 # Four heads of 32 (no GQA, so all-to-all can split them over 4 ranks), 4 layers: attention's share of a
 # step grows with the sequence while a 2-core host still runs a step in a second or two.
@@ -235,7 +236,7 @@ def summarise(measured: dict, hardware, *, source: str) -> dict:
 def print_table(summary: dict) -> None:
     s = summary
     print(f"{s['model']}, {s['world']} gloo CPU processes, global batch {s['global_batch']} x {s['seq_len']} tokens; "
-          f"budget {s['budget_bytes'] / MIB:.0f} MiB per rank (peak resident set); profile {s['hardware']}")
+          f"budget {s['budget_bytes'] / MIB:.0f} MiB per rank (peak memory); profile {s['hardware']}")
     for row in s["fit_tried"]:
         print(f"  fit: dp4 full recompute at seq {row['seq_len']}: predicted {row['predicted_bytes'] / MIB:.1f} MiB, "
               f"measured {row['measured_bytes'] / MIB:.1f} MiB")
@@ -262,7 +263,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help=f"ladder {QUICK_LADDER}, 2 rounds x 2 steps")
     parser.add_argument("--repeats", type=int, default=None, help="timing rounds (default 3; --quick 2)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per plan per round (default 3; --quick 2)")
-    parser.add_argument("--budget-mib", type=float, default=BUDGET_MIB, help="peak resident set per rank")
+    parser.add_argument("--budget-mib", type=float, default=BUDGET_MIB, help="peak memory per rank")
     parser.add_argument("--profile", help="hardware profile JSON (default: this machine's for 4 processes, measured with the benchmark's model)")
     parser.add_argument("--json-out", help="also write the JSON line here")
     args = parser.parse_args()

@@ -14,8 +14,8 @@ machine whose load swings, that measures each engine's work (compute plus its ow
 steadily than wall time, though it does not see time spent blocked on a peer.
 
 Memory: each (plan, engine) runs again in fresh processes, so no earlier run's freed pages inflate the
-resident set. train() reports the peak resident set (VmHWM) of the worst rank from step 1 on; we subtract
-that rank's resident set just before the model was built (interpreter, torch, gloo), leaving what the
+resident set. train() reports the peak memory (resident set less mapped library files) of the worst rank
+from step 1 on; we subtract that rank's memory just before the model was built (interpreter, torch, gloo), leaving what the
 plan's state, activations and buffers cost — the quantity the cost model's peak_memory_bytes prices
 (hardware preset "cpu").
 """
@@ -77,23 +77,16 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def resident_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def _worker(rank: int, port: int, jobs: list[tuple[str, RunConfig]], queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)
     try:
-        from runners.train import train
+        from runners.train import memory_now_bytes, train
 
         dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=600))
         for label, cfg in jobs:
-            idle = torch.tensor([float(resident_bytes())], dtype=torch.float64)
+            idle = torch.tensor([float(memory_now_bytes(torch.device("cpu")))], dtype=torch.float64)
             marks: list[float] = []  # CPU time at the end of each step (on_step runs on every rank)
             metrics, trainer = train(cfg, device=torch.device("cpu"), on_step=lambda record: marks.append(cpu_seconds()))
             del trainer

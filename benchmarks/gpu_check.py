@@ -275,7 +275,7 @@ def judge_run(raw: dict) -> dict:
            "losses": [s["loss"] for s in metrics["steps"]]}
     if not predicted:
         return {**out, "ok": False, "why": "no prediction (the cost model could not price the plan)"}
-    # On a GPU the run reports max_memory_allocated (tensors only); on CPU the resident set, runtime included.
+    # On a GPU the run reports max_memory_allocated (tensors only); on CPU the anonymous memory, runtime included.
     gpu = summary.get("device", "cuda") == "cuda"
     reserve = predicted.get("breakdown", {}).get("framework_reserve_bytes", 0.0) if gpu else 0.0
     out.update(predicted_step_time_s=predicted["step_time_s"], predicted_tensor_bytes=predicted["peak_memory_bytes"] - reserve)

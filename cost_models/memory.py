@@ -35,9 +35,11 @@ GIB = 1024**3
 CUDA_CONTEXT_BYTES = 0.6 * GIB
 NCCL_BYTES_PER_COMMUNICATOR = 0.4 * GIB
 ALLOCATOR_FRAGMENTATION = 0.10
-# On CPU the device memory is the process's resident set, which starts with the Python + torch + gloo
-# runtime: 228 MiB measured for an idle torch 2.13 process with a gloo group (VmHWM).
-CPU_FRAMEWORK_RESERVE_BYTES = 228 * 1024**2
+# On CPU the device memory is the process's anonymous memory (the resident set less its mapped library
+# files, runners/train.peak_memory_bytes), which starts with the Python + torch + gloo runtime: 146 MiB
+# (RssAnon) for an idle torch 2.13 process that imported the runner and joined a 2-rank gloo group, in a
+# fresh venv and an older one alike (their resident sets: 284 and 225 MiB, the difference file pages).
+CPU_FRAMEWORK_RESERVE_BYTES = 146 * 1024**2
 
 
 def gpu_runtime_bytes(*, num_communicators: int, transient_bytes: float) -> float:

@@ -14,7 +14,7 @@ Free parameters (calibration keys, documented in cost_models/estimate.py):
   step_overhead_s        seconds per optimizer step outside any op
   comm_overlap_efficiency  fraction of the DP/ZeRO communication the separate stream hides (1 on GPUs)
   recompute_overhead_s   seconds per checkpointed region and micro-batch (torch.utils.checkpoint's own cost)
-  framework_reserve_bytes  memory no tensor accounts for (the runtime's resident set on CPU)
+  framework_reserve_bytes  memory no tensor accounts for (the runtime's anonymous memory on CPU)
 
 The step-time parameters minimise the sum of squared relative errors (predicted - measured) / measured
 over the fitted plans (relative, so a 30 ms plan counts as much as a 300 ms one: what MAPE measures).

@@ -35,8 +35,8 @@ class MemoryProbe:
     """One run's memory per rank (each figure the largest over ranks)."""
 
     saved_activation_bytes: int  # bytes one micro-batch's forward keeps for backward
-    peak_resident_bytes: int  # VmHWM (CPU) or max_memory_allocated (CUDA) from step 1 on
-    idle_resident_bytes: int  # the process before the run's trainer was built
+    peak_resident_bytes: int  # runners.train.peak_memory_bytes from step 1 on
+    idle_resident_bytes: int  # runners.train.memory_now_bytes before the run's trainer was built
     # Seconds per step a rank spent blocked on communication (runners/comm.py), mean over ranks and steps
     # after the first: the ring's messages where they did not hide behind the partial attention.
     comm_wait_s: float = 0.0
@@ -82,23 +82,14 @@ class SavedBytes:
             handle.remove()
 
 
-def resident_bytes(device: torch.device) -> int:
-    """Memory in use now: the resident set on CPU, the allocated bytes on CUDA."""
-    from runners.train import proc_status_bytes
-
-    if device.type == "cuda":
-        return int(torch.cuda.memory_allocated(device))
-    return proc_status_bytes("VmRSS")
-
-
 def probe(cfg, *, device: torch.device) -> MemoryProbe:
     """Train `cfg` (a RunConfig of one pipeline stage) and count one more step's saved activations."""
     from runners.data import make_data
-    from runners.train import timed_step, train
+    from runners.train import memory_now_bytes, timed_step, train
 
     if cfg.plan.pp != 1:
         raise ValueError(f"the activation probe counts one chunk's forward per micro-batch: pp must be 1, got {cfg.plan.pp}")
-    idle = resident_bytes(device)
+    idle = memory_now_bytes(device)
     metrics, trainer = train(cfg, device=device)
     counter = SavedBytes(trainer.chunks[0])
     data = make_data(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.job.seq_len, seed=cfg.seed)

@@ -129,7 +129,7 @@ class RunSummary:
 
     median_step_time_s: float
     tokens_per_s: float
-    peak_memory_bytes: int  # the largest rank's: torch.cuda.max_memory_allocated, or the resident set on CPU
+    peak_memory_bytes: int  # the largest rank's: torch.cuda.max_memory_allocated, or on CPU the anonymous peak (runners/train.py)
     # Bytes per step summed over all ranks by kind and link class (runners/comm.py), and seconds per step
     # a rank spent blocked on communication.
     comm_bytes: dict[str, int]
