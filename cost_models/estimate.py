@@ -416,13 +416,7 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
     # how the model balances its router (cost_models/moe.py)
     imbalance = hw.calibration.get("moe_imbalance", moe_cost.expected_imbalance(model, tokens=tokens, ep=plan.ep))
     eng = engine_model(engine)
-    times = moe_cost.moe_compute_times(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp, tp=plan.tp,
-                                       imbalance=imbalance, dtype="bf16" if job.precision == "fp8" else job.precision,
-                                       accumulate_fp32=eng.main_grads_fp32, expert_streams=eng.expert_gemm_streams)
-    elementwise = moe_cost.permutation_times_s(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp, imbalance=imbalance,
-                                               precision=job.precision, dispatcher=eng.moe_dispatcher)
-    times = moe_cost.MoETimes(forward_s=times.forward_s + elementwise.forward_s,
-                              backward_s=times.backward_s + elementwise.backward_s)
+    times = _moe_mlp_times(model, hw, plan=plan, precision=job.precision, eng=eng, tokens=tokens, imbalance=imbalance)
     buffer = tokens * model.num_experts_per_token * model.hidden_size * p
     a2a_s = moe_cost.all_to_all_time_s(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp,
                                        ranks_per_node=cluster.devices_per_node, precision=job.precision,
@@ -455,6 +449,22 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
 
     return dataclasses.replace(dense, state_bytes=state, **{name: mix(name) for name in (
         "time_s", "activation_bytes", "forward_time_s", "tp_comm_s", "cp_comm_s", "recompute_time_s")})
+
+
+def _moe_mlp_times(model, hw, *, plan, precision: str, eng, tokens: int, imbalance: float) -> moe_cost.MoETimes:
+    """Forward and backward seconds of one MoE layer's MLP compute on one rank: router and expert GEMMs,
+    the dispatcher's permutations, and under fp8 each expert's operand casts (the experts' GEMMs run in fp8:
+    Transformer Engine's GroupedLinear under fp8_autocast; moe_cost.fp8_quantize_times_s)."""
+    gemms = moe_cost.moe_compute_times(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp, tp=plan.tp,
+                                       imbalance=imbalance, dtype=precision, accumulate_fp32=eng.main_grads_fp32,
+                                       expert_streams=eng.expert_gemm_streams)
+    parts = [gemms, moe_cost.permutation_times_s(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp,
+                                                 imbalance=imbalance, precision=precision,
+                                                 dispatcher=eng.moe_dispatcher)]
+    if precision == "fp8":
+        parts.append(moe_cost.fp8_quantize_times_s(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp,
+                                                   imbalance=imbalance))
+    return moe_cost.MoETimes(forward_s=sum(t.forward_s for t in parts), backward_s=sum(t.backward_s for t in parts))
 
 
 def _without_mlp_tp_comm(attn: LayerCosts) -> LayerCosts:

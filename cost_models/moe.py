@@ -280,6 +280,38 @@ def permutation_times_s(model: ModelSpec, hw: Hardware, *, tokens: int, ep: int,
     return MoETimes(forward_s=forward, backward_s=2 * forward)
 
 
+# Transformer Engine's fp8 current scaling quantises a tensor in three kernels (transformer_engine/pytorch/
+# csrc/quantizer.cpp, Float8CurrentScalingQuantizer::quantize_impl): its amax (nvte_compute_amax: the bf16
+# tensor read, 2 bytes an element), the scale from it (one tiny kernel), and the cast (nvte_quantize_v2: the
+# tensor read again, written as fp8 row-wise and, for the other GEMM of the pair, column-wise: Hopper's fp8
+# GEMMs take only the TN layout, so the transpose is a second 1-byte copy).
+FP8_AMAX_BYTES = 2
+FP8_CAST_BYTES = 2 + 1 + 1
+
+
+def fp8_quantize_times_s(model: ModelSpec, hw: Hardware, *, tokens: int, ep: int, etp: int = 1,
+                         imbalance: float = 1.0) -> MoETimes:
+    """Forward and backward seconds of the fp8 casts of one MoE layer's expert GEMM operands on one rank.
+
+    Transformer Engine's GroupedLinear (Megatron-Core's TEGroupedMLP) splits its input by expert and
+    quantises each expert's part on its own under current scaling (tex.split_quantize; csrc/extensions/
+    cast.cpp multi_tensor_quantize_impl fuses the experts only for delayed scaling): per local expert, the
+    fc1 input (rows x h) and fc2 input (rows x F) forward, the fc2 and fc1 output gradients (rows x h,
+    rows x 2F of the gated fc1) backward, each at FP8_AMAX_BYTES + FP8_CAST_BYTES an element in three
+    kernels. The weights' casts are cached across a step's micro-batches (Megatron passes
+    is_first_microbatch) and not priced here."""
+    rows = rows_per_expert(model, tokens=tokens, ep=ep, etp=etp, imbalance=imbalance)
+    h, f = model.hidden_size, model.expert_ffn_hidden_size / etp
+
+    def cast_s(width: float) -> float:
+        elements = rows * width
+        return (memory_time_s(hw, FP8_AMAX_BYTES * elements) + memory_time_s(hw, 0.0)
+                + memory_time_s(hw, FP8_CAST_BYTES * elements))
+
+    local = model.num_experts // ep
+    return MoETimes(forward_s=local * (cast_s(h) + cast_s(f)), backward_s=local * (cast_s(h) + cast_s(2 * f)))
+
+
 def all_to_alls_per_layer(policy: str) -> int:
     """All-to-alls of one MoE layer per micro-batch: dispatch and combine forward and backward, and the
     forward pair again under full recomputation."""

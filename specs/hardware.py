@@ -332,9 +332,12 @@ def _with_flash1(kernels: dict[str, float], *, fwd_bwd_efficiency: float) -> dic
 #   backward": the CUDA FlashAttention bars carry the head-dim dependence.)
 _AMPERE = {**_with_flash1({"flash2_forward": 0.62, "flash2_backward": 0.50}, fwd_bwd_efficiency=0.261),
            "head_dim_64_flash1": 97 / 83, "head_dim_64_flash2": 171 / 189}
+# - The Hopper fused kernel (flash3: cuDNN's, which Transformer Engine runs on Hopper, and the only fused one it
+#   runs for attention sinks) at head dim 64: FlashAttention-3 paper (Shah et al. 2024, arXiv 2407.08608), Fig. 5,
+#   forward FP16, causal, 16k: cuDNN 388 TFLOP/s at head dim 64 against 539 at 128 (FlashAttention-3 473 and 616).
 _HOPPER = {**_with_flash1({"flash2_forward": 0.35, "flash2_backward": 0.30, "flash3_forward": 0.62,
                            "flash3_backward": 0.47}, fwd_bwd_efficiency=0.139),
-           "head_dim_64_flash1": 156 / 137, "head_dim_64_flash2": 284 / 328}
+           "head_dim_64_flash1": 156 / 137, "head_dim_64_flash2": 284 / 328, "head_dim_64_flash3": 388 / 539}
 
 
 PRESETS: dict[str, Hardware] = {

@@ -212,12 +212,27 @@ def test_flash_rate_follows_the_measured_head_dim_ratio():
     assert flash_head_dim_scale(hw, kernel="flash2", head_dim=32) == pytest.approx(171 / 189)
     assert flash_head_dim_scale(hw, kernel="flash1", head_dim=96) == pytest.approx(1 + (97 / 83 - 1) / 2)
     assert flash_head_dim_scale(hw, kernel="flash1", head_dim=256) == 1.0
-    assert flash_head_dim_scale(HW["h100"], kernel="flash3", head_dim=64) == 1.0  # not measured: unscaled
     # The same FLOPs (heads x head dim fixed) in heads of 64 run 97/83 as fast as in heads of 128.
     kwargs = dict(kernel="flash1", micro_batch=4, seq_len=8192)
     narrow = flash_attention_times_s(hw, num_heads=32, head_dim=64, **kwargs)
     wide = flash_attention_times_s(hw, num_heads=16, head_dim=128, **kwargs)
     assert wide[0] / narrow[0] == pytest.approx(97 / 83) and wide[1] / narrow[1] == pytest.approx(97 / 83)
+
+
+def test_hopper_fused_attention_runs_head_dim_64_at_cudnns_measured_ratio():
+    """FlashAttention-3 paper (arXiv 2407.08608) Fig. 5, forward, causal, 16k keys on H100: cuDNN 388 TFLOP/s at
+    head dim 64 against 539 at 128. GPT-OSS's 64 heads of 64 on one H100, 4096 keys, micro-batch 1: causal FLOPs
+    4 x 4096^2 x 64 x 64 / 2 = 137.4 GFLOP, at 989 TFLOP/s x 0.62 x 4096 / (4096 + 384) x 388 / 539:
+    137.44e9 / (989e12 x 0.62 x 0.91429 x 0.71985) = 0.3406 ms forward; backward 2.5 x at 0.47: 1.1231 ms."""
+    from cost_models.compute import flash_attention_times_s, flash_head_dim_scale
+
+    hw = HW["h100"]
+    assert flash_head_dim_scale(hw, kernel="flash3", head_dim=64) == pytest.approx(388 / 539)
+    assert flash_head_dim_scale(hw, kernel="flash3", head_dim=128) == 1.0
+    forward, backward = flash_attention_times_s(hw, kernel="flash3", micro_batch=1, seq_len=4096, num_heads=64,
+                                                head_dim=64)
+    assert forward == pytest.approx(0.34056e-3, rel=1e-4)
+    assert backward == pytest.approx(1.12313e-3, rel=1e-4)
 
 
 @pytest.mark.parametrize("name, measured_tflops", [("a100", 81.5), ("h100", 137.0)])

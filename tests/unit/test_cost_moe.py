@@ -403,3 +403,38 @@ def test_a_shared_expert_keeps_the_mlp_tp_collectives():
     single = layer_costs(plan, model=attention_view(dataclasses.replace(PRESETS["qwen3-30b-a3b"],
                                                                         load_balancing="forced"), tp=2), **kw)
     assert dropped == pytest.approx(single.tp_comm_s["none"] / 2, rel=1e-6)
+
+
+def test_fp8_expert_casts_by_hand():
+    """Transformer Engine's current scaling casts each expert's operands on its own: amax (2 bytes read), scale
+    (a tiny kernel: the 5 us floor) and cast + transpose (2 read, 1 + 1 written), each kernel floored at 5 us.
+    Qwen3-30B-A3B at ep 16, 4096 tokens: 8 local experts of 16 x 4096 x 8 / 128 = 4096 rows; H100 at 0.8 x
+    3.35 TB/s = 2.68 TB/s. Width 2048: 16.78 MB / 2.68e12 = 6.260 us + 5 us + 33.55 MB -> 12.520 us = 23.780 us;
+    width 768: 6.29 and 12.58 MB both under the floor, 15 us; width 1536: 5 + 5 + 25.17 MB -> 9.390 us = 19.390 us.
+    Forward (fc1 input 2048, fc2 input 768): 8 x 38.780 = 310.24 us; backward (fc2 output gradient 2048, fc1's
+    gated 1536): 8 x 43.171 = 345.37 us."""
+    from cost_models.moe import fp8_quantize_times_s
+
+    times = fp8_quantize_times_s(PRESETS["qwen3-30b-a3b"], HARDWARE_PRESETS["h100"], tokens=4096, ep=16)
+    assert times.forward_s == pytest.approx(310.2437e-6, rel=1e-6)
+    assert times.backward_s == pytest.approx(345.3656e-6, rel=1e-6)
+
+
+def test_fp8_experts_run_fp8_gemms_and_their_casts():
+    """Under fp8 the MoE MLP is the experts' fp8 GEMMs, the permutations and the casts, not bf16 GEMMs."""
+    from cost_models.engines import ENGINES
+    from cost_models.estimate import _moe_mlp_times
+    from cost_models.moe import fp8_quantize_times_s, permutation_times_s
+    from specs.plan import Plan
+
+    model, hw, eng = PRESETS["qwen3-30b-a3b"], HARDWARE_PRESETS["h100"], ENGINES["megatron"]
+    plan = Plan(dp=16, ep=16, micro_batch=1, num_micro_batches=1)
+    kw = dict(tokens=4096, ep=16, imbalance=1.0)
+    got = _moe_mlp_times(model, hw, plan=plan, precision="fp8", eng=eng, tokens=4096, imbalance=1.0)
+    gemms = moe_compute_times(model, hw, dtype="fp8", accumulate_fp32=True, expert_streams=4, **kw)
+    perm = permutation_times_s(model, hw, precision="fp8", dispatcher="alltoall", **kw)
+    casts = fp8_quantize_times_s(model, hw, **kw)
+    assert got.forward_s == pytest.approx(gemms.forward_s + perm.forward_s + casts.forward_s)
+    assert got.backward_s == pytest.approx(gemms.backward_s + perm.backward_s + casts.backward_s)
+    bf16 = moe_compute_times(model, hw, dtype="bf16", accumulate_fp32=True, expert_streams=4, **kw)
+    assert gemms.forward_s < 0.7 * bf16.forward_s  # the fp8 tensor cores' rate, not bf16's
