@@ -107,6 +107,25 @@ ADAM_OPS_PER_UNIT = 10
 BACKWARD_OPS_PER_FORWARD_OP = 2
 
 
+# Sequential exchanges of one call of each collective as gloo runs it (CPU): allreduce is its ring
+# (gloo/allreduce.cc `ring`: a reduce-scatter then an allgather, each n - 1 steps); allgather a ring of
+# n - 1 steps; reduce-scatter is an allreduce of the whole input (torch's ProcessGroupGloo::
+# reduce_scatter_tensor_coalesced clones it, all-reduces it and keeps its chunk); alltoall and broadcast
+# post every message at once; a send or a receive is one.
+GLOO_SYNC_ROUNDS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
+                    "reduce_scatter": lambda n: 2 * (n - 1), "all_to_all": lambda n: 1, "broadcast": lambda n: 1,
+                    "p2p": lambda n: 1}
+
+
+def sync_rounds(collective: str, *, group_size: int, device_type: str) -> float:
+    """The rounds of one call in which a rank waits for a partner process to be scheduled and answer:
+    on CPU the exchanges of gloo's algorithm (GLOO_SYNC_ROUNDS); on GPUs log2(group size), the rounds of
+    recursive doubling (Thakur et al. 2005)."""
+    if device_type == "cpu":
+        return GLOO_SYNC_ROUNDS[collective](group_size)
+    return math.log2(2 if collective == "p2p" else group_size)
+
+
 def collective_time_s(cluster, *, collective: str, size_bytes: float, group_size: int, stride: int) -> float:
     """cost_models.comm.collective_time_s plus the calibrated per-call overhead for a call that moves data:
     collective_overhead_s x log2(group size), the rounds in which recursive doubling synchronises the
@@ -121,8 +140,8 @@ def collective_time_s(cluster, *, collective: str, size_bytes: float, group_size
     time_s = _collective_time_s(cluster, collective=collective, size_bytes=size_bytes, group_size=group_size,
                                 stride=stride)
     if time_s > 0:
-        n = 2 if collective == "p2p" else group_size
-        time_s += cluster.hardware.calibration.get("collective_overhead_s", 0.0) * math.log2(n)
+        time_s += cluster.hardware.calibration.get("collective_overhead_s", 0.0) * sync_rounds(
+            collective, group_size=group_size, device_type=cluster.hardware.device_type)
     else:
         time_s = 0.0
     if memo is not None:

@@ -166,7 +166,16 @@ def _starting_points(base: Hardware, parameters: tuple[str, ...], units: np.ndar
                         for p, unit in zip(parameters, units)])
     current = np.maximum(current, LOG_FLOOR)
     overhead = np.array([p.endswith("_overhead_s") for p in parameters])
-    return [current, current + math.log(10) * overhead, current - math.log(10) * overhead]
+    starts = [current, current + math.log(10) * overhead, current - math.log(10) * overhead]
+    if "comm_overlap_efficiency" in parameters:
+        # And each from the middle of the share's range: from a start near 0, LM can climb to the clamp at 1
+        # and stay there (seen on synthetic ZeRO-3 twins once gloo's rounds set the collective overheads).
+        j = parameters.index("comm_overlap_efficiency")
+        middle = [s.copy() for s in starts]
+        for s in middle:
+            s[j] = math.log(0.5 / units[j])
+        starts += middle
+    return starts
 
 
 def _levenberg_marquardt(residuals, u0: np.ndarray, *, max_iterations: int) -> tuple[np.ndarray, np.ndarray]:

@@ -67,7 +67,8 @@ def test_fit_recovers_every_parameter_from_exact_measurements():
     calibration, rms = fit_time_parameters(rows, _problem(), parameters=parameters)
     assert rms < 1e-6
     for name in parameters:
-        assert calibration[name] == pytest.approx(TRUE_ALL[name], rel=1e-4), name
+        # The weakest direction stops within 1e-3 when the squared error stops improving (LM's criterion).
+        assert calibration[name] == pytest.approx(TRUE_ALL[name], rel=1e-3), name
 
 
 def test_uncalibrated_model_is_far_off_and_calibration_fixes_held_out_plans():
@@ -135,9 +136,30 @@ def test_collective_overhead_is_paid_per_call():
     t0 = estimate(plan, model=base.model, cluster=base.cluster, job=base.job)
     t1 = estimate(plan, model=base.model, cluster=slow.cluster, job=base.job)
     # Per layer and micro-batch: 2 all-reduces forward, 2 backward (Megatron); the embedding's all-reduce
-    # and the head's input all-reduce once each per micro-batch; no DP. Each pays log2(4) = 2 rounds.
+    # and the head's input all-reduce once each per micro-batch; no DP. Each pays gloo's ring: 2 x (4 - 1)
+    # rounds.
     calls = 16 * (8 * 4 + 2)
-    assert t1.breakdown["tp_comm_s"] - t0.breakdown["tp_comm_s"] == pytest.approx(c * calls * 2, rel=1e-9)
+    assert t1.breakdown["tp_comm_s"] - t0.breakdown["tp_comm_s"] == pytest.approx(c * calls * 6, rel=1e-9)
+
+
+def test_collective_overhead_counts_gloo_rounds_on_cpu_and_doubling_rounds_on_gpus():
+    from cost_models.estimate import collective_time_s
+    from specs.cluster import make_cluster
+
+    c = 1e-3
+    from specs.hardware import resolve_hardware
+
+    for preset, rounds in (("cpu", {"all_reduce": 6, "reduce_scatter": 6, "all_gather": 3, "all_to_all": 1,
+                                    "broadcast": 1, "p2p": 1}),
+                           ("h100", {"all_reduce": 2, "reduce_scatter": 2, "all_gather": 2, "all_to_all": 2,
+                                     "broadcast": 2, "p2p": 1})):
+        plain = make_cluster(hardware=resolve_hardware(preset), num_devices=4, devices_per_node=4)
+        hw = with_calibration(plain.hardware, {"collective_overhead_s": c})
+        slow = make_cluster(hardware=hw, num_devices=4, devices_per_node=4)
+        for collective, expected in rounds.items():
+            kw = dict(collective=collective, size_bytes=65536.0, group_size=4, stride=1)
+            extra = collective_time_s(slow, **kw) - collective_time_s(plain, **kw)
+            assert extra == pytest.approx(c * expected, rel=1e-9), (preset, collective)
 
 
 def test_comm_overlap_efficiency_exposes_hidden_zero_gathers():
