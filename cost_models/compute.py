@@ -204,14 +204,35 @@ def gemm_efficiency(hw: Hardware, *, m: int, n: int, k: int, dtype: str, batch: 
     analytic = _analytic_efficiency(hw, m, n, k, batch)
     if dtype == "fp8" and hw.has_kernel("fp8_gemm"):
         return analytic * hw.kernel_efficiency["fp8_gemm"] / hw.gemm_max_efficiency
-    points = [p for p in hw.gemm_points if p.dtype == dtype]
-    if not points:
+    nearest = _nearest_point(hw.gemm_points, dtype=dtype, m=m, n=n, k=k)
+    if nearest is None:
         return analytic
-    lm, ln, lk = math.log2(m), math.log2(n), math.log2(k)
-    nearest = min(points, key=lambda p: (math.log2(p.m) - lm) ** 2 + (math.log2(p.n) - ln) ** 2
-                  + (math.log2(p.k) - lk) ** 2)
     measured = nearest.flops_per_s / hw.peak_flops(dtype)
     return min(1.0, measured * analytic / _analytic_efficiency(hw, nearest.m, nearest.n, nearest.k))
+
+
+# (id of a profile's gemm_points, dtype, m, n, k) -> (those points, the nearest one): a calibration prices
+# the same shapes thousands of times with only its parameters changed, and this search was half of a fit's
+# time. Each entry holds its points, so the id cannot be reused while the entry lives.
+_NEAREST_POINTS: dict[tuple, tuple] = {}
+
+
+def _nearest_point(points: tuple, *, dtype: str, m: int, n: int, k: int):
+    """The measured GEMM of `dtype` nearest (m, n, k) in log space, or None."""
+    key = (id(points), dtype, m, n, k)
+    hit = _NEAREST_POINTS.get(key)
+    if hit is not None and hit[0] is points:
+        return hit[1]
+    mine = [p for p in points if p.dtype == dtype]
+    nearest = None
+    if mine:
+        lm, ln, lk = math.log2(m), math.log2(n), math.log2(k)
+        nearest = min(mine, key=lambda p: (math.log2(p.m) - lm) ** 2 + (math.log2(p.n) - ln) ** 2
+                      + (math.log2(p.k) - lk) ** 2)
+    if len(_NEAREST_POINTS) > 1 << 16:
+        _NEAREST_POINTS.clear()
+    _NEAREST_POINTS[key] = (points, nearest)
+    return nearest
 
 
 # Bytes an element of a GEMM operand takes in HBM, by the GEMM's dtype.

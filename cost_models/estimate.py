@@ -18,14 +18,14 @@ default 0.8), comm_time_scale (multiplies every collective and transfer time, de
 framework_reserve_bytes (memory no tensor accounts for: 2 GiB per GPU for the CUDA context and
 workspaces; on CPU the runtime's resident set, 228 MiB). Note that the runner measures
 torch.cuda.max_memory_allocated on GPUs (tensors only: subtract the reserve to compare) and the
-resident set on CPU (runtime included).
+anonymous peak on CPU (the resident set less mapped library files, runtime included).
 
 CPU-side costs the datasheet model leaves out, also calibration keys (default 0; `planner calibrate`
 fits them to measured runs, see planner/calibrate.py): op_overhead_s (seconds every op our eager engine
 launches pays in Python dispatch and allocation, on top of its kernel time; counted per layer, embedding,
 head and optimizer unit by `num_ops`), collective_overhead_s (seconds every collective call pays on top
-of its latency-bandwidth time per log2 of its group size: gloo's per-call synchronisation under a busy
-host), comm_overlap_efficiency (the fraction of per-micro-batch DP/ZeRO communication the separate
+of its latency-bandwidth time per exchange of its algorithm, `sync_rounds`: gloo's synchronisation with a
+partner process under a busy host), comm_overlap_efficiency (the fraction of per-micro-batch DP/ZeRO communication the separate
 stream hides, default 1; see `_overlap`), recompute_overhead_s (seconds per checkpointed region and
 micro-batch, see `layer_costs`) and step_overhead_s (seconds per
 optimizer step outside any op: the step loop's bookkeeping). On small models on CPUs these dominate the
@@ -128,8 +128,8 @@ def sync_rounds(collective: str, *, group_size: int, device_type: str) -> float:
 
 def collective_time_s(cluster, *, collective: str, size_bytes: float, group_size: int, stride: int) -> float:
     """cost_models.comm.collective_time_s plus the calibrated per-call overhead for a call that moves data:
-    collective_overhead_s x log2(group size), the rounds in which recursive doubling synchronises the
-    group (Thakur et al. 2005), each waiting for a partner process to be scheduled and answer.
+    collective_overhead_s x `sync_rounds`, the exchanges in which a rank waits for a partner process to
+    be scheduled and answer.
 
     Memoised on the cluster (`Cluster.collective_memo`): a search prices the same few collectives for
     thousands of plans."""

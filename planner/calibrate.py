@@ -147,11 +147,14 @@ def fit_parameters(predict, measured: np.ndarray, base: Hardware, *, parameters:
         return (predict(with_calibration(base, calibration_of(u))) - measured) / measured
 
     starts = _starting_points(base, parameters, units)
-    best_u, best_r = None, None
-    for u0 in starts:
-        u, r = _levenberg_marquardt(residuals, u0, max_iterations=max_iterations)
+    best_u, best_r, restarted = None, None, False
+    while starts:
+        u, r = _levenberg_marquardt(residuals, starts.pop(0), max_iterations=max_iterations)
         if best_r is None or float(r @ r) < float(best_r @ best_r):
             best_u, best_r = u, r
+        if not starts and not restarted:
+            restarted, restart = True, _overlap_from_the_middle(best_u, parameters, units, calibration_of(best_u))
+            starts = [] if restart is None else [restart]
     assert best_u is not None and best_r is not None
     return calibration_of(best_u), float(np.sqrt(np.mean(best_r**2)))
 
@@ -166,16 +169,21 @@ def _starting_points(base: Hardware, parameters: tuple[str, ...], units: np.ndar
                         for p, unit in zip(parameters, units)])
     current = np.maximum(current, LOG_FLOOR)
     overhead = np.array([p.endswith("_overhead_s") for p in parameters])
-    starts = [current, current + math.log(10) * overhead, current - math.log(10) * overhead]
-    if "comm_overlap_efficiency" in parameters:
-        # And each from the middle of the share's range: from a start near 0, LM can climb to the clamp at 1
-        # and stay there (seen on synthetic ZeRO-3 twins once gloo's rounds set the collective overheads).
-        j = parameters.index("comm_overlap_efficiency")
-        middle = [s.copy() for s in starts]
-        for s in middle:
-            s[j] = math.log(0.5 / units[j])
-        starts += middle
-    return starts
+    return [current, current + math.log(10) * overhead, current - math.log(10) * overhead]
+
+
+def _overlap_from_the_middle(u: np.ndarray, parameters: tuple[str, ...], units: np.ndarray,
+                             calibration: dict[str, float]) -> np.ndarray | None:
+    """`u` with the overlap share restarted at the middle of its range when the fit left it at either end,
+    else None: from a start near 0, LM can climb to the clamp at 1 and stay there (seen on synthetic ZeRO-3
+    twins once gloo's rounds set the collective overheads). Tried only then: every start costs a fit."""
+    share = calibration.get("comm_overlap_efficiency")
+    if share is None or 0.01 < share < 0.99:
+        return None
+    j = parameters.index("comm_overlap_efficiency")
+    restart = u.copy()
+    restart[j] = math.log(0.5 / units[j])
+    return restart
 
 
 def _levenberg_marquardt(residuals, u0: np.ndarray, *, max_iterations: int) -> tuple[np.ndarray, np.ndarray]:
