@@ -16,7 +16,7 @@ optional): compute_time_scale (multiplies every GEMM and elementwise time, defau
 memory_bandwidth_efficiency (fraction of the HBM datasheet bandwidth elementwise kernels reach,
 default 0.8), comm_time_scale (multiplies every collective and transfer time, default 1),
 framework_reserve_bytes (memory no tensor accounts for: 2 GiB per GPU for the CUDA context and
-workspaces; on CPU the runtime's resident set, 228 MiB). Note that the runner measures
+workspaces; on CPU the runtime's anonymous memory, 146 MiB). Note that the runner measures
 torch.cuda.max_memory_allocated on GPUs (tensors only: subtract the reserve to compare) and the
 anonymous peak on CPU (the resident set less mapped library files, runtime included).
 
@@ -25,8 +25,8 @@ fits them to measured runs, see planner/calibrate.py): op_overhead_s (seconds ev
 launches pays in Python dispatch and allocation, on top of its kernel time; counted per layer, embedding,
 head and optimizer unit by `num_ops`), collective_overhead_s (seconds every collective call pays on top
 of its latency-bandwidth time per exchange of its algorithm, `sync_rounds`: gloo's synchronisation with a
-partner process under a busy host), comm_overlap_efficiency (the fraction of per-micro-batch DP/ZeRO communication the separate
-stream hides, default 1; see `_overlap`), recompute_overhead_s (seconds per checkpointed region and
+partner process under a busy host), comm_overlap_efficiency (the fraction of per-micro-batch DP/ZeRO
+communication the separate stream hides, default 1; see `_overlap`), recompute_overhead_s (seconds per checkpointed region and
 micro-batch, see `layer_costs`) and step_overhead_s (seconds per
 optimizer step outside any op: the step loop's bookkeeping). On small models on CPUs these dominate the
 step; on GPUs they are hidden behind the kernel queue and stay 0.

@@ -146,15 +146,19 @@ def fit_parameters(predict, measured: np.ndarray, base: Hardware, *, parameters:
     def residuals(u: np.ndarray) -> np.ndarray:
         return (predict(with_calibration(base, calibration_of(u))) - measured) / measured
 
-    starts = _starting_points(base, parameters, units)
-    best_u, best_r, restarted = None, None, False
-    while starts:
-        u, r = _levenberg_marquardt(residuals, starts.pop(0), max_iterations=max_iterations)
+    best_u, best_r = None, None
+
+    def fit_from(u0: np.ndarray) -> None:
+        nonlocal best_u, best_r
+        u, r = _levenberg_marquardt(residuals, u0, max_iterations=max_iterations)
         if best_r is None or float(r @ r) < float(best_r @ best_r):
             best_u, best_r = u, r
-        if not starts and not restarted:
-            restarted, restart = True, _overlap_from_the_middle(best_u, parameters, units, calibration_of(best_u))
-            starts = [] if restart is None else [restart]
+
+    for u0 in _starting_points(base, parameters, units):
+        fit_from(u0)
+    restart = _overlap_from_the_middle(best_u, parameters, units, calibration_of(best_u))
+    if restart is not None:
+        fit_from(restart)
     assert best_u is not None and best_r is not None
     return calibration_of(best_u), float(np.sqrt(np.mean(best_r**2)))
 
