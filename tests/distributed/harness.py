@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from specs.job import Job
 from specs.model import PRESETS
@@ -86,7 +86,9 @@ def run_plans(cfgs: list[RunConfig]) -> list[tuple[dict, dict[str, torch.Tensor]
     full parameters of each."""
     world = cfgs[0].plan.world_size
     assert all(c.plan.world_size == world for c in cfgs)
-    ctx = mp.get_context("spawn")
+    from tests.distributed.spawn import context
+
+    ctx = context()
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, cfgs, queue)) for r in range(world)]
@@ -141,12 +143,30 @@ def parameter_errors(cfg: RunConfig, params: dict[str, torch.Tensor], ref_params
             for name, ref in ref_params.items() if not name.endswith(ROUNDING_ONLY_SUFFIXES)}
 
 
+_REFERENCES: dict[str, tuple[list[float], dict[str, torch.Tensor]]] = {}
+# RunConfig fields the one-process reference does not read (runners/reference.py): runs that differ only in
+# these and in the plan's parallel layout share one reference.
+_NOT_IN_REFERENCE = ("engine", "ranks_per_node", "timeout_s")
+
+
+def reference_of(cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """runners.reference.train_reference(cfg), trained once per distinct reference in this test process:
+    the reference reads the model, job, data, seed, steps, learning rate and the plan's recomputation, not
+    its degrees, so the same seed and model under many plans is one reference (about a second each here)."""
+    from runners.reference import train_reference
+
+    data = {k: v for k, v in cfg.to_dict().items() if k not in _NOT_IN_REFERENCE}
+    data["plan"] = {"recompute": cfg.plan.recompute, "recompute_layers": cfg.plan.recompute_layers}
+    key = json.dumps(data, sort_keys=True, default=str)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = train_reference(cfg)
+    return _REFERENCES[key]
+
+
 def check_against_reference(cfg: RunConfig, metrics, params: dict[str, torch.Tensor]) -> None:
     """Losses within LOSS_TOL and every parameter tensor within PARAM_TOL (relative to how far it moved)
     of the one-process reference."""
-    from runners.reference import train_reference
-
-    ref_losses, ref_params = train_reference(cfg)
+    ref_losses, ref_params = reference_of(cfg)
     losses = metrics.losses
     assert len(losses) == len(ref_losses) == cfg.steps
     worst = max(abs(a - b) for a, b in zip(losses, ref_losses))

@@ -257,12 +257,11 @@ def test_a_write_killed_before_its_rename_leaves_the_previous_checkpoint_newest(
     """Atomic writes: data goes into step-N.tmp (files fsynced), and only a finished write is renamed to
     step-N and named by `latest`. A write that dies in between leaves the previous complete checkpoint as
     the newest; the resume removes the half-written folder and continues exactly."""
-    import torch.multiprocessing as mp
-
     from tests.distributed.harness import free_port
+    from tests.distributed.spawn import context
 
     root = str(tmp_path / "ckpt")
-    ctx = mp.get_context("spawn")
+    ctx = context()
     queue = ctx.Queue()
     proc = ctx.Process(target=_killed_mid_write_worker, args=(root, free_port(), queue))
     proc.start()
