@@ -62,15 +62,17 @@ class Sizes:
     exact_steps: int
     gemm_dim: int
     profile_quick: bool
+    probe_seconds: float | None  # the profile's layer probe per point (None: its default)
     validate_plans: int
     budget_s: float  # skip the remaining steps once this much time has gone
     step_timeout_s: float  # any one step
 
 
 GPU = Sizes(model="llama3.2-1b", seq_len=2048, global_batch=8, micro_batch=4, steps=6, exact_seq_len=64,
-            exact_steps=4, gemm_dim=8192, profile_quick=False, validate_plans=3, budget_s=450, step_timeout_s=300)
+            exact_steps=4, gemm_dim=8192, profile_quick=False, probe_seconds=None, validate_plans=3, budget_s=450,
+            step_timeout_s=300)
 DRY = Sizes(model="tiny", seq_len=32, global_batch=4, micro_batch=2, steps=3, exact_seq_len=32, exact_steps=3,
-            gemm_dim=256, profile_quick=True, validate_plans=2, budget_s=3600, step_timeout_s=1200)
+            gemm_dim=256, profile_quick=True, probe_seconds=0.3, validate_plans=2, budget_s=3600, step_timeout_s=1200)
 
 # The exactness plans: (name, ranks, plan fields, RunConfig fields).
 EXACT = (
@@ -150,7 +152,8 @@ def step_profile(sizes: Sizes, out_dir: Path) -> dict:
     path = out_dir / "profile.json"
     start = time.perf_counter()
     args = ["profile", "--nproc", "1", "--model", sizes.model, "--out", str(path), "--format", "json"]
-    planner_cli(args + (["--quick"] if sizes.profile_quick else []))
+    args += ["--quick"] if sizes.profile_quick else []
+    planner_cli(args + (["--probe-seconds", str(sizes.probe_seconds)] if sizes.probe_seconds else []))
     data = json.loads(path.read_text())
     dtype = "bf16" if "bf16" in data["peak_flops_per_s"] else "fp32"
     return {"path": str(path), "wall_s": time.perf_counter() - start, "device_name": data["device_name"],

@@ -570,6 +570,7 @@ def profile(
     collectives: Annotated[Optional[str], typer.Option("--collectives", help="Comma list (default: all six).")] = None,
     cluster: Annotated[bool, typer.Option("--cluster", help="Run the collectives on the emulated cluster (`planner cluster up`).")] = False,
     cluster_prefix: Annotated[str, typer.Option("--cluster-prefix", help="Name prefix of the emulated cluster.")] = "planner",
+    probe_seconds: Annotated[Optional[float], typer.Option("--probe-seconds", help="Seconds the layer probe spends per point (default 1.5 with --quick, else 4); shorter is noisier.")] = None,
     fmt: FormatOpt = OutputFormat.table,
 ) -> None:
     """Measure compute, memory and collectives here and write a Hardware profile JSON.
@@ -598,7 +599,7 @@ def profile(
         nproc=nproc, ranks_per_node=gpus_per_node, quick=quick, model=model,
         sizes_bytes=parse_sizes(sizes) if sizes else None,
         collectives=tuple(c.strip() for c in collectives.split(",")) if collectives else COLLECTIVES,
-        cluster_prefix=cluster_prefix if cluster else None)
+        cluster_prefix=cluster_prefix if cluster else None, probe_seconds=probe_seconds)
     bar, update = _stage_progress(fmt is OutputFormat.json)
     with bar:
         try:
@@ -731,6 +732,10 @@ def validate_command(
     _print_validate_report(report, where=where, out=out, png=png)
 
 
+# A host-speed change beyond this (between the profile's calibration and a validate) is warned about.
+HOST_SPEED_WARN = 0.1
+
+
 def _print_validate_report(report, *, where: str, out: str, png: str) -> None:
     table = Table(title=f"Measured against predicted ({report.hardware_name}, {where})")
     for col in ("plan", "", "predicted", "measured", "IQR", "error", "memory error"):
@@ -750,6 +755,15 @@ def _print_validate_report(report, *, where: str, out: str, png: str) -> None:
              if agree.top_pick_within_noise else "")
     console.print(f"top pick {agree.top_pick}, best measured {agree.best_measured}{noise}; {report.timing_rounds} "
                   f"interleaved timing rounds; report {out}, scatter {png}", highlight=False)
+    factor = report.host_speed_factor
+    if factor is not None:
+        pace = "slower" if factor >= 1 else "faster"
+        console.print(f"host speed: {report.host_speed_plans} plan(s) the calibration also timed ran {max(factor, 1 / factor):.2f}x "
+                      f"{pace} now; at the calibration's speed MAPE {_pct(report.mape_at_calibration_speed)}", highlight=False)
+        if abs(factor - 1) > HOST_SPEED_WARN:
+            err_console.print(f"warning: this host runs {max(factor, 1 / factor):.2f}x {pace} than when its profile was "
+                              "calibrated (other load, another clock): predictions assume the calibration's speed; "
+                              "`planner tune --recalibrate` fits the profile again", highlight=False)
 
 
 def _validate_published(path: str, *, loso: bool, fmt: OutputFormat) -> None:

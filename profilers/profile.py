@@ -61,10 +61,15 @@ class ProfileOptions:
     # Name prefix of an emulated cluster (runners.netns_cluster) to run the collectives on, or None.
     cluster_prefix: str | None = None
     comm_timeout_s: float = 300.0
+    # Seconds the layer probe spends on each of its points (shape x forward / forward+backward); None:
+    # 1.5 with quick, else 4. Shorter is noisier: for a first look or a test, not for the profile calibrated on.
+    probe_seconds: float | None = None
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
             raise PlannerError(f"--nproc must be at least 1, got {self.nproc}")
+        if self.probe_seconds is not None and not self.probe_seconds > 0:
+            raise PlannerError(f"--probe-seconds must be above 0, got {self.probe_seconds}")
         unknown = [c for c in self.collectives if c not in COLLECTIVES]
         if unknown:
             raise PlannerError(f"unknown collective {unknown[0]!r}; choose from {', '.join(COLLECTIVES)}")
@@ -135,7 +140,8 @@ PROBE_ATTEMPTS = 2
 def run_layer_probe(options: ProfileOptions, *, progress: Progress = _no_progress) -> tuple[tuple[LayerProbePoint, ...], dict]:
     """The engine's layer and overlap probes (runners.probe) on every rank at once: (points, overlap)."""
     model = resolve_model(options.model)
-    spec = {"model": model.to_dict(), "budget_s": 1.5 if options.quick else 4.0, "timeout_s": options.comm_timeout_s}
+    budget_s = options.probe_seconds or (1.5 if options.quick else 4.0)
+    spec = {"model": model.to_dict(), "budget_s": budget_s, "timeout_s": options.comm_timeout_s}
 
     def on_event(event: dict) -> None:
         if event.get("kind") == "progress":

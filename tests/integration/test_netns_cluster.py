@@ -176,7 +176,7 @@ def test_profile_on_the_cluster_recovers_the_shaped_rate_and_names_a_failed_rank
 
     nc.up(num_nodes=2, procs_per_node=1, inter_node_bandwidth="200mbit", inter_node_latency=None, prefix=PREFIX)
     options = ProfileOptions(quick=True, cluster_prefix=PREFIX, collectives=("p2p", "all_reduce"),
-                             sizes_bytes=(4096, 65536, 1 << 20, 4 << 20, 8 << 20))
+                             sizes_bytes=(4096, 65536, 1 << 20, 4 << 20, 8 << 20), probe_seconds=0.3)
     hw = run_profile(options)
     # Gloo binds eth0 in each namespace, so the one-rank-per-node group crosses the shaped veth.
     assert {(f.collective, f.link) for f in hw.collectives} == {("p2p", "inter_node"), ("all_reduce", "inter_node")}

@@ -24,7 +24,8 @@ SIZES = "4k,256k,16m"
 def profile_path(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("profile") / "profile.json"
     start = time.perf_counter()
-    result = runner.invoke(app, ["profile", "--quick", "--nproc", "2", "--sizes", SIZES,
+    # A short layer probe: these tests check what the profile holds, not how precisely it was timed.
+    result = runner.invoke(app, ["profile", "--quick", "--nproc", "2", "--sizes", SIZES, "--probe-seconds", "0.3",
                                  "--collectives", "all_reduce,all_gather,p2p", "--out", str(out), "--format", "json"])
     assert result.exit_code == 0, result.output
     assert time.perf_counter() - start < 120

@@ -23,9 +23,10 @@ STEPS = "--steps 2"  # two steps show the run trains; the README's step counts o
 
 # README line (comment dropped, spaces collapsed) -> what the test runs instead.
 SUBSTITUTIONS = {
-    # The profile's probes need no more than two message sizes to fit latency and bandwidth.
+    # The profile's probes need no more than two message sizes to fit latency and bandwidth, and its layer
+    # probe a fraction of a second per point to show that it runs.
     "planner profile --quick --nproc 2 --out profile.json": "planner profile --quick --nproc 2 --out profile.json "
-                                                           "--sizes 4k,64k",
+                                                           "--sizes 4k,64k --probe-seconds 0.3",
     "planner run --plan local.json": f"planner run --plan local.json {STEPS}",
     "planner run --nproc 4 --zero 3 --micro-batch 2 --steps 20": f"planner run --nproc 4 --zero 3 --micro-batch 2 {STEPS}",
     "planner run --nproc 4 --tp 2 --pp 2 --schedule 1f1b --format json":
@@ -49,7 +50,8 @@ SUBSTITUTIONS = {
     "planner cluster up --nodes 2 --procs-per-node 2 --inter-node-bandwidth 1gbit":
         f"planner cluster up --nodes 2 --procs-per-node 2 --inter-node-bandwidth 1gbit --prefix {CLUSTER_PREFIX}",
     "planner profile --cluster --quick --out cluster-profile.json":
-        f"planner profile --cluster --quick --out cluster-profile.json --sizes 4k,64k --cluster-prefix {CLUSTER_PREFIX}",
+        f"planner profile --cluster --quick --out cluster-profile.json --sizes 4k,64k --probe-seconds 0.3 "
+        f"--cluster-prefix {CLUSTER_PREFIX}",
     "planner validate --cluster --hardware cluster-profile.json":
         f"planner validate --cluster --hardware cluster-profile.json --top 1 --no-spread --max-plans 1 --steps 2 "
         f"--cluster-prefix {CLUSTER_PREFIX}",
