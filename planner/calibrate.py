@@ -272,7 +272,7 @@ def calibrate_measurements(path: str, *, hardware: str | None, out: str | None, 
     """`planner calibrate`: fit to a `planner validate --out` report and write the calibrated profile to
     `out`, or over the profile file the fit started from (never over a preset). Returns (where it was
     written, the result)."""
-    from specs.hardware import PRESETS
+    from specs.hardware import PRESETS, CalibrationRun
     from specs.jsonio import read_json_file
 
     report = ValidationReport.from_dict(read_json_file(path, what="measurements"), what=f"measurements file {path}")
@@ -284,7 +284,10 @@ def calibrate_measurements(path: str, *, hardware: str | None, out: str | None, 
     result = calibrate(list(report.plans), problem, parameters=parameters or tuple(TIME_PARAMETERS),
                        held_out_every=held_out_every, fit_memory=fit_memory)
     calibrated = with_calibration(problem.cluster.hardware, result.calibration)
-    dataclasses.replace(calibrated, calibrated_from_runs=len(result.fit_labels)).save(target)
+    runs = tuple(CalibrationRun(model=report.model, plan=r.plan.to_dict(), global_batch=report.global_batch,
+                                seq_len=report.seq_len, precision=report.precision, processes=report.nproc,
+                                step_time_s=r.measured_step_time_s) for r in report.plans if r.ok)
+    dataclasses.replace(calibrated, calibrated_from_runs=len(result.fit_labels), calibration_runs=runs).save(target)
     return target, result
 
 

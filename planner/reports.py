@@ -178,10 +178,25 @@ class ValidationReport:
     rounds: int
     timing_rounds: int
     plans: tuple[ValidationRow, ...]
+    # The host's speed now against when the profile was calibrated: the median over the plans timed both
+    # times (the profile's calibration_runs at this model, batch, sequence, precision and process count) of
+    # measured now / measured then; None where no plan matched (planner/validate.host_speed).
+    host_speed_factor: float | None = None
+    host_speed_plans: int = 0
 
     @property
     def agreement(self) -> Agreement:
         return Agreement.of(list(self.plans))
+
+    @property
+    def mape_at_calibration_speed(self) -> float | None:
+        """MAPE with every prediction scaled by host_speed_factor: how far the cost model is off on this
+        host as fast as it was when the profile was fitted (None without a factor)."""
+        ok = [r for r in self.plans if r.ok]
+        if self.host_speed_factor is None or not ok:
+            return None
+        return statistics.fmean(abs(r.predicted_step_time_s * self.host_speed_factor / r.measured_step_time_s - 1)
+                                for r in ok)
 
     @property
     def num_failed(self) -> int:
@@ -190,14 +205,14 @@ class ValidationReport:
     def to_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plans"}
         out.update(num_plans=len(self.plans), num_failed=self.num_failed, **self.agreement.to_dict(),
-                   plans=[r.to_dict() for r in self.plans])
+                   mape_at_calibration_speed=self.mape_at_calibration_speed, plans=[r.to_dict() for r in self.plans])
         return out
 
     @classmethod
     def from_dict(cls, data: object, *, what: str = "measurements") -> "ValidationReport":
         if not isinstance(data, dict) or "plans" not in data:
             raise PlannerError(f"{what}: expected a `planner validate --out` report")
-        derived = {"num_plans", "num_failed", *(f.name for f in dataclasses.fields(Agreement))}
+        derived = {"num_plans", "num_failed", "mape_at_calibration_speed", *(f.name for f in dataclasses.fields(Agreement))}
         fields = {k: v for k, v in data.items() if k not in derived}
         if isinstance(fields["plans"], list):  # each row's derived keys too (what `planner validate --out` writes)
             fields["plans"] = [{k: v for k, v in row.items() if k not in ValidationRow.DERIVED}

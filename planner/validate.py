@@ -28,6 +28,7 @@ Agreement metrics (all over the plans that ran):
 
 from __future__ import annotations
 
+import json
 import statistics
 import warnings
 from dataclasses import dataclass, field
@@ -340,8 +341,27 @@ def repredict(rows: list[ValidationRow], problem: Problem) -> list[ValidationRow
     return out
 
 
+def host_speed(rows: list[ValidationRow], hardware, *, model: str, global_batch: int, seq_len: int, precision: str,
+               processes: int) -> tuple[float | None, int]:
+    """(factor, plans): the median over the rows that ran a plan the profile's calibration also timed at the
+    same model, global batch, sequence length, precision and process count of measured now / measured then,
+    and how many such rows; (None, 0) where none did. Above 1 the host runs slower than when the profile
+    was fitted (other load, a slower clock), and every prediction is optimistic by about that factor."""
+    then = {}
+    for run in hardware.calibration_runs:
+        if (run.model, run.global_batch, run.seq_len, run.precision, run.processes) == (
+                model, global_batch, seq_len, precision, processes) and run.step_time_s > 0:
+            then[json.dumps(run.plan, sort_keys=True)] = run.step_time_s
+    ratios = [r.measured_step_time_s / then[key] for r in rows if r.ok
+              for key in [json.dumps(r.plan.to_dict(), sort_keys=True)] if key in then]
+    return (statistics.median(ratios), len(ratios)) if ratios else (None, 0)
+
+
 def build_report(measurements: list[Measurement], settings: ValidateSettings) -> ValidationReport:
     problem = settings.problem()
+    rows = [plan_row(m, problem) for m in measurements]
+    factor, matched = host_speed(rows, problem.cluster.hardware, model=settings.model, global_batch=settings.global_batch,
+                                 seq_len=settings.seq_len, precision=settings.precision, processes=settings.topology()[0])
     return ValidationReport(
         model=settings.model, hardware=settings.hardware, hardware_name=problem.cluster.hardware.name,
         calibration=dict(problem.cluster.hardware.calibration), nproc=settings.topology()[0], cluster=settings.cluster,
@@ -349,7 +369,7 @@ def build_report(measurements: list[Measurement], settings: ValidateSettings) ->
         steps=settings.steps, rounds=settings.rounds,
         # The rounds the batched timing ran (adaptive by default): each round times timing_steps steps.
         timing_rounds=max((len(m.batched_step_times_s) for m in measurements), default=0) // settings.timing_steps,
-        plans=tuple(plan_row(m, problem) for m in measurements))
+        plans=tuple(rows), host_speed_factor=factor, host_speed_plans=matched)
 
 
 def validate(settings: ValidateSettings, *, progress: Progress | None = None,

@@ -98,6 +98,20 @@ class LayerProbePoint:
 
 
 @dataclass(frozen=True)
+class CalibrationRun:
+    """One timed plan a profile's calibration was fitted to, as it ran: the host's speed at the time, which
+    `planner validate` compares with the same plan's time now (planner/validate.host_speed)."""
+
+    model: str
+    plan: dict  # Plan.to_dict()
+    global_batch: int
+    seq_len: int
+    precision: str
+    processes: int
+    step_time_s: float  # the measured median step time
+
+
+@dataclass(frozen=True)
 class Hardware:
     """One device type and the links between devices.
 
@@ -135,6 +149,9 @@ class Hardware:
     # Measured training runs the calibration was last fitted to (`planner calibrate`, `planner tune`);
     # 0: only the profile's own probes.
     calibrated_from_runs: int = 0
+    # Those runs (CPU hosts: `planner tune`, `planner calibrate --measurements`); empty for --from-runs fits
+    # and older profiles.
+    calibration_runs: tuple[CalibrationRun, ...] = ()
     # The processes sharing one host a profile was measured with, and that host's cores (planner/machine.py
     # re-measures for another count); 0: not a local measurement (presets, older profiles).
     measured_processes: int = 0

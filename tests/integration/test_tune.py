@@ -55,6 +55,9 @@ def test_tune_profiles_searches_runs_and_reuses_the_cache(tmp_path, monkeypatch)
     hardware = resolve_hardware(str(cached))
     assert hardware.calibrated_from_runs == calibration["num_plans"]
     assert all(hardware.calibration[k] == v for k, v in calibration["parameters"].items())
+    # The timed plans are kept as the host's speed reference (planner/validate.host_speed).
+    assert len(hardware.calibration_runs) == calibration["num_plans"]
+    assert {r.global_batch for r in hardware.calibration_runs} == {settings.global_batch, 2 * settings.global_batch}
     # The next tune finds the profile in the cache instead of measuring again, and so does every command
     # that defaults to this machine's profile for the same process count.
     path, reused = ensure_profile(TuneSettings())

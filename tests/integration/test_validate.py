@@ -56,6 +56,15 @@ def test_validate_then_calibrate_then_explain(tmp_path):
     hw = resolve_hardware(str(calibrated))
     assert hw.calibration["compute_time_scale"] != 1.0 and hw.calibration["framework_reserve_bytes"] > 0
     assert hw.calibrated_from_runs == len(fit["fit_labels"])
+    # It keeps the runs it was fitted from, as measured: the host's speed reference for later validates
+    # (against these very rows the host is exactly as fast).
+    assert sorted(r.step_time_s for r in hw.calibration_runs) == sorted(r["measured_step_time_s"] for r in ok)
+    from planner.reports import ValidationReport
+    from planner.validate import host_speed
+
+    rows = ValidationReport.from_dict(report).plans
+    assert host_speed(list(rows), hw, model="tiny", global_batch=4, seq_len=report["seq_len"],
+                      precision=report["precision"], processes=2) == (pytest.approx(1.0), 2)
 
     # A preset cannot be overwritten in place.
     result = runner.invoke(app, ["calibrate", "--measurements", str(report_path), "--hardware", "cpu"])

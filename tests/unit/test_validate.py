@@ -189,3 +189,39 @@ def test_the_batched_timing_freezes_what_is_alive_after_a_trainers_first_step():
         assert gc.get_freeze_count() >= before + 1000
     finally:
         gc.unfreeze()
+
+
+def test_host_speed_compares_the_plans_the_calibration_timed_and_rescales_the_mape():
+    """planner/validate.host_speed: the median of now / then over the plans a profile's calibration timed at
+    the same model, batch, sequence, precision and process count; other runs do not match."""
+    import dataclasses
+
+    from planner.validate import host_speed
+    from specs.hardware import PRESETS, CalibrationRun
+
+    a, b, c = Plan(micro_batch=1, num_micro_batches=8), Plan(micro_batch=2, num_micro_batches=4), Plan(micro_batch=4, num_micro_batches=2)
+
+    def run(plan, seconds, **changes):
+        fields = dict(model="tiny", plan=plan.to_dict(), global_batch=8, seq_len=64, precision="fp32", processes=2,
+                      step_time_s=seconds)
+        return CalibrationRun(**{**fields, **changes})
+
+    hw = dataclasses.replace(PRESETS["cpu"], calibration_runs=(
+        run(a, 0.10), run(b, 0.20), run(c, 0.05, global_batch=16), run(c, 0.05, processes=4), run(c, 0.05, model="gpt2")))
+    hw = type(hw).from_dict(json.loads(json.dumps(hw.to_dict())))  # the runs survive the profile's JSON
+    rows = [dataclasses.replace(_row("a", 0.10, 0.12), plan=a), dataclasses.replace(_row("b", 0.20, 0.26), plan=b),
+            dataclasses.replace(_row("c", 0.05, 0.09), plan=c), dataclasses.replace(_row("x", 0.1, None, status="failed"), plan=a)]
+    where = dict(model="tiny", global_batch=8, seq_len=64, precision="fp32", processes=2)
+    factor, matched = host_speed(rows, hw, **where)
+    assert matched == 2 and factor == pytest.approx((1.2 + 1.3) / 2)
+    assert host_speed(rows, hw, **{**where, "precision": "bf16"}) == (None, 0)
+    assert host_speed(rows, PRESETS["cpu"], **where) == (None, 0)
+    report = ValidationReport(model="tiny", hardware="p.json", hardware_name="cpu", calibration={}, nproc=2, cluster=None,
+                              global_batch=8, seq_len=64, precision="fp32", steps=8, rounds=1, timing_rounds=4,
+                              plans=tuple(rows), host_speed_factor=factor, host_speed_plans=matched)
+    expected = (abs(0.10 * 1.25 / 0.12 - 1) + abs(0.20 * 1.25 / 0.26 - 1) + abs(0.05 * 1.25 / 0.09 - 1)) / 3
+    assert report.mape_at_calibration_speed == pytest.approx(expected)
+    data = report.to_dict()
+    assert data["mape_at_calibration_speed"] == pytest.approx(expected) and data["host_speed_plans"] == 2
+    assert ValidationReport.from_dict(json.loads(json.dumps(data))) == report
+    assert dataclasses.replace(report, host_speed_factor=None).mape_at_calibration_speed is None
