@@ -267,12 +267,22 @@ def problem_from_report(report: ValidationReport, *, hardware: str | None = None
                         precision=report.precision)
 
 
+def calibration_runs(rows, *, model: str, global_batch: int, seq_len: int, precision: str, processes: int) -> tuple:
+    """The rows that ran, as the profile's record of what its calibration timed (Hardware.calibration_runs,
+    the reference planner/validate.host_speed compares later runs with)."""
+    from specs.hardware import CalibrationRun
+
+    return tuple(CalibrationRun(model=model, plan=r.plan.to_dict(), global_batch=global_batch, seq_len=seq_len,
+                                precision=precision, processes=processes, step_time_s=r.measured_step_time_s)
+                 for r in rows if r.ok)
+
+
 def calibrate_measurements(path: str, *, hardware: str | None, out: str | None, held_out_every: int = 2,
                            fit_memory: bool = True, parameters: tuple[str, ...] | None = None) -> tuple[str, CalibrationResult]:
     """`planner calibrate`: fit to a `planner validate --out` report and write the calibrated profile to
     `out`, or over the profile file the fit started from (never over a preset). Returns (where it was
     written, the result)."""
-    from specs.hardware import PRESETS, CalibrationRun
+    from specs.hardware import PRESETS
     from specs.jsonio import read_json_file
 
     report = ValidationReport.from_dict(read_json_file(path, what="measurements"), what=f"measurements file {path}")
@@ -284,9 +294,8 @@ def calibrate_measurements(path: str, *, hardware: str | None, out: str | None, 
     result = calibrate(list(report.plans), problem, parameters=parameters or tuple(TIME_PARAMETERS),
                        held_out_every=held_out_every, fit_memory=fit_memory)
     calibrated = with_calibration(problem.cluster.hardware, result.calibration)
-    runs = tuple(CalibrationRun(model=report.model, plan=r.plan.to_dict(), global_batch=report.global_batch,
-                                seq_len=report.seq_len, precision=report.precision, processes=report.nproc,
-                                step_time_s=r.measured_step_time_s) for r in report.plans if r.ok)
+    runs = calibration_runs(report.plans, model=report.model, global_batch=report.global_batch, seq_len=report.seq_len,
+                            precision=report.precision, processes=report.nproc)
     dataclasses.replace(calibrated, calibrated_from_runs=len(result.fit_labels), calibration_runs=runs).save(target)
     return target, result
 

@@ -757,11 +757,11 @@ def _print_validate_report(report, *, where: str, out: str, png: str) -> None:
                   f"interleaved timing rounds; report {out}, scatter {png}", highlight=False)
     factor = report.host_speed_factor
     if factor is not None:
-        pace = "slower" if factor >= 1 else "faster"
-        console.print(f"host speed: {report.host_speed_plans} plan(s) the calibration also timed ran {max(factor, 1 / factor):.2f}x "
+        pace, times = ("slower", factor) if factor >= 1 else ("faster", 1 / factor)
+        console.print(f"host speed: {report.host_speed_plans} plan(s) the calibration also timed ran {times:.2f}x "
                       f"{pace} now; at the calibration's speed MAPE {_pct(report.mape_at_calibration_speed)}", highlight=False)
         if abs(factor - 1) > HOST_SPEED_WARN:
-            err_console.print(f"warning: this host runs {max(factor, 1 / factor):.2f}x {pace} than when its profile was "
+            err_console.print(f"warning: this host runs {times:.2f}x {pace} than when its profile was "
                               "calibrated (other load, another clock): predictions assume the calibration's speed; "
                               "`planner tune --recalibrate` fits the profile again", highlight=False)
 

@@ -112,9 +112,9 @@ def calibrate_profile(profile: str, settings: TuneSettings, *, progress: Progres
     fitted at batch 8 alone, step_overhead_s came out 11.7 ms, and `planner validate` at its batch of 16
     found every plan 10-37% slower than predicted (the winner's shape 31.2 ms at 8 sequences, 55.1 ms at 16:
     7 ms fixed, 24 ms per 8 sequences, where the fit had 11.7 and 18)."""
-    from planner.calibrate import _predict_step_times, fit_time_parameters_over, parameters_at_bounds
+    from planner.calibrate import _predict_step_times, calibration_runs, fit_time_parameters_over, parameters_at_bounds
     from planner.validate import ValidateSettings, candidate_plans, measure_step_times_batched
-    from specs.hardware import CalibrationRun, resolve_hardware, with_calibration
+    from specs.hardware import resolve_hardware, with_calibration
 
     groups, runs = [], []
     for batch, count, top_k in ((settings.global_batch, CALIBRATION_PLANS, 3),
@@ -133,9 +133,8 @@ def calibrate_profile(profile: str, settings: TuneSettings, *, progress: Progres
                               predicted_step_time_s=0.0, predicted_peak_memory_bytes=0,
                               measured_step_time_s=statistics.median(t)) for e, t in zip(entries, times) if t]
         groups.append((rows, problem))
-        runs += [CalibrationRun(model=settings.model, plan=r.plan.to_dict(), global_batch=batch, seq_len=settings.seq_len,
-                                precision=vs.precision, processes=settings.nproc, step_time_s=r.measured_step_time_s)
-                 for r in rows]
+        runs += calibration_runs(rows, model=settings.model, global_batch=batch, seq_len=settings.seq_len,
+                                 precision=vs.precision, processes=settings.nproc)
     num_rows = sum(len(rows) for rows, _ in groups)
     parameters = CALIBRATION_PARAMETERS[:max(1, min(len(CALIBRATION_PARAMETERS), num_rows - 1))]
     if _has_prefetch_pair([r.plan for rows, _ in groups for r in rows]) and num_rows > len(parameters) + 1:
