@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import traceback
 
 import torch
@@ -14,6 +13,7 @@ from specs.job import Job
 from specs.model import PRESETS
 from specs.plan import Plan
 from runners.config import RunConfig
+from tests.distributed.spawn import free_port  # noqa: F401  (the tests import it from here too)
 
 LOSS_TOL = 1e-4
 # Final parameters, per tensor: ||p - p_ref|| <= PARAM_TOL x ||p_ref - p_0||, relative to how far the
@@ -35,12 +35,6 @@ def spread_seeds(names: list) -> list[tuple[object, int]]:
     if os.environ.get("PLANNER_EXACTNESS_SEEDS") == "all":
         return [(name, seed) for name in names for seed in SEEDS]
     return [(name, SEEDS[i % len(SEEDS)]) for i, name in enumerate(names)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # The exactness runs' learning rate. At 3e-3 the tiny model's 8-step trajectory amplifies a summation-order
@@ -86,7 +80,13 @@ def run_plans(cfgs: list[RunConfig]) -> list[tuple[dict, dict[str, torch.Tensor]
     full parameters of each."""
     world = cfgs[0].plan.world_size
     assert all(c.plan.world_size == world for c in cfgs)
-    from tests.distributed.spawn import context
+    from tests.distributed.spawn import retry_crashed
+
+    return retry_crashed(lambda: _run_plans_once(cfgs, world), f"{len(cfgs)} plans on {world} ranks")
+
+
+def _run_plans_once(cfgs: list[RunConfig], world: int) -> list[tuple[dict, dict[str, torch.Tensor]]]:
+    from tests.distributed.spawn import RankCrashed, context, crash_of
 
     ctx = context()
     queue = ctx.Queue()
@@ -94,18 +94,23 @@ def run_plans(cfgs: list[RunConfig]) -> list[tuple[dict, dict[str, torch.Tensor]
     procs = [ctx.Process(target=_worker, args=(r, world, port, cfgs, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    results = []
+    results, error = [], None
     try:
         for _ in cfgs:
             status, metrics, params = queue.get(timeout=600)
             if status != "ok":
-                raise AssertionError(metrics)
+                error = metrics
+                break
             results.append((metrics, {k: torch.from_numpy(v) for k, v in params.items()}))
     finally:
         for p in procs:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
+                p.join()
+    if error is not None:
+        crash = crash_of(procs)
+        raise (RankCrashed if crash else AssertionError)(f"{crash}\n{error}" if crash else error)
     return results
 
 
