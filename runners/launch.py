@@ -1,23 +1,25 @@
-"""The one torchrun launcher: every multi-process job of the project starts here, with one environment
-policy and one protocol for progress, results and failures.
+"""The one launcher: every multi-process job of the project starts here, with one environment policy and
+one protocol for progress, results and failures.
 
     metrics = launch(cfg, where=Where(nproc=4))                       # a training run
     result = run_workers("profilers.comm", spec, where=Where(nproc=2))  # any worker module
 
-Where: `nproc` local processes (torchrun --standalone), one node of several real ones (--nnodes,
---node-rank, --rdzv-endpoint), or every node of an emulated cluster (runners/netns_cluster.py: one
-torchrun per network namespace, rendezvousing on node 0).
+Where: `nproc` local processes (started by the launcher itself, as torchrun --standalone would, or by
+torchrun when it restarts them: `direct_launch`), one node of several real ones (--nnodes, --node-rank,
+--rdzv-endpoint), or every node of an emulated cluster (runners/netns_cluster.py: one torchrun per
+network namespace, rendezvousing on node 0).
 
 Environment policy (`worker_env`): the processes on one host share its cores, so each gets
 OMP_NUM_THREADS = cores // processes on the host (at least 1; the emulated nodes share one host);
 unbuffered output; this checkout importable.
 
-Protocol: a worker module is run as `python -m <module> --work-dir DIR` under torchrun; it reads
+Protocol: a worker module is run as `python -m <module> --work-dir DIR` on every rank; it reads
 DIR/spec.json, rank 0 writes DIR/result.json, prints progress as `PLANNER_EVENT {json}` lines
 (`emit_event`), and a failing rank writes DIR/errors/rank<N>.json (`worker_main` does all of this
-around a task function). A failed rank is named in one line (from those files, or torchrun's failure
-summary); bad input on any rank is raised as PlannerError. Ctrl-C or a dead rank stops every process
-of the run: the whole torchrun process group (or every namespace's tree) is killed, nothing orphaned.
+around a task function). A failed rank is named in one line (from those files, else the first rank the
+launcher or torchrun saw fail); bad input on any rank is raised as PlannerError. Ctrl-C or a dead rank
+stops every process of the run: every worker's session, the whole torchrun process group or every
+namespace's tree is killed, nothing orphaned.
 """
 
 from __future__ import annotations
@@ -159,7 +161,8 @@ def worker_main(task: Callable[[dict], object], argv: list[str] | None = None) -
     parser.add_argument("--work-dir", required=True)
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", 0))
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: never outlive its agent
+    if "TORCHELASTIC_RUN_ID" in os.environ or os.environ.get("PLANNER_LAUNCHER") == "direct":
+        # never outlive the agent or launcher that started this worker
         die_with_parent()
     try:
         result = task(read_json_file(Path(args.work_dir) / "spec.json", what="worker spec"))
@@ -230,6 +233,7 @@ def run_workers(module: str, spec: dict, *, where: Where, on_event: Callable[[di
 
             child_env.update(ELASTIC_ENV)
         tail: deque[str] = deque(maxlen=200)
+        first: tuple[int, int] | None = None  # (rank, exit code) a direct launch saw fail first
 
         def on_line(node: int, line: str) -> None:
             event = _parse_event(line)
@@ -243,10 +247,12 @@ def run_workers(module: str, spec: dict, *, where: Where, on_event: Callable[[di
                                                  on_node_exit=on_node_exit, on_nodes=on_nodes)
         elif where.cluster is not None:
             returncode = _run_on_cluster(where.cluster, module_argv, env=child_env, on_line=on_line)
+        elif direct_launch(where):
+            returncode, first = _run_direct(where.nproc, module_argv, env=child_env, on_line=on_line)
         else:
             returncode = _run_local(torchrun_command(where, module_argv), env=child_env, on_line=on_line)
         if returncode != 0:
-            message, bad_input = _failure_message(work_dir / "errors", list(tail), returncode)
+            message, bad_input = _failure_message(work_dir / "errors", list(tail), returncode, first=first)
             raise (PlannerError if bad_input else RunFailed)(message)
         result = work_dir / "result.json"
         return read_json_file(result, what=f"{module} result") if result.exists() else None
@@ -263,6 +269,93 @@ def _run_local(cmd: list[str], *, env: dict[str, str], on_line: Callable[[int, s
     finally:
         if proc.poll() is None:
             _kill_group(proc)
+
+
+def direct_launch(where: Where) -> bool:
+    """Whether `where` is started without torchrun: local processes that nothing restarts.
+
+    torchrun's agent is one more process that imports torch (3.3 CPU-s on a 2-core host) and holds a
+    rendezvous before any worker starts; it is needed for restarts (--max-restarts: the agent restarts
+    every worker and keeps its store), elastic runs and several real nodes, not to start N processes on
+    one host. Those the launcher starts itself (`_run_direct`), with the same environment torchrun gives
+    its workers and the same failure policy: the first rank to fail stops the others. PLANNER_TORCHRUN=1
+    starts every launch under torchrun."""
+    if os.environ.get("PLANNER_TORCHRUN") == "1":
+        return False
+    return where.cluster is None and where.elastic is None and where.max_restarts == 0 and where.nnodes == 1 \
+        and not where.rdzv_endpoint
+
+
+# After the first failure the other ranks get SIGTERM, then SIGKILL if they are still there this much later
+# (a stopped, hung rank only ends by SIGKILL).
+DIRECT_GRACE_S = 5.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run_direct(nproc: int, module_argv: list[str], *, env: dict[str, str],
+                on_line: Callable[[int, str], None]) -> tuple[int, tuple[int, int] | None]:
+    """`nproc` local workers started by this process: (exit code, (rank, code) of the first failure).
+
+    Each worker gets what torchrun --standalone gives its workers (RANK, LOCAL_RANK, WORLD_SIZE,
+    LOCAL_WORLD_SIZE, MASTER_ADDR/PORT of a free local port, where rank 0 hosts the store:
+    runners.faults.init_distributed) and PLANNER_LAUNCHER, by which it asks to die with this process.
+    Each runs in its own session; their output lines reach `on_line` one at a time."""
+    base = {**os.environ, **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+            "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "PLANNER_LAUNCHER": "direct"}
+    lock = threading.Lock()
+    procs: list[subprocess.Popen] = []
+    readers: list[threading.Thread] = []
+
+    def pump(proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            with lock:
+                on_line(0, line.rstrip("\n"))
+
+    try:
+        for rank in range(nproc):
+            proc = subprocess.Popen([sys.executable, *module_argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, start_new_session=True,
+                                    env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)})
+            procs.append(proc)
+            readers.append(threading.Thread(target=pump, args=(proc,), daemon=True))
+            readers[-1].start()
+        first = None
+        while first is None:
+            codes = [p.poll() for p in procs]
+            first = next(((rank, code) for rank, code in enumerate(codes) if code not in (None, 0)), None)
+            if first is None and all(code == 0 for code in codes):
+                break
+            time.sleep(0.05)
+        if first is not None:
+            _stop(procs, grace_s=DIRECT_GRACE_S)
+        for reader in readers:
+            reader.join(timeout=5)
+        return (0, None) if first is None else (first[1] if first[1] > 0 else 1, first)
+    finally:
+        _stop(procs, grace_s=DIRECT_GRACE_S)
+
+
+def _stop(procs: list[subprocess.Popen], *, grace_s: float) -> None:
+    """SIGTERM every live worker's session, then SIGKILL what is left after `grace_s`."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        live = [p for p in procs if p.poll() is None]
+        for proc in live:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait_s
+        for proc in live:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
 
 
 def _run_on_cluster(prefix: str, module_argv: list[str], *, env: dict[str, str],
@@ -287,8 +380,10 @@ def _run_elastic_on_cluster(where: Where, module_argv: list[str], *, env: dict[s
     return nodes.run()
 
 
-def _failure_message(error_dir: Path, tail: list[str], returncode: int) -> tuple[str, bool]:
-    """(message naming the failed rank, whether it was bad input)."""
+def _failure_message(error_dir: Path, tail: list[str], returncode: int,
+                     first: tuple[int, int] | None = None) -> tuple[str, bool]:
+    """(message naming the failed rank, whether it was bad input). `first`: the (rank, exit code) a direct
+    launch saw fail first, where torchrun would have printed its failure summary."""
     reports = []
     for path in sorted(error_dir.glob("rank*.json")):
         try:
@@ -300,16 +395,21 @@ def _failure_message(error_dir: Path, tail: list[str], returncode: int) -> tuple
         if first.get("bad_input"):
             return first["error"], True
         return f"rank {first['rank']} failed: {first['error']}", False
+    if first is not None:
+        rank, code = first
+        return f"rank {rank} failed ({_how(code)})", False
     text = "\n".join(tail)
     # torchrun's summary lists the root cause (first observed failure) after the other failures, which
     # are usually the ranks its agent then stopped with SIGTERM.
     text = text[text.rfind("Root Cause"):] if "Root Cause" in text else text
     match = re.search(r"^\s*rank\s*:\s*(\d+).*?^\s*exitcode\s*:\s*(-?\d+)", text, re.S | re.M)
     if match:
-        code = int(match.group(2))
-        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-        return f"rank {match.group(1)} failed ({how})", False
+        return f"rank {match.group(1)} failed ({_how(int(match.group(2)))})", False
     return f"the run failed (exit code {returncode}); last output:\n" + "\n".join(tail[-15:]), False
+
+
+def _how(code: int) -> str:
+    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -355,9 +455,8 @@ def launch(cfg, *, where: Where, on_step: Callable[[dict], None] | None = None, 
                 on_step(event)
 
     def on_node_exit(node: int, code: int) -> None:
-        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
         with lock:
-            changed(log.lost(f"node {node}'s agent exited ({how})"))
+            changed(log.lost(f"node {node}'s agent exited ({_how(code)})"))
 
     result = run_workers("runners.train", cfg.to_dict(), where=where, on_event=on_event, env=env,
                          on_node_exit=on_node_exit, on_nodes=on_nodes)

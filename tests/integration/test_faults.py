@@ -1,6 +1,7 @@
-"""Faults under torchrun: a killed or hung rank ends the run within a bound, naming that rank, leaving no
-process behind; with --max-restarts the run restarts and resumes from its checkpoints, and the losses
-are exactly those of an uninterrupted run (10 kills in one run).
+"""Faults under the launcher (its own local processes, or torchrun with --max-restarts): a killed or hung
+rank ends the run within a bound, naming that rank, leaving no process behind; with --max-restarts the
+run restarts and resumes from its checkpoints, and the losses are exactly those of an uninterrupted run
+(10 kills in one run).
 
 Faults are injected from outside, as they happen: SIGKILL (a crash, the OOM killer) or SIGSTOP (a hung
 process that holds its sockets open) sent to one worker, found by a tag in its environment.

@@ -1,0 +1,42 @@
+"""The launcher's own local processes (runners.launch.direct_launch): the environment torchrun would give
+each worker, events from the workers, and torchrun's failure policy: the first rank to fail is named and
+stops the others within the grace."""
+
+import os
+import time
+
+import pytest
+
+from runners.launch import DIRECT_GRACE_S, RunFailed, Where, direct_launch, run_workers
+
+MODULE = "tests.integration.launch_worker"
+
+
+def test_which_launches_go_without_torchrun(monkeypatch):
+    monkeypatch.delenv("PLANNER_TORCHRUN", raising=False)
+    assert direct_launch(Where(nproc=4))
+    assert not direct_launch(Where(nproc=2, max_restarts=1))  # torchrun's agent restarts the workers
+    assert not direct_launch(Where(nproc=2, nnodes=2, rdzv_endpoint="10.0.0.1:29500"))
+    assert not direct_launch(Where(nproc=2, cluster="pl"))
+    monkeypatch.setenv("PLANNER_TORCHRUN", "1")
+    assert not direct_launch(Where(nproc=4))
+
+
+def test_every_rank_gets_torchruns_environment_and_rank_0_reports():
+    events = []
+    result = run_workers(MODULE, {}, where=Where(nproc=2), on_event=events.append)
+    assert result["RANK"] == "0" and result["LOCAL_RANK"] == "0"
+    assert result["WORLD_SIZE"] == result["LOCAL_WORLD_SIZE"] == "2"
+    assert result["MASTER_ADDR"] == "127.0.0.1" and int(result["MASTER_PORT"]) > 0
+    assert int(result["OMP_NUM_THREADS"]) >= 1
+    assert sorted(e["rank"] for e in events if e["kind"] == "hello") == [0, 1]
+
+
+@pytest.mark.parametrize("how,expected", [("raise", r"rank 1 failed: RuntimeError: told to fail"),
+                                          ("kill", r"rank 1 failed \(killed by signal 9\)")])
+def test_the_first_failed_rank_is_named_and_stops_the_others(how, expected):
+    start = time.monotonic()
+    with pytest.raises(RunFailed, match=expected):
+        run_workers(MODULE, {"fail_rank": 1, "how": how}, where=Where(nproc=2))
+    # rank 0 sleeps 60 s unless the launcher stops it
+    assert time.monotonic() - start < 30 + DIRECT_GRACE_S
