@@ -212,8 +212,10 @@ def _levenberg_marquardt(residuals, u0: np.ndarray, *, max_iterations: int) -> t
                 u, r, damping, improved = candidate, r_new, max(damping / 3, 1e-9), True
                 break
             damping *= 4
-        # Converged: the last step bought less than a millionth of the squared error (or 1e-10 absolute).
-        if not improved or gain < 1e-10 + 1e-6 * float(r @ r):
+        # Converged: the last step bought less than 1e-4 of the squared error (or 1e-10 absolute). Against
+        # 1e-6 on tune's 13 timed plans: the same rms error (0.03302) and parameters within 0.1%, with
+        # 10,478 estimates instead of 22,022 (16.5 s instead of 36.2 s on a 2-core host).
+        if not improved or gain < 1e-10 + 1e-4 * float(r @ r):
             break
     return u, r
 
