@@ -137,11 +137,18 @@ def measures_collectives(options: ProfileOptions) -> bool:
 PROBE_ATTEMPTS = 2
 
 
+def overlap_repeats(budget_s: float) -> int:
+    """The overlap probe's micro-steps per mode and round: 12 at the default budgets (1.5 s a point and
+    more), fewer for a shorter --probe-seconds (3 at 0.3 s), which asks for a quicker, noisier probe."""
+    return max(3, round(12 * min(1.0, budget_s / 1.5)))
+
+
 def run_layer_probe(options: ProfileOptions, *, progress: Progress = _no_progress) -> tuple[tuple[LayerProbePoint, ...], dict]:
     """The engine's layer and overlap probes (runners.probe) on every rank at once: (points, overlap)."""
     model = resolve_model(options.model)
     budget_s = options.probe_seconds or (1.5 if options.quick else 4.0)
-    spec = {"model": model.to_dict(), "budget_s": budget_s, "timeout_s": options.comm_timeout_s}
+    spec = {"model": model.to_dict(), "budget_s": budget_s, "timeout_s": options.comm_timeout_s,
+            "overlap_repeats": overlap_repeats(budget_s)}
 
     def on_event(event: dict) -> None:
         if event.get("kind") == "progress":

@@ -103,12 +103,15 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _mean_seconds(body, *, device: torch.device, budget_s: float, min_repeats: int = 3, max_repeats: int = 200) -> float:
-    """Mean seconds of `body` over as many back-to-back repeats as fit in `budget_s`, after one warm-up.
+def _mean_seconds(body, *, device: torch.device, budget_s: float, min_repeats: int = 3, max_repeats: int = 200,
+                  warm_up: bool = True) -> float:
+    """Mean seconds of `body` over as many back-to-back repeats as fit in `budget_s`, after one warm-up
+    (unless `warm_up` is False: the body ran just before).
 
     The mean, not the median: with more processes than cores the scheduler slices time in milliseconds,
     so most short repeats run unpreempted and a median would hide the shared core a whole step pays."""
-    body()
+    if warm_up:
+        body()
     _synchronize(device)
     count, start = 0, time.perf_counter()
     deadline = start + budget_s
@@ -145,7 +148,7 @@ def measure_layer(model: ModelSpec, *, device: torch.device, dtype: torch.dtype,
     inputs = {(b, s): torch.randn(s, b, model.hidden_size, device=device, dtype=dtype, requires_grad=True)
               for b, s in shapes}
     samples: dict[tuple, tuple[list[float], list[float]]] = {key: ([], []) for key in keys}
-    for _ in range(rounds):
+    for round_ in range(rounds):
         for key in keys:
             shape, policy = key
             x, chunk = inputs[shape], chunks[policy]
@@ -159,7 +162,9 @@ def measure_layer(model: ModelSpec, *, device: torch.device, dtype: torch.dtype,
 
             for body, out in ((forward, samples[key][0]), (forward_backward, samples[key][1])):
                 barrier()
-                out.append(_mean_seconds(body, device=device, budget_s=budget_s / rounds) / num_layers)
+                # Warmed up in the first round; later rounds measure bodies that already ran.
+                out.append(_mean_seconds(body, device=device, budget_s=budget_s / rounds, warm_up=round_ == 0)
+                           / num_layers)
     name = str(dtype).split(".")[-1]
     return [LayerProbePoint(micro_batch=b, seq_len=s, dtype=name, forward_s=statistics.median(samples[key][0]),
                             forward_backward_s=statistics.median(samples[key][1]), recompute=policy)
