@@ -267,8 +267,7 @@ def _run_local(cmd: list[str], *, env: dict[str, str], on_line: Callable[[int, s
             on_line(0, line.rstrip("\n"))
         return proc.wait()
     finally:
-        if proc.poll() is None:
-            _kill_group(proc)
+        _kill_groups([proc], grace_s=10.0)  # torchrun and every worker it started share its process group
 
 
 def direct_launch(where: Where) -> bool:
@@ -333,16 +332,17 @@ def _run_direct(nproc: int, module_argv: list[str], *, env: dict[str, str],
                 break
             time.sleep(0.05)
         if first is not None:
-            _stop(procs, grace_s=DIRECT_GRACE_S)
+            _kill_groups(procs, grace_s=DIRECT_GRACE_S)
         for reader in readers:
             reader.join(timeout=5)
         return (0, None) if first is None else (first[1] if first[1] > 0 else 1, first)
     finally:
-        _stop(procs, grace_s=DIRECT_GRACE_S)
+        _kill_groups(procs, grace_s=DIRECT_GRACE_S)
 
 
-def _stop(procs: list[subprocess.Popen], *, grace_s: float) -> None:
-    """SIGTERM every live worker's session, then SIGKILL what is left after `grace_s`."""
+def _kill_groups(procs: list[subprocess.Popen], *, grace_s: float) -> None:
+    """SIGTERM the process group (session) of every process still running, then SIGKILL what is left after
+    `grace_s`: torchrun with its workers, or the workers the launcher started itself."""
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         live = [p for p in procs if p.poll() is None]
         for proc in live:
@@ -410,20 +410,6 @@ def _failure_message(error_dir: Path, tail: list[str], returncode: int,
 
 def _how(code: int) -> str:
     return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Stop torchrun and every worker it started (they share its process group)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=10)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 # --- training runs ----------------------------------------------------------------------------------
