@@ -86,7 +86,7 @@ def run_plans(cfgs: list[RunConfig]) -> list[tuple[dict, dict[str, torch.Tensor]
 
 
 def _run_plans_once(cfgs: list[RunConfig], world: int) -> list[tuple[dict, dict[str, torch.Tensor]]]:
-    from tests.distributed.spawn import RankCrashed, context, crash_of
+    from tests.distributed.spawn import context, rank_failure
 
     ctx = context()
     queue = ctx.Queue()
@@ -109,8 +109,7 @@ def _run_plans_once(cfgs: list[RunConfig], world: int) -> list[tuple[dict, dict[
                 p.kill()
                 p.join()
     if error is not None:
-        crash = crash_of(procs)
-        raise (RankCrashed if crash else AssertionError)(f"{crash}\n{error}" if crash else error)
+        raise rank_failure(procs, error)
     return results
 
 

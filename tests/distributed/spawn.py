@@ -62,6 +62,13 @@ def crash_of(procs) -> str:
                      if p.exitcode is not None and -p.exitcode in CRASH_SIGNALS)
 
 
+def rank_failure(procs, message: str) -> AssertionError:
+    """What a failed run of the joined `procs` raises: RankCrashed, naming the ranks a crash signal ended
+    (retry_crashed runs it again), else AssertionError."""
+    crash = crash_of(procs)
+    return RankCrashed(f"{crash}\n{message}") if crash else AssertionError(message)
+
+
 def retry_crashed(run, what: str):
     """run() again once when it raised RankCrashed (see CRASH_ATTEMPTS); its result."""
     import warnings
@@ -130,6 +137,5 @@ def _run_on_ranks_once(fn, *, world_size: int, args: tuple, timeout_s: float) ->
                 p.kill()
                 p.join()
     if errors:
-        crash = crash_of(procs)
-        raise (RankCrashed if crash else AssertionError)("\n".join(([crash] if crash else []) + errors))
+        raise rank_failure(procs, "\n".join(errors))
     return [collected[r] for r in range(world_size)]
