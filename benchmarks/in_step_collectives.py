@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -97,9 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--nproc must be even and at least 2")
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from runners.launch import free_port
+
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

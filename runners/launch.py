@@ -290,7 +290,8 @@ def direct_launch(where: Where) -> bool:
 DIRECT_GRACE_S = 5.0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A local TCP port that was free a moment ago (bind to port 0 and let the OS choose)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -304,7 +305,7 @@ def _run_direct(nproc: int, module_argv: list[str], *, env: dict[str, str],
     LOCAL_WORLD_SIZE, MASTER_ADDR/PORT of a free local port, where rank 0 hosts the store:
     runners.faults.init_distributed) and PLANNER_LAUNCHER, by which it asks to die with this process.
     Each runs in its own session; their output lines reach `on_line` one at a time."""
-    base = {**os.environ, **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    base = {**os.environ, **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
             "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "PLANNER_LAUNCHER": "direct"}
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []

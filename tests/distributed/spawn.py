@@ -16,12 +16,13 @@ import os
 import pickle
 import queue
 import signal
-import socket
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from runners.launch import free_port
 
 
 # Imported once by the fork server, before it forks any rank: torch, the engine, and what --engine torch
@@ -80,13 +81,6 @@ def retry_crashed(run, what: str):
             if attempt == CRASH_ATTEMPTS - 1:
                 raise
             warnings.warn(f"{what}: {str(exc).splitlines()[0]}; running it again from the start")
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (bind to port 0 and let the OS choose)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _entry(rank: int, world_size: int, port: int, fn, args, results) -> None:

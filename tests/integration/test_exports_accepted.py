@@ -14,7 +14,6 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from planner.exports import Refused, export_plan
+from runners.launch import free_port
 from tests.export_cases import CASES
 
 CHECKS = Path(__file__).resolve().parent / "export_checks"
@@ -111,12 +111,6 @@ def test_torchtitan_loads_and_accepts_every_export(exports):
     assert results[str(exports["torchtitan"]["70b-pp4-unequal"])]["parts"] == [20, 21, 21, 21]
 
 
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def test_deepspeed_accepts_every_export_and_its_pipeline_engine_the_zero_stage(exports):
     _require("deepspeed")
     good = list(exports["deepspeed"].values())
@@ -130,7 +124,7 @@ def test_deepspeed_accepts_every_export_and_its_pipeline_engine_the_zero_stage(e
     assert json.loads((pipeline / "ds_config.json").read_text())["pipeline"]["stages"] == 4
     engine_copy = _copy(pipeline, "engine")
     results = _run("deepspeed_check.py", good + list(bad) + [engine_copy], "--pipe", str(engine_copy),
-                   env={"PORT": _free_port()})
+                   env={"PORT": str(free_port())})
     _assert_verdicts(results, good, bad)
     for folder in good:
         # "Adam" stays Adam: DeepSpeed would run AdamW without adam_w_mode false.
