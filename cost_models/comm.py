@@ -7,6 +7,7 @@ input) over n ranks, ring algorithm (Thakur et al. 2005; NCCL):
     all_gather      (n-1)/n * B / bw + (n-1) * latency        (reduce_scatter, all_to_all the same)
     broadcast       B / bw + (n-1) * latency                   (pipelined ring)
     p2p             B / bw + latency
+    ring_step       B / bw + latency                           (each rank sends B to the next, receives B)
 
 where bw is the per-device unidirectional bandwidth of the link class the group spans. A group that
 spans nodes is priced hierarchically, the way NCCL's rings use one NIC per GPU: a reduce-scatter (or
@@ -37,6 +38,7 @@ _BUS_FACTOR = {
     "all_to_all": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
     "p2p": lambda n: 1.0,
+    "ring_step": lambda n: 1.0,
 }
 _LATENCY_STEPS = {
     "all_reduce": lambda n: 2 * (n - 1),
@@ -45,6 +47,7 @@ _LATENCY_STEPS = {
     "all_to_all": lambda n: n - 1,
     "broadcast": lambda n: n - 1,
     "p2p": lambda n: 1,
+    "ring_step": lambda n: 1,
 }
 
 
@@ -75,6 +78,20 @@ def flat_collective_time_s(hw: Hardware, *, collective: str, size_bytes: float, 
     spec = hw.link(link)
     return scale * (_LATENCY_STEPS[collective](n) * spec.latency_s
                     + _BUS_FACTOR[collective](n) * size_bytes / spec.bandwidth_bytes_per_s)
+
+
+def ring_step_time_s(hw: Hardware, *, size_bytes: float, group_size: int, link: str) -> float:
+    """One step of a ring of `group_size` ranks in which each sends `size_bytes` to the next and receives as
+    much from the previous, at once (context parallelism's K/V ring). Priced from the profile's ring-step
+    curve where it has one for `link`; else from its one-way point-to-point curve or the datasheet link, a
+    full-duplex link carrying both directions in the time of one. On gloo over CPU cores the two directions
+    are not free: a 4-process ring step measured 2.8x the one-way send's time after a barrier."""
+    if group_size <= 1 or size_bytes <= 0:
+        return 0.0
+    if _fit(hw, "ring_step", link) is not None:
+        return flat_collective_time_s(hw, collective="ring_step", size_bytes=size_bytes, group_size=group_size,
+                                      link=link)
+    return flat_collective_time_s(hw, collective="p2p", size_bytes=size_bytes, group_size=2, link=link)
 
 
 def collective_time_s(cluster: Cluster, *, collective: str, size_bytes: float, group_size: int,

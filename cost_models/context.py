@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cost_models.comm import flat_collective_time_s
+from cost_models.comm import ring_step_time_s
 from cost_models.compute import activation_bytes_per_element
 
 
@@ -62,7 +62,7 @@ def context_comm(plan, cluster, *, model, job, core_forward_s: float, core_backw
     kv_bytes = 2.0 * b * (job.seq_len // r) * (model.num_kv_heads // (tp * a)) * d * p
     # The ring's slowest edge sets its pace: the link of the whole ring (ranks tp x a apart).
     link = cluster.group_link(size=r, stride=tp * a)
-    send_s = flat_collective_time_s(cluster.hardware, collective="p2p", size_bytes=kv_bytes, group_size=2, link=link)
+    send_s = ring_step_time_s(cluster.hardware, size_bytes=kv_bytes, group_size=r, link=link)
     send_s += cluster.hardware.calibration.get("collective_overhead_s", 0.0)  # per call, as estimate.collective_time_s
     return ContextComm(a2a_forward_s=a2a_fwd, a2a_backward_s=a2a_fwd, a2a_bytes=a2a_bytes,
                        ring_forward=ring_steps(r, send_s=send_s, core_s=core_forward_s, gradients=False),

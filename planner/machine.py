@@ -76,6 +76,11 @@ def stale_reason(path: Path, *, nproc: int) -> str | None:
         return f"the cached one was measured with {hardware.measured_processes} processes"
     if hardware.device_type == "cpu" and hardware.measured_cores and hardware.measured_cores != num_cores():
         return f"the cached one was measured on {hardware.measured_cores} cores, this host has {num_cores()}"
+    from profilers.profile import PROFILER_VERSION
+
+    if hardware.source == "profile" and hardware.profiler_version != PROFILER_VERSION:
+        return (f"the cached one was measured by profiler version {hardware.profiler_version}, this is "
+                f"version {PROFILER_VERSION}")
     return None
 
 

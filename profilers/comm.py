@@ -99,6 +99,17 @@ def _make_op(collective: str, nbytes: int, *, ranks: tuple[int, ...], group, dev
         if me == ranks[0]:
             return lambda: dist.send(full, dst=ranks[1], group=group)
         return lambda: dist.recv(full, src=ranks[0], group=group)
+    if collective == "ring_step":
+        # Every rank sends to the next rank of the group and receives from the previous one at once: one
+        # step of context parallelism's K/V ring (runners/comm.exchange, the same calls on each backend).
+        i = ranks.index(me)
+        received = torch.empty_like(full)
+        nxt, prev = ranks[(i + 1) % n], ranks[(i - 1) % n]
+        if device.type == "cuda":
+            return lambda: [w.wait() for w in dist.batch_isend_irecv(
+                [dist.P2POp(dist.isend, full, nxt, group), dist.P2POp(dist.irecv, received, prev, group)])]
+        return lambda: [w.wait() for w in (dist.irecv(received, src=prev, group=group),
+                                           dist.isend(full, dst=nxt, group=group))]
     raise ValueError(f"unknown collective {collective!r}")
 
 
@@ -107,13 +118,28 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_point(op, *, group, device: torch.device, budget_s: float, max_repeats: int) -> list[float]:
-    """Per-repeat seconds of `op`, each the slowest rank's time after a barrier.
+# The compute a step runs between two collectives, stood for by one square matmul of this side (~0.1 ms on
+# one CPU core, microseconds on a GPU): what matters is that the op is called by ranks coming from work.
+BURST_SIDE = 96
+ROUNDS = 3
 
-    Every rank of `group` calls this (in `run`, the whole world: ranks outside the measured groups pass
-    a no-op). The repeat count is agreed across the group from the slowest warm-up so every rank calls
-    the collective the same number of times.
+
+def measure_point(op, *, group, device: torch.device, budget_s: float, max_repeats: int) -> tuple[list[float], int]:
+    """Seconds of one `op` as a training step calls it, one value per round, the slowest rank's; and the
+    number of calls timed.
+
+    A step does not call its collectives after a barrier: each rank arrives from its own computation, its
+    partners a little earlier or later, and on a host with fewer cores than processes one of them may not
+    be running. So each round times a loop of k x (a short matmul, then `op`) and a loop of the k matmuls
+    alone, every rank starting both after one barrier, and keeps (op loop - matmul loop) / k. Timed after a
+    barrier instead (until the eleventh session), a 4-process gloo ring step of 16 KiB measured 1.3 ms where
+    steps saw 3.7 ms, a send with its receive 0.65 where they saw 2.9 (benchmarks/in_step_collectives.py).
+
+    Every rank of `group` calls this (in `run`, the whole world: ranks outside the measured groups pass a
+    no-op and only compute). The repeat count is agreed across the group from the slowest warm-up so
+    every rank calls the collective the same number of times.
     """
+    burst = torch.ones(BURST_SIDE, BURST_SIDE, device=device) / BURST_SIDE
     op()
     _sync(device)
     start = time.perf_counter()
@@ -121,16 +147,25 @@ def measure_point(op, *, group, device: torch.device, budget_s: float, max_repea
     _sync(device)
     warm = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
     dist.all_reduce(warm, op=dist.ReduceOp.MAX, group=group)
-    repeats = int(min(max_repeats, max(3, budget_s / max(float(warm.item()), 1e-9))))
-    times = torch.zeros(repeats, dtype=torch.float64, device=device)
-    for i in range(repeats):
+    repeats = int(min(max_repeats, max(ROUNDS, budget_s / max(float(warm.item()), 1e-9))))
+    per_round = max(1, repeats // ROUNDS)
+
+    def loop(call) -> float:
         dist.barrier(group=group)
         start = time.perf_counter()
-        op()
+        for _ in range(per_round):
+            torch.mm(burst, burst)
+            call()
         _sync(device)
-        times[i] = time.perf_counter() - start
+        return time.perf_counter() - start
+
+    times = torch.zeros(ROUNDS, dtype=torch.float64, device=device)
+    for i in range(ROUNDS):
+        compute = loop(lambda: None)
+        # A fast op on a noisy host can come out at or below zero: floor it at a microsecond's hundredth.
+        times[i] = max(1e-8, (loop(op) - compute) / per_round)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-    return times.tolist()
+    return times.tolist(), ROUNDS * per_round
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -181,12 +216,12 @@ def run(spec: CommSpec, *, device: torch.device) -> list[dict]:
                 if mine is not None:
                     ranks, group = mine
                     op = _make_op(collective, nbytes, ranks=ranks, group=group, device=device)
-                times = measure_point(op, group=None, device=device, budget_s=spec.budget_s_per_point,
+                times, calls = measure_point(op, group=None, device=device, budget_s=spec.budget_s_per_point,
                                       max_repeats=spec.max_repeats)
                 curve["sizes_bytes"].append(nbytes)
                 curve["median_s"].append(statistics.median(times))
                 curve["spread_s"].append(_quantile(times, 0.9) - _quantile(times, 0.1))
-                curve["repeats"].append(len(times))
+                curve["repeats"].append(calls)
                 done += 1
                 if rank == 0:
                     emit_event("progress", done=done, total=len(points), label=f"{shape.name} {collective} {size}")

@@ -2,7 +2,8 @@
 
 - Collectives: time(bytes) = latency_s + bus_bytes / bus_bandwidth, with the NCCL-tests bus-bandwidth
   convention (nccl-tests doc/PERFORMANCE.md): bus bytes = message bytes x 2(n-1)/n for all-reduce,
-  x (n-1)/n for all-gather, reduce-scatter and all-to-all, x 1 for broadcast and point-to-point.
+  x (n-1)/n for all-gather, reduce-scatter and all-to-all, x 1 for broadcast, point-to-point and a ring
+  step (each rank's one message).
 - GEMMs: time = max(kernel_overhead_s, flops / (peak x gemm_max_efficiency x prod_d d / (d + half_dim)))
   (the Hardware docstring's efficiency model), fitted by least squares on log time.
 """
@@ -21,7 +22,8 @@ def bus_factor(collective: str, group_size: int) -> float:
     """Bus bytes per message byte (nccl-tests PERFORMANCE.md); `message` is the full tensor.
 
     The message is the all-reduce buffer, the all-gather output, the reduce-scatter input, the
-    broadcast buffer, one point-to-point message, or one rank's whole all-to-all buffer.
+    broadcast buffer, one point-to-point message, one rank's ring-step message, or one rank's whole
+    all-to-all buffer.
     """
     n = group_size
     if n < 2:
@@ -30,7 +32,7 @@ def bus_factor(collective: str, group_size: int) -> float:
         return 2 * (n - 1) / n
     if collective in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n
-    if collective in ("broadcast", "p2p"):
+    if collective in ("broadcast", "p2p", "ring_step"):
         return 1.0
     raise ValueError(f"unknown collective {collective!r}")
 

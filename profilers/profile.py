@@ -37,6 +37,9 @@ from specs.model import resolve_model
 log = logging.getLogger(__name__)
 
 KIB, MIB = 1024, 1024**2
+# 1: collectives timed as a step calls them (after compute, not after a barrier) and the ring-step curve
+# (profilers/comm.py); a cached profile of another version is measured again (planner/machine.stale_reason).
+PROFILER_VERSION = 1
 FULL_SIZES_BYTES = tuple(KIB * 4**i for i in range(10))  # 1 KiB .. 256 MiB
 QUICK_SIZES_BYTES = tuple(KIB * 4**i for i in range(8))  # 1 KiB .. 16 MiB
 
@@ -260,7 +263,7 @@ def build_hardware(*, device: torch.device, compute: ComputeResult, memory: Memo
         # tile and NCCL's CTAs are the library's choices the preset records for this GPU family.
         num_sms=_num_sms(device) or base.num_sms, gemm_tile=base.gemm_tile,
         nccl_ctas=(base.nccl_ctas or NCCL_CTAS) if device.type == "cuda" else 0,
-        measured_processes=processes, measured_cores=num_cores())
+        measured_processes=processes, measured_cores=num_cores(), profiler_version=PROFILER_VERSION)
 
 
 def _num_sms(device: torch.device) -> int:

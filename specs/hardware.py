@@ -14,7 +14,9 @@ from specs.errors import PlannerError
 from specs.jsonio import dataclass_from_dict, dataclass_to_dict, read_json_file, write_json_atomic
 
 LINK_CLASSES = ("intra_node", "inter_node")
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p", "all_to_all")
+# ring_step: every rank of the group sends one message to the next and receives one from the previous at once
+# (context parallelism's K/V ring); p2p: one message one way (a pipeline boundary).
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p", "all_to_all", "ring_step")
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,7 @@ class CollectiveFit:
     group_size: int
     latency_s: float
     bandwidth_bytes_per_s: float
-    # Raw curve: message bytes and median seconds, with the spread (p90 - p10) of the repeats.
+    # Raw curve: message bytes and median seconds, with the spread (p90 - p10) of the measured rounds.
     sizes_bytes: tuple[int, ...] = ()
     median_s: tuple[float, ...] = ()
     spread_s: tuple[float, ...] = ()
@@ -156,6 +158,9 @@ class Hardware:
     # re-measures for another count); 0: not a local measurement (presets, older profiles).
     measured_processes: int = 0
     measured_cores: int = 0
+    # What measured a profile (profilers/profile.PROFILER_VERSION; 0: presets and profiles from before the
+    # number): planner/machine.py measures a cached profile again when it was taken another way.
+    profiler_version: int = 0
     # Measured efficiencies (fraction of the dtype's peak) of kernels that are not plain GEMMs, by name:
     # flash1_forward/backward (FlashAttention-1 class), flash2_forward/backward (FlashAttention-2),
     # flash3_forward/backward (FlashAttention-3 / cuDNN fused attention, Hopper only), fp8_gemm (the largest-GEMM rate in fp8, whose peak is peak_flops_per_s["fp8"]),

@@ -15,7 +15,7 @@ from cost_models.estimate import collective_time_s, estimate, layer_costs
 from specs.cluster import Cluster
 from specs.errors import PlannerError
 from specs.hardware import PRESETS as HW
-from specs.hardware import LinkSpec
+from specs.hardware import CollectiveFit, LinkSpec
 from specs.job import Job
 from specs.model import PRESETS
 from specs.plan import Plan
@@ -55,6 +55,22 @@ def test_all_to_all_and_ring_volumes_by_hand():
     send_s = flat_collective_time_s(H100, collective="p2p", size_bytes=message, group_size=2, link="inter_node")
     assert ctx.ring_forward[0] == pytest.approx((send_s, 2 / 9))
     assert ctx.a2a_bytes == 0
+
+
+def test_the_ring_is_priced_from_the_profiles_ring_step_curve_where_it_has_one():
+    # A ring step (send to the next rank and receive from the previous at once) measured 3x a one-way send:
+    # the ring's messages take the ring-step fit nearest its size; without one, the one-way p2p fit.
+    p2p = CollectiveFit("p2p", "inter_node", 2, latency_s=1e-4, bandwidth_bytes_per_s=1e9)
+    steps = [CollectiveFit("ring_step", "inter_node", n, latency_s=3e-4 * n, bandwidth_bytes_per_s=1e9 / n)
+             for n in (2, 4)]
+    job = Job(global_batch=8, seq_len=65536, precision="bf16")
+    ring = Plan(dp=1, tp=8, cp=8, num_micro_batches=8)
+    message = 2 * 1 * (65536 // 8) * 1 * 128 * 2
+    for fits, expected in (((p2p,), 1e-4 + message / 1e9), ((p2p, *steps), 12e-4 + message / 0.25e9)):
+        cluster = dataclasses.replace(NODES, hardware=dataclasses.replace(H100, collectives=fits))
+        ctx = context_comm(ring, cluster, model=MODEL, job=job, core_forward_s=1.0, core_backward_s=2.5,
+                           collective_time_s=collective_time_s)
+        assert ctx.ring_forward[0][0] == pytest.approx(expected)
 
 
 def test_gqa_sends_only_the_kv_heads():

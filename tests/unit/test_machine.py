@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from planner import machine
+from profilers.profile import PROFILER_VERSION
 from runners.launch import num_cores
 from specs.errors import PlannerError
 from specs.hardware import PRESETS, resolve_hardware
@@ -17,7 +18,8 @@ from specs.hardware import PRESETS, resolve_hardware
 
 def _measured(nproc: int, *, cores: int | None = None):
     return dataclasses.replace(PRESETS["cpu"], name="measured", source="profile", measured_processes=nproc,
-                               measured_cores=num_cores() if cores is None else cores)
+                               measured_cores=num_cores() if cores is None else cores,
+                               profiler_version=PROFILER_VERSION)
 
 
 def test_one_default_process_count_for_every_local_command(monkeypatch):
@@ -59,6 +61,9 @@ def test_the_cached_profile_is_used_for_its_process_count_and_measured_for_anoth
     assert "measured with 3 processes" in machine.stale_reason(machine.cached_profile_path(2), nproc=2)
     _measured(2, cores=num_cores() + 6).save(machine.cached_profile_path(2))
     assert "cores" in machine.stale_reason(machine.cached_profile_path(2), nproc=2)
+    # One measured by another version of the profiler (its collectives timed another way) too.
+    dataclasses.replace(_measured(2), profiler_version=PROFILER_VERSION - 1).save(machine.cached_profile_path(2))
+    assert "profiler version" in machine.stale_reason(machine.cached_profile_path(2), nproc=2)
     machine.local_profile(2)
     assert measured == [2, 4, 2]
     machine.cached_profile_path(2).write_text("{not json")
@@ -77,7 +82,8 @@ def test_a_gpu_node_uses_its_cached_gpu_profile_else_its_preset(tmp_path, monkey
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda _i=0: "NVIDIA H100 80GB HBM3")
     _measured(8).save(machine.cached_profile_path(8))  # a CPU profile is no GPU node's
     assert machine.local_hardware(8) == "h100"
-    gpu = dataclasses.replace(PRESETS["h100"], source="profile", measured_processes=8, measured_cores=num_cores())
+    gpu = dataclasses.replace(PRESETS["h100"], source="profile", measured_processes=8, measured_cores=num_cores(),
+                              profiler_version=PROFILER_VERSION)
     gpu.save(machine.cached_profile_path(8))
     assert machine.local_hardware(8) == str(machine.cached_profile_path(8))
     assert machine.local_hardware(1024) == "h100"  # a cluster-sized job is priced on the preset

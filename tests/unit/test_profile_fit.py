@@ -13,6 +13,7 @@ def test_bus_factor_follows_nccl_tests() -> None:
     assert bus_factor("reduce_scatter", 2) == pytest.approx(0.5)
     assert bus_factor("all_to_all", 8) == pytest.approx(7 / 8)
     assert bus_factor("broadcast", 8) == 1.0 and bus_factor("p2p", 2) == 1.0
+    assert bus_factor("ring_step", 4) == 1.0  # each rank's own message, whatever the ring's size
     with pytest.raises(ValueError):
         bus_factor("all_reduce", 1)
 
