@@ -131,7 +131,7 @@ def measure_point(op, *, group, device: torch.device, budget_s: float, max_repea
     A step does not call its collectives after a barrier: each rank arrives from its own computation, its
     partners a little earlier or later, and on a host with fewer cores than processes one of them may not
     be running. So each round times a loop of k x (a short matmul, then `op`) and a loop of the k matmuls
-    alone, every rank starting both after one barrier, and keeps (op loop - matmul loop) / k. Timed after a
+    alone, every rank starting both after one barrier, and keeps (op loop - fastest matmul loop) / k. Timed after a
     barrier instead (until the eleventh session), a 4-process gloo ring step of 16 KiB measured 1.3 ms where
     steps saw 3.7 ms, a send with its receive 0.65 where they saw 2.9 (benchmarks/in_step_collectives.py).
 
@@ -159,11 +159,14 @@ def measure_point(op, *, group, device: torch.device, budget_s: float, max_repea
         _sync(device)
         return time.perf_counter() - start
 
-    times = torch.zeros(ROUNDS, dtype=torch.float64, device=device)
-    for i in range(ROUNDS):
-        compute = loop(lambda: None)
-        # A fast op on a noisy host can come out at or below zero: floor it at a microsecond's hundredth.
-        times[i] = max(1e-8, (loop(op) - compute) / per_round)
+    compute, with_op = [], []
+    for _ in range(ROUNDS):
+        compute.append(loop(lambda: None))
+        with_op.append(loop(op))
+    # The matmuls' own time is their fastest loop (noise only adds time); a fast op on a noisy host can still
+    # come out at or below zero: floored at a hundredth of a microsecond.
+    times = torch.tensor([max(1e-8, (t - min(compute)) / per_round) for t in with_op], dtype=torch.float64,
+                         device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     return times.tolist(), ROUNDS * per_round
 

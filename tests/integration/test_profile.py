@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from planner.cli import app
 from specs.errors import PlannerError
 from profilers.fit import bus_factor
+from profilers.profile import PROFILER_VERSION
 from specs.hardware import Hardware, resolve_hardware
 
 runner = CliRunner()
@@ -26,7 +27,7 @@ def profile_path(tmp_path_factory) -> Path:
     start = time.perf_counter()
     # A short layer probe: these tests check what the profile holds, not how precisely it was timed.
     result = runner.invoke(app, ["profile", "--quick", "--nproc", "2", "--sizes", SIZES, "--probe-seconds", "0.3",
-                                 "--collectives", "all_reduce,all_gather,p2p", "--out", str(out), "--format", "json"])
+                                 "--collectives", "all_reduce,all_gather,p2p,ring_step", "--out", str(out), "--format", "json"])
     assert result.exit_code == 0, result.output
     assert time.perf_counter() - start < 120
     return out
@@ -34,7 +35,7 @@ def profile_path(tmp_path_factory) -> Path:
 
 def test_profile_json_round_trips_through_resolve_hardware(profile_path: Path) -> None:
     hw = resolve_hardware(str(profile_path))
-    assert hw.source == "profile" and hw.device_type == "cpu"
+    assert hw.source == "profile" and hw.device_type == "cpu" and hw.profiler_version == PROFILER_VERSION
     assert Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
     assert hw.gemm_points and {p.dtype for p in hw.gemm_points} >= {"fp32"}
     assert set(hw.elementwise_bytes_per_s) >= {"layer_norm", "rms_norm", "gelu", "silu"}
@@ -60,7 +61,8 @@ def test_profile_fits_describe_the_raw_curves(profile_path: Path) -> None:
     hw = resolve_hardware(str(profile_path))
     measured = {(f.collective, f.link, f.group_size) for f in hw.collectives}
     # One node of two processes: every group is inside the node.
-    assert measured == {("all_reduce", "intra_node", 2), ("all_gather", "intra_node", 2), ("p2p", "intra_node", 2)}
+    assert measured == {("all_reduce", "intra_node", 2), ("all_gather", "intra_node", 2), ("p2p", "intra_node", 2),
+                        ("ring_step", "intra_node", 2)}
     for fit in hw.collectives:
         assert len(fit.sizes_bytes) == 3 and len(fit.median_s) == 3 and len(fit.spread_s) == 3
         assert all(s >= 0 for s in fit.spread_s)

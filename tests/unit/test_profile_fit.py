@@ -249,3 +249,38 @@ def test_an_aborted_probe_rank_is_measured_again_once(monkeypatch):
     with pytest.raises(RunFailed, match="signal 6"):
         profile.run_layer_probe(options)
     assert len(calls) == profile.PROBE_ATTEMPTS
+
+
+def test_a_point_is_timed_as_the_op_after_compute_less_the_compute_alone(tmp_path, monkeypatch) -> None:
+    """profilers.comm.measure_point on one gloo rank, on a clock that only the op and a stall move: an op of
+    2 ms comes out at 2 ms a call in every round, although the first matmul-only loop stalled 5 ms (the
+    matmuls' time is their fastest loop); one value per round, and the number of calls timed."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    import profilers.comm as comm
+
+    clock = types.SimpleNamespace(now=0.0, reads=0)
+
+    def perf_counter() -> float:
+        clock.reads += 1
+        if clock.reads == 4:  # the end of the first matmul-only loop (after the warm-up's 2 reads)
+            clock.now += 5e-3
+        return clock.now
+
+    calls = []
+
+    def op() -> None:
+        calls.append(1)
+        clock.now += 2e-3
+
+    monkeypatch.setattr(comm, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        times, timed = comm.measure_point(op, group=None, device=torch.device("cpu"), budget_s=1.0, max_repeats=12)
+    finally:
+        dist.destroy_process_group()
+    assert timed == len(calls) - 2 == 12  # capped by max_repeats; the 2 warm-up calls are not timed
+    assert times == pytest.approx([2e-3] * comm.ROUNDS)
