@@ -26,6 +26,9 @@ def _skip_reason() -> str | None:
 pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
 
 STEPS = 60
+# The runs that only shrink: the fault comes at step 6 or 7, well before the last step (the ranks may be a
+# few steps ahead of the events the fault waits for), and the shrunk run resumes from step 5.
+SHRINK_STEPS = 20
 
 
 @pytest.fixture
@@ -83,15 +86,20 @@ class _Faults:
 def _hand_chain(cfg, *, segments: list[tuple[int, int]], tmp_path: Path):
     """Train the same run by hand on local processes: each (world size, last step) segment resumes the
     previous one's checkpoint under the elastic table's plan for that world. Returns (losses by step,
-    checkpoint dir)."""
-    from runners.launch import Where, launch
+    checkpoint dir).
+
+    The segments run on the distributed tests' gloo processes (tests/distributed/harness.run_plans: forks
+    of a server that imported torch once, one intra-op thread each), not through the launcher: the same
+    runners.train.train on the same configs, without ten fresh processes importing torch (about 20 s here).
+    What the launcher adds around train (events, restarts) is what the elastic run itself checks."""
+    from tests.distributed.harness import run_plans
 
     ckpt = tmp_path / "hand"
     losses = {}
     for i, (world, until) in enumerate(segments):
         seg = cfg.for_world(world).replace(elastic_plans=(), steps=until, checkpoint_dir=str(ckpt), checkpoint_every=0,
                                            resume=i > 0)
-        metrics = launch(seg, where=Where(nproc=world), env={"OMP_NUM_THREADS": "1"})
+        [(metrics, _)] = run_plans([seg])
         losses.update({s.step: s.loss for s in metrics.steps})
     return losses, ckpt
 
@@ -167,7 +175,7 @@ def _run_with_fault(cfg, where, fault, *, at_step: int, env: dict | None = None)
 def test_node_cut_off_is_detected_by_the_timeout_and_the_run_shrinks(cluster, tmp_path):
     """Node 1's link goes down: nothing closes, so node 0's collectives time out (10 s here), and the run
     goes on without it, from the newest complete checkpoint."""
-    cfg, where = _elastic_config(tmp_path / "ckpt", steps=30, timeout_s=10.0)
+    cfg, where = _elastic_config(tmp_path / "ckpt", steps=SHRINK_STEPS, timeout_s=10.0)
     metrics = _run_with_fault(cfg, where, lambda nodes, node: nodes.cut_off(node), at_step=7)
     lost, _, resumed = metrics.events
     assert "timed out" in lost.detail.lower() or "timeout" in lost.detail.lower(), lost
@@ -183,7 +191,7 @@ def test_node_killed_in_the_middle_of_a_checkpoint_write_resumes_from_the_one_be
     from runners.checkpoint import PAUSE_ENV
 
     ckpt = tmp_path / "ckpt"
-    cfg, where = _elastic_config(ckpt, steps=30)
+    cfg, where = _elastic_config(ckpt, steps=SHRINK_STEPS)
     partial = ckpt / "step-00000010.tmp"
 
     def kill_mid_write(nodes, node):

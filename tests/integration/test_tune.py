@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 from typer.testing import CliRunner
@@ -9,10 +10,12 @@ from typer.testing import CliRunner
 import pytest
 
 from cost_models.estimate import estimate
+from planner import tune as tune_module
 from planner.cli import app
 from planner.search import SearchOptions, search
 from planner.tune import CALIBRATION_PARAMETERS, OVERLAP_PARAMETER, TuneSettings, cached_profile_path, ensure_profile
 from planner.validate import ValidateSettings
+from profilers import profile as profiler
 from runners.launch import num_cores
 from runners.config import RunConfig
 from runners.reference import train_reference
@@ -25,6 +28,16 @@ runner = CliRunner()
 
 def test_tune_profiles_searches_runs_and_reuses_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PLANNER_CACHE_DIR", str(tmp_path / "cache"))
+    # Smaller than a real tune, for time only (the default sizes took 47 s to profile and 74 s to time 14
+    # plans here): this test checks that tune measures, fits, caches and reuses a profile, not how
+    # precisely. The profile's layer probe gets 0.3 s a point and three message sizes (as
+    # test_profile.py's), and the calibration times 4 + 2 plans instead of CALIBRATION_PLANS +
+    # CALIBRATION_PLANS_2X, still at both global batches and enough to fit every CALIBRATION_PARAMETER;
+    # tests/unit/test_calibrate.py checks what the shipped counts pin down.
+    monkeypatch.setattr(profiler, "ProfileOptions", functools.partial(
+        profiler.ProfileOptions, probe_seconds=0.3, sizes_bytes=(4 << 10, 256 << 10, 16 << 20)))
+    monkeypatch.setattr(tune_module, "CALIBRATION_PLANS", 4)
+    monkeypatch.setattr(tune_module, "CALIBRATION_PLANS_2X", 2)
     result = runner.invoke(app, ["tune", "--steps", "3", "--format", "json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
@@ -50,7 +63,7 @@ def test_tune_profiles_searches_runs_and_reuses_the_cache(tmp_path, monkeypatch)
     # The fresh profile was fitted to timed plans before the search, and the fit is in the cache.
     calibration = report["calibration"]
     assert calibration["num_plans"] >= 4 and report["calibrated_from_runs"] == calibration["num_plans"]
-    assert set(calibration["parameters"]) <= {*CALIBRATION_PARAMETERS, OVERLAP_PARAMETER}
+    assert set(CALIBRATION_PARAMETERS) <= set(calibration["parameters"]) <= {*CALIBRATION_PARAMETERS, OVERLAP_PARAMETER}
     assert calibration["mape_after"] <= calibration["mape_before"] + 1e-9
     hardware = resolve_hardware(str(cached))
     assert hardware.calibrated_from_runs == calibration["num_plans"]
