@@ -616,11 +616,16 @@ def ring_exp_time_s(hw: Hardware, num_elements: float) -> float:
     """Seconds of fp32 exps over `num_elements`: at the profile's measured SiLU rate (one exp an element,
     4 bytes read and 4 written: the one exp-bound kernel `planner profile` times), where the profile has
     it, else as a bandwidth-bound pass. On this project's 2-core host SiLU moves 3.3x fewer bytes a second
-    than an add: the exps, not the bytes, set the pace of the ring's softmax."""
+    than an add: the exps, not the bytes, set the pace of the ring's softmax.
+
+    A measured kernel, like the attention points (measured_attention_times_s): scaled by the cores the
+    profile's processes share (the rate was timed in one process), not by the fitted compute_time_scale,
+    which says how far the GEMM sweep is from the real layer. With it (3.4 on 4 processes over 2 cores,
+    where the share is 2), a 4096-token cp4 ring step was priced 17% over its measured time."""
     rate = hw.elementwise_bytes_per_s.get("silu")
     if not rate:
         return memory_time_s(hw, 8 * num_elements)
-    return hw.calibration.get("compute_time_scale", 1.0) * 8 * num_elements / rate
+    return cores_shared(hw) * 8 * num_elements / rate
 
 
 @dataclass(frozen=True)

@@ -161,13 +161,14 @@ def test_this_engines_activations_per_rank_fall_exactly_as_one_over_cp():
 
 def test_ring_exps_run_at_the_profiles_silu_rate():
     """The ring's exps are priced at the measured SiLU rate (8 bytes an element) where a profile has one,
-    times the compute scale; without one, as a bandwidth-bound pass."""
+    times the cores its processes share (not the fitted compute scale); without one, as a bandwidth-bound
+    pass."""
     from cost_models.compute import ring_exp_time_s
 
     base = HW["cpu"]
     assert ring_exp_time_s(base, 1e6) == pytest.approx(memory_time_s(base, 8e6))
     measured = dataclasses.replace(base, elementwise_bytes_per_s={"silu": 4e9, "add": 40e9},
-                                   calibration={"compute_time_scale": 2.0})
+                                   calibration={"compute_time_scale": 3.0}, measured_processes=4, measured_cores=2)
     assert ring_exp_time_s(measured, 1e6) == pytest.approx(2.0 * 8e6 / 4e9)
     # Three exps a score (two forward, one backward) move from the bandwidth term to the exp term.
     fwd, bwd = ring_blocks_times_s(MODEL, measured, micro_batch=1, seq_len=4096, tp=1, cp=2, ring_size=2, dtype="fp32")
