@@ -101,15 +101,14 @@ def _make_op(collective: str, nbytes: int, *, ranks: tuple[int, ...], group, dev
         return lambda: dist.recv(full, src=ranks[0], group=group)
     if collective == "ring_step":
         # Every rank sends to the next rank of the group and receives from the previous one at once: one
-        # step of context parallelism's K/V ring (runners/comm.exchange, the same calls on each backend).
+        # step of context parallelism's K/V ring, through the engine's own exchange (runners/comm.Comm:
+        # one batch under NCCL, host-staged CUDA tensors under gloo).
+        from runners.comm import Comm
+
         i = ranks.index(me)
-        received = torch.empty_like(full)
+        received, comm = torch.empty_like(full), Comm(ranks_per_node=1, device=device)
         nxt, prev = ranks[(i + 1) % n], ranks[(i - 1) % n]
-        if device.type == "cuda":
-            return lambda: [w.wait() for w in dist.batch_isend_irecv(
-                [dist.P2POp(dist.isend, full, nxt, group), dist.P2POp(dist.irecv, received, prev, group)])]
-        return lambda: [w.wait() for w in (dist.irecv(received, src=prev, group=group),
-                                           dist.isend(full, dst=nxt, group=group))]
+        return lambda: [w.wait() for w in comm.exchange(full, received, dst=nxt, src=prev, group=group)]
     raise ValueError(f"unknown collective {collective!r}")
 
 
