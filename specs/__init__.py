@@ -9,6 +9,7 @@ the search and the CLI's argument checks run anywhere in milliseconds.
 Rooms above it (the dependency direction is fixed; tests/unit/test_layering.py checks it):
     cost_models/  prices a plan           (imports specs only)
     runners/      executes a plan         (imports specs only)
-    profilers/    measures hardware       (imports specs, and the engine only through runners.launch)
+    profilers/    measures hardware       (imports specs, and the engine only through runners.launch and
+                                          runners.comm, the collectives as the engine issues them)
     planner/      the application         (search, commands; the only room that combines the others)
 """

@@ -1,6 +1,7 @@
 """The rooms' dependency direction is fixed (specs/__init__.py): specs at the bottom imports no other room;
 cost_models and runners stand on it and never import each other; profilers reach the engine only
-through its one public launcher (runners.launch); planner/ is the application and the only room that
+through its public launcher (runners.launch) and its communication layer (runners.comm, so a profiled
+collective is issued exactly as the engine issues it); planner/ is the application and the only room that
 combines them. Every import counts, also those inside functions; and no two modules import each other,
 directly or around a longer loop."""
 
@@ -16,7 +17,7 @@ ALLOWED = {
     "specs": set(),
     "cost_models": {"specs"},
     "runners": {"specs"},
-    "profilers": {"specs", "runners.launch"},
+    "profilers": {"specs", "runners.launch", "runners.comm"},
     "planner": {"specs", "cost_models", "runners", "profilers"},
 }
 
