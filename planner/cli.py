@@ -950,6 +950,8 @@ def tune_command(
     calibrate: Annotated[bool, typer.Option("--calibrate/--no-calibrate",
                                             help="Fit a never-calibrated profile to a few timed plans first.")] = True,
     recalibrate: Annotated[bool, typer.Option("--recalibrate", help="Fit the profile to timed plans again.")] = False,
+    host_check: Annotated[bool, typer.Option("--host-check/--no-host-check",
+                                             help="Time the winner again beside calibration plans: the host's speed now against the calibration's.")] = True,
     fmt: FormatOpt = OutputFormat.table,
 ) -> None:
     """Profile (or reuse the cached profile), calibrate it once, search, train the best plan, report measured
@@ -968,7 +970,7 @@ def tune_command(
     with _BadInput():
         settings = TuneSettings(model=model, nproc=nproc, global_batch=global_batch, seq_len=seq_len,
                                 precision=precision, steps=steps, profile=profile_file, refresh_profile=refresh_profile,
-                                calibrate=calibrate, recalibrate=recalibrate)
+                                calibrate=calibrate, recalibrate=recalibrate, host_check=host_check)
         bar, update = _stage_progress(fmt is OutputFormat.json)
         try:
             with bar:

@@ -247,6 +247,20 @@ class TuneCalibration:
     mape_before: float
     mape_after: float
     at_bounds: tuple[str, ...] = ()  # parameters the fit left at a bound (planner.calibrate.parameters_at_bounds)
+    # The fitted compute_time_scale over the one the profile's layer probe fitted (None: no probe value).
+    compute_scale_of_probe: float | None = None
+
+
+@dataclass(frozen=True)
+class HostCheck:
+    """tune's host check (planner/tune.host_check): the winner timed again interleaved with calibration plans
+    in one batched run, so the host's speed now against when the profile was fitted (`factor`, measured now /
+    measured then of the reference plans, median over them) and the winner's time are from one window."""
+
+    factor: float
+    winner_step_time_s: float  # the winner's median step in the interleaved run
+    references: tuple[str, ...]  # the calibration plans re-timed (Plan.describe())
+    reference_ratios: tuple[float, ...]  # each one's measured now / measured then
 
 
 @dataclass(frozen=True)
@@ -264,6 +278,7 @@ class TuneReport:
     losses: tuple[float, ...]
     times_s: dict[str, float] = field(default_factory=dict)  # profile, calibrate, search, run, total
     step_times_s: tuple[float, ...] = ()  # every timed step of the run (the first, allocating one dropped)
+    host_check: HostCheck | None = None  # None where no calibration plan at these settings could be re-timed
 
     @property
     def step_time_ratio(self) -> float:
@@ -279,11 +294,19 @@ class TuneReport:
         return (q1 / self.predicted["step_time_s"], q3 / self.predicted["step_time_s"])
 
     @property
+    def step_time_ratio_at_host_speed(self) -> float | None:
+        """The winner's interleaved step over the prediction at the host's speed now (prediction x factor):
+        what the cost model gets wrong once the host's drift since the calibration is taken out."""
+        check = self.host_check
+        return None if check is None else check.winner_step_time_s / (self.predicted["step_time_s"] * check.factor)
+
+    @property
     def memory_ratio(self) -> float:
         return self.measured.peak_memory_bytes / self.predicted["peak_memory_bytes"]
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out.update(plan=self.plan.to_dict(), describe=self.plan.describe(), step_time_ratio=self.step_time_ratio,
-                   step_time_ratio_quartiles=self.step_time_ratio_quartiles, memory_ratio=self.memory_ratio)
+                   step_time_ratio_quartiles=self.step_time_ratio_quartiles, memory_ratio=self.memory_ratio,
+                   step_time_ratio_at_host_speed=self.step_time_ratio_at_host_speed)
         return out

@@ -19,18 +19,29 @@ them) in batched, interleaved torchrun launches (planner/validate.py), fits CALI
 with the twin, OVERLAP_PARAMETER) to them by
 least squares (planner/calibrate.py), writes the result into the profile, and searches on the
 calibrated profile. The next tune reuses it (`--no-calibrate` skips the step; `--recalibrate` redoes it).
+
+The host check: a shared host's speed drifts. On the 2-core development VM the same plan's median step
+(dp4, 4 processes, 10 steps a run) read 127-158 ms over five runs in four minutes, and tune's calibration
+(two interleaved rounds over ~70 s) once timed its later winner at 163-166 ms against 132 ms in the run a
+minute after: measured / predicted 0.78 with the prediction fitted to the slower window. So after the run,
+tune times the winner again in one batched, interleaved run (runners/timing.py) beside HOST_CHECK_PLANS of
+the plans the calibration timed at these settings (the closest in step time), whose measured now / measured
+then is the host's speed against the calibration's (planner/validate.host_speed's factor, here from plans
+other than the winner, so it does not take the winner's own error out). The report gives measured /
+predicted both as measured and at that speed (`--no-host-check` skips it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from planner.reports import TuneCalibration, TuneReport, ValidationRow
+from planner.reports import HostCheck, TuneCalibration, TuneReport, ValidationRow
 from specs.errors import PlannerError
 
 Progress = Callable[[str, int, "int | None", str], None]
@@ -47,6 +58,15 @@ CALIBRATION_PARAMETERS = ("compute_time_scale", "op_overhead_s", "collective_ove
 # off against compute_time_scale and step_overhead_s: fitted alone from 12 plans in a fresh clone it ran
 # to its bounds (efficiency 1, compute scale 3.14, step overhead 0).
 OVERLAP_PARAMETER = "comm_overlap_efficiency"
+# Below this share of the layer probe's compute_time_scale the fit has priced the timed plans' kernels at
+# almost nothing and put their time into per-op and per-step costs: it fits plans of the timed shapes, but
+# a larger model or sequence, whose kernels do cost time, is predicted too fast. Seen in a fresh-clone
+# 4-process tune: 0.0002 against the probe's 2.2 (the tiny model's 96-wide kernels are dispatch-bound).
+DEGENERATE_COMPUTE_SHARE = 0.1
+# The host check (module docstring): calibration plans re-timed beside the winner, and the interleaved rounds.
+HOST_CHECK_PLANS = 2
+HOST_CHECK_ROUNDS = 3
+HOST_CHECK_STEPS = 2
 
 
 def _no_progress(stage: str, done: int, total: int | None, label: str) -> None:
@@ -68,6 +88,7 @@ class TuneSettings:
     timeout_s: float = 300.0
     calibrate: bool = True  # fit the profile to timed runs when it never was
     recalibrate: bool = False  # fit it again even if it was
+    host_check: bool = True  # time the winner again beside calibration plans (module docstring)
 
     def __post_init__(self) -> None:
         from planner.machine import default_nproc
@@ -150,8 +171,11 @@ def calibrate_profile(profile: str, settings: TuneSettings, *, progress: Progres
 
     before, after = mape(hardware), mape(calibrated)
     calibrated.save(profile)
+    probe_scale = hardware.calibration.get("compute_time_scale")
     return TuneCalibration(num_plans=num_rows, parameters=calibration, mape_before=before, mape_after=after,
-                           at_bounds=parameters_at_bounds(calibration))
+                           at_bounds=parameters_at_bounds(calibration),
+                           compute_scale_of_probe=calibration["compute_time_scale"] / probe_scale
+                           if probe_scale and "compute_time_scale" in calibration else None)
 
 
 def _prefetch_twin(plan):
@@ -212,14 +236,68 @@ def tune(settings: TuneSettings = TuneSettings(), *, progress: Progress = _no_pr
     metrics = launch(cfg, where=Where(nproc=settings.nproc), on_step=on_step)
     if metrics is None:
         raise PlannerError("the run wrote no metrics")
+    trained = time.perf_counter()
+    checked = host_check(winner.plan, profile, settings, progress=progress) if settings.host_check else None
     done = time.perf_counter()
     return TuneReport(
         profile=profile, profile_reused=reused, calibrated_from_runs=problem.cluster.hardware.calibrated_from_runs,
         calibration=calibration, plan=winner.plan, runner_up=tuple(c.plan.describe() for c in result.candidates[1:3]),
         predicted=winner.estimate.to_dict(), measured=metrics.summary, losses=tuple(metrics.losses),
-        step_times_s=tuple(s.step_time_s for s in metrics.steps[1:]),
+        step_times_s=tuple(s.step_time_s for s in metrics.steps[1:]), host_check=checked,
         times_s={"profile": profiled - start, "calibrate": calibrated_at - profiled, "search": searched - calibrated_at,
-                 "run": done - searched, "total": done - start})
+                 "run": trained - searched, "host_check": done - trained, "total": done - start})
+
+
+def host_check(winner, profile: str, settings: TuneSettings, *, progress: Progress = _no_progress) -> HostCheck | None:
+    """Time `winner` interleaved with up to HOST_CHECK_PLANS other plans the profile's calibration timed at
+    these settings (those closest to the winner's predicted step time), and return the host's speed
+    against the calibration's (module docstring); None where the calibration timed no other plan here."""
+    import json
+
+    from cost_models.estimate import estimate
+    from planner.validate import PlanEntry, ValidateSettings, measure_step_times_batched
+    from specs.hardware import resolve_hardware
+    from specs.plan import Plan
+
+    hardware = resolve_hardware(profile)
+    precision = settings.precision or _default_precision(profile)
+    key = (settings.model, settings.global_batch, settings.seq_len, precision, settings.nproc)
+    mine = json.dumps(winner.to_dict(), sort_keys=True)
+    then = {}
+    for run in hardware.calibration_runs:
+        plan_key = json.dumps(run.plan, sort_keys=True)
+        if (run.model, run.global_batch, run.seq_len, run.precision, run.processes) == key \
+                and run.step_time_s > 0 and plan_key != mine:
+            then[plan_key] = run.step_time_s
+    if not then:
+        return None
+    vs = ValidateSettings(model=settings.model, hardware=profile, nproc=settings.nproc,
+                          global_batch=settings.global_batch, seq_len=settings.seq_len, precision=precision,
+                          seed=settings.seed, timeout_s=settings.timeout_s)
+    problem = vs.problem()
+    predicted = estimate(winner, model=problem.model, cluster=problem.cluster, job=problem.job).step_time_s
+    chosen = sorted(then, key=lambda k: abs(math.log(then[k] / predicted)))[:HOST_CHECK_PLANS]
+    references = [Plan.from_dict(json.loads(k)) for k in chosen]
+    entries = [PlanEntry("winner", "search", winner)] + [
+        PlanEntry(f"reference {i + 1}", "calibration", plan) for i, plan in enumerate(references)]
+    progress("host check", 0, None, f"timing the winner beside {len(references)} calibration plan(s)")
+    times = measure_step_times_batched(entries, vs, rounds=HOST_CHECK_ROUNDS, steps_per_round=HOST_CHECK_STEPS,
+                                       progress=lambda done, total, label: progress("host check", done, total, label))
+    ratios = tuple(statistics.median(t) / then[k] for k, t in zip(chosen, times[1:]))
+    return HostCheck(factor=statistics.median(ratios), winner_step_time_s=statistics.median(times[0]),
+                     references=tuple(p.describe() for p in references), reference_ratios=ratios)
+
+
+def host_lines(report: TuneReport) -> list[str]:
+    """The host check's line (none without one)."""
+    check = report.host_check
+    if check is None:
+        return []
+    at_speed = report.predicted["step_time_s"] * check.factor
+    return [f"host check: {len(check.references)} calibration plan(s) re-timed beside the winner ran "
+            f"{check.factor:.2f}x their calibration time ({', '.join(f'{r:.2f}' for r in check.reference_ratios)}); "
+            f"at that speed the winner measured {check.winner_step_time_s * 1e3:.1f} ms against "
+            f"{at_speed * 1e3:.1f} ms predicted (measured / predicted {report.step_time_ratio_at_host_speed:.2f})"]
 
 
 def report_lines(report: TuneReport) -> list[str]:
@@ -236,6 +314,7 @@ def report_lines(report: TuneReport) -> list[str]:
         f"step time: measured {m.median_step_time_s * 1e3:.1f} ms, predicted {p['step_time_s'] * 1e3:.1f} ms "
         f"(measured / predicted {report.step_time_ratio:.2f}"
         + (f", its steps' interquartile range {spread[0]:.2f}-{spread[1]:.2f})" if spread else ")"),
+        *host_lines(report),
         f"peak memory per rank: measured {m.peak_memory_bytes / 2**20:.1f} MiB, predicted "
         f"{p['peak_memory_bytes'] / 2**20:.1f} MiB (measured / predicted {report.memory_ratio:.2f})",
         f"total {times['total']:.1f} s",
@@ -249,6 +328,13 @@ def report_lines(report: TuneReport) -> list[str]:
         lines.append(f"warning: the calibration left {', '.join(report.calibration.at_bounds)} at a bound: the timed "
                      f"plans did not pin it down, so the fit may not carry to other plans (`planner tune "
                      f"--recalibrate` on a quieter host, or `planner validate` then `planner calibrate`)")
+    share = report.calibration.compute_scale_of_probe if report.calibration is not None else None
+    if share is not None and share < DEGENERATE_COMPUTE_SHARE:
+        lines.append(f"warning: the calibration priced compute at {share:.2g}x of what the layer probe measured "
+                     f"(compute_time_scale {report.calibration.parameters['compute_time_scale']:.3g}): the timed "
+                     f"plans' time went into per-op and per-step costs, so this profile will predict a larger "
+                     f"model or sequence too fast; calibrate it on runs of that size (`planner validate --model "
+                     f"... --hardware {report.profile} --out v.json`, then `planner calibrate`)")
     if not fitted and abs(report.step_time_ratio - 1) > 0.2:
         lines.append("the profile was never fitted to training runs; run `planner tune --recalibrate`, or "
                      f"`planner validate --hardware {report.profile} --out v.json` then `planner calibrate`")

@@ -71,6 +71,12 @@ def test_tune_profiles_searches_runs_and_reuses_the_cache(tmp_path, monkeypatch)
     # The timed plans are kept as the host's speed reference (planner/validate.host_speed).
     assert len(hardware.calibration_runs) == calibration["num_plans"]
     assert {r.global_batch for r in hardware.calibration_runs} == {settings.global_batch, 2 * settings.global_batch}
+    # After the run the winner was timed again beside calibration plans at this batch (the host check).
+    check = report["host_check"]
+    assert check is not None and 1 <= len(check["references"]) <= tune_module.HOST_CHECK_PLANS
+    assert check["factor"] > 0 and check["winner_step_time_s"] > 0
+    assert report["step_time_ratio_at_host_speed"] == pytest.approx(
+        check["winner_step_time_s"] / (report["predicted"]["step_time_s"] * check["factor"]))
     # The next tune finds the profile in the cache instead of measuring again, and so does every command
     # that defaults to this machine's profile for the same process count.
     path, reused = ensure_profile(TuneSettings())
