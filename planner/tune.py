@@ -64,8 +64,8 @@ OVERLAP_PARAMETER = "comm_overlap_efficiency"
 # 4-process tune: 0.0002 against the probe's 2.2 (the tiny model's 96-wide kernels are dispatch-bound).
 DEGENERATE_COMPUTE_SHARE = 0.1
 # The host check (module docstring): calibration plans re-timed beside the winner, and the interleaved rounds.
-HOST_CHECK_PLANS = 2
-HOST_CHECK_ROUNDS = 3
+HOST_CHECK_PLANS = 3
+HOST_CHECK_ROUNDS = 4
 HOST_CHECK_STEPS = 2
 
 

@@ -56,6 +56,7 @@ def test_host_check_retimes_the_closest_other_calibration_plans_beside_the_winne
         return [[now[e.plan]] * (rounds * steps_per_round) for e in entries]
 
     monkeypatch.setattr(validate_module, "measure_step_times_batched", fake_timing)
+    monkeypatch.setattr(tune_module, "HOST_CHECK_PLANS", 2)
     check = host_check(WINNER, profile, SETTINGS)
     assert timed == [[WINNER, FAST, SLOW]]
     assert check.reference_ratios == pytest.approx((1.2, 1.5)) and check.factor == pytest.approx(1.35)
