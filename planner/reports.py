@@ -279,6 +279,7 @@ class TuneReport:
     times_s: dict[str, float] = field(default_factory=dict)  # profile, calibrate, search, run, total
     step_times_s: tuple[float, ...] = ()  # every timed step of the run (the first, allocating one dropped)
     host_check: HostCheck | None = None  # None where no calibration plan at these settings could be re-timed
+    host_check_error: str | None = None  # why the host check failed, where it did (the run's results stand)
 
     @property
     def step_time_ratio(self) -> float:

@@ -213,7 +213,7 @@ def tune(settings: TuneSettings = TuneSettings(), *, progress: Progress = _no_pr
     from specs.problem import make_problem
     from planner.search import SearchOptions, search
     from runners.config import RunConfig
-    from runners.launch import Where, launch
+    from runners.launch import RunFailed, Where, launch
 
     from specs.hardware import resolve_hardware
 
@@ -237,13 +237,21 @@ def tune(settings: TuneSettings = TuneSettings(), *, progress: Progress = _no_pr
     if metrics is None:
         raise PlannerError("the run wrote no metrics")
     trained = time.perf_counter()
-    checked = host_check(winner.plan, profile, settings, progress=progress) if settings.host_check else None
+    checked, check_error = None, None
+    if settings.host_check:
+        # The run is done and its report is what the user came for: a host check that fails (a reference
+        # plan's rank dies, the host runs out of memory) is reported beside it, never in its place.
+        try:
+            checked = host_check(winner.plan, profile, settings, progress=progress)
+        except (RunFailed, PlannerError) as exc:
+            check_error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     done = time.perf_counter()
     return TuneReport(
         profile=profile, profile_reused=reused, calibrated_from_runs=problem.cluster.hardware.calibrated_from_runs,
         calibration=calibration, plan=winner.plan, runner_up=tuple(c.plan.describe() for c in result.candidates[1:3]),
         predicted=winner.estimate.to_dict(), measured=metrics.summary, losses=tuple(metrics.losses),
         step_times_s=tuple(s.step_time_s for s in metrics.steps[1:]), host_check=checked,
+        host_check_error=check_error,
         times_s={"profile": profiled - start, "calibrate": calibrated_at - profiled, "search": searched - calibrated_at,
                  "run": trained - searched, "host_check": done - trained, "total": done - start})
 
@@ -291,6 +299,8 @@ def host_check(winner, profile: str, settings: TuneSettings, *, progress: Progre
 def host_lines(report: TuneReport) -> list[str]:
     """The host check's line (none without one)."""
     check = report.host_check
+    if report.host_check_error is not None:
+        return [f"host check failed (the run above stands; measured / predicted raw only): {report.host_check_error}"]
     if check is None:
         return []
     at_speed = report.predicted["step_time_s"] * check.factor

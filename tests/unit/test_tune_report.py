@@ -104,3 +104,31 @@ def test_the_report_warns_when_the_fit_priced_compute_at_almost_nothing():
 
 def test_tune_settings_run_the_host_check_by_default():
     assert TuneSettings().host_check and tune_module.HOST_CHECK_PLANS >= 1
+
+
+def test_a_failed_host_check_leaves_the_run_and_its_report_standing(tmp_path, monkeypatch):
+    """The host check runs after the training run: if it fails, tune still returns the run's report and
+    says why the check is missing, instead of losing the run to the check's error."""
+    import runners.launch as launch_module
+    from runners.config import RunMetrics, StepRecord
+    from runners.launch import RunFailed
+
+    profile = str(tmp_path / "profile.json")
+    dataclasses.replace(resolve_hardware("cpu"), calibrated_from_runs=1).save(profile)
+    summary = RunSummary(median_step_time_s=0.05, tokens_per_s=1.0, peak_memory_bytes=100 << 20, comm_bytes={},
+                         comm_wait_s=0.0, world_size=2, device="cpu", engine="ours")
+
+    def fake_launch(cfg, *, where, on_step=None):
+        steps = tuple(StepRecord(step=i, loss=5.0 - 0.1 * i, step_time_s=0.05) for i in range(cfg.steps))
+        return RunMetrics(plan=cfg.plan, steps=steps, summary=summary)
+
+    def failing_check(*args, **kwargs):
+        raise RunFailed("rank 1 exited with SIGABRT\nmore lines")
+
+    monkeypatch.setattr(launch_module, "launch", fake_launch)
+    monkeypatch.setattr(tune_module, "host_check", failing_check)
+    report = tune_module.tune(TuneSettings(nproc=2, steps=3, profile=profile))
+    assert report.losses == pytest.approx((5.0, 4.9, 4.8)) and report.host_check is None
+    assert report.host_check_error == "rank 1 exited with SIGABRT"
+    assert report.step_time_ratio_at_host_speed is None and report.to_dict()["host_check_error"]
+    assert any(line.startswith("host check failed") and "SIGABRT" in line for line in report_lines(report))
