@@ -242,7 +242,7 @@ def tune(settings: TuneSettings = TuneSettings(), *, progress: Progress = _no_pr
         # The run is done and its report is what the user came for: a host check that fails (a reference
         # plan's rank dies, the host runs out of memory) is reported beside it, never in its place.
         try:
-            checked = host_check(winner.plan, profile, settings, progress=progress)
+            checked = host_check(winner.plan, winner.estimate.step_time_s, profile, settings, progress=progress)
         except (RunFailed, PlannerError) as exc:
             check_error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     done = time.perf_counter()
@@ -256,34 +256,27 @@ def tune(settings: TuneSettings = TuneSettings(), *, progress: Progress = _no_pr
                  "run": trained - searched, "host_check": done - trained, "total": done - start})
 
 
-def host_check(winner, profile: str, settings: TuneSettings, *, progress: Progress = _no_progress) -> HostCheck | None:
+def host_check(winner, predicted: float, profile: str, settings: TuneSettings, *,
+               progress: Progress = _no_progress) -> HostCheck | None:
     """Time `winner` interleaved with up to HOST_CHECK_PLANS other plans the profile's calibration timed at
-    these settings (those closest to the winner's predicted step time), and return the host's speed
+    these settings (those closest to the winner's `predicted` step time, seconds), and return the host's speed
     against the calibration's (module docstring); None where the calibration timed no other plan here."""
     import json
 
-    from cost_models.estimate import estimate
-    from planner.validate import PlanEntry, ValidateSettings, measure_step_times_batched
+    from planner.validate import (PlanEntry, ValidateSettings, calibration_step_times, measure_step_times_batched,
+                                  plan_key)
     from specs.hardware import resolve_hardware
     from specs.plan import Plan
 
-    hardware = resolve_hardware(profile)
     precision = settings.precision or _default_precision(profile)
-    key = (settings.model, settings.global_batch, settings.seq_len, precision, settings.nproc)
-    mine = json.dumps(winner.to_dict(), sort_keys=True)
-    then = {}
-    for run in hardware.calibration_runs:
-        plan_key = json.dumps(run.plan, sort_keys=True)
-        if (run.model, run.global_batch, run.seq_len, run.precision, run.processes) == key \
-                and run.step_time_s > 0 and plan_key != mine:
-            then[plan_key] = run.step_time_s
+    then = calibration_step_times(resolve_hardware(profile), model=settings.model, global_batch=settings.global_batch,
+                                  seq_len=settings.seq_len, precision=precision, processes=settings.nproc)
+    then.pop(plan_key(winner.to_dict()), None)
     if not then:
         return None
     vs = ValidateSettings(model=settings.model, hardware=profile, nproc=settings.nproc,
                           global_batch=settings.global_batch, seq_len=settings.seq_len, precision=precision,
                           seed=settings.seed, timeout_s=settings.timeout_s)
-    problem = vs.problem()
-    predicted = estimate(winner, model=problem.model, cluster=problem.cluster, job=problem.job).step_time_s
     chosen = sorted(then, key=lambda k: abs(math.log(then[k] / predicted)))[:HOST_CHECK_PLANS]
     references = [Plan.from_dict(json.loads(k)) for k in chosen]
     entries = [PlanEntry("winner", "search", winner)] + [

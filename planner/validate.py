@@ -341,19 +341,29 @@ def repredict(rows: list[ValidationRow], problem: Problem) -> list[ValidationRow
     return out
 
 
+def plan_key(plan: dict) -> str:
+    """A plan's identity among a profile's calibration runs (Plan.to_dict(), keys sorted)."""
+    return json.dumps(plan, sort_keys=True)
+
+
+def calibration_step_times(hardware, *, model: str, global_batch: int, seq_len: int, precision: str,
+                           processes: int) -> dict[str, float]:
+    """plan_key -> measured step time of the plans the profile's calibration timed at these settings."""
+    return {plan_key(run.plan): run.step_time_s for run in hardware.calibration_runs
+            if (run.model, run.global_batch, run.seq_len, run.precision, run.processes) == (
+                model, global_batch, seq_len, precision, processes) and run.step_time_s > 0}
+
+
 def host_speed(rows: list[ValidationRow], hardware, *, model: str, global_batch: int, seq_len: int, precision: str,
                processes: int) -> tuple[float | None, int]:
     """(factor, plans): the median over the rows that ran a plan the profile's calibration also timed at the
     same model, global batch, sequence length, precision and process count of measured now / measured then,
     and how many such rows; (None, 0) where none did. Above 1 the host runs slower than when the profile
     was fitted (other load, a slower clock), and every prediction is optimistic by about that factor."""
-    then = {}
-    for run in hardware.calibration_runs:
-        if (run.model, run.global_batch, run.seq_len, run.precision, run.processes) == (
-                model, global_batch, seq_len, precision, processes) and run.step_time_s > 0:
-            then[json.dumps(run.plan, sort_keys=True)] = run.step_time_s
+    then = calibration_step_times(hardware, model=model, global_batch=global_batch, seq_len=seq_len,
+                                  precision=precision, processes=processes)
     ratios = [r.measured_step_time_s / then[key] for r in rows if r.ok
-              for key in [json.dumps(r.plan.to_dict(), sort_keys=True)] if key in then]
+              for key in [plan_key(r.plan.to_dict())] if key in then]
     return (statistics.median(ratios), len(ratios)) if ratios else (None, 0)
 
 

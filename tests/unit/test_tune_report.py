@@ -57,7 +57,7 @@ def test_host_check_retimes_the_closest_other_calibration_plans_beside_the_winne
 
     monkeypatch.setattr(validate_module, "measure_step_times_batched", fake_timing)
     monkeypatch.setattr(tune_module, "HOST_CHECK_PLANS", 2)
-    check = host_check(WINNER, profile, SETTINGS)
+    check = host_check(WINNER, predicted, profile, SETTINGS)
     assert timed == [[WINNER, FAST, SLOW]]
     assert check.reference_ratios == pytest.approx((1.2, 1.5)) and check.factor == pytest.approx(1.35)
     assert check.winner_step_time_s == pytest.approx(predicted * 1.3)
@@ -66,8 +66,8 @@ def test_host_check_retimes_the_closest_other_calibration_plans_beside_the_winne
 
 def test_host_check_is_none_without_another_calibration_plan_at_these_settings(tmp_path, monkeypatch):
     monkeypatch.setattr(validate_module, "measure_step_times_batched", lambda *a, **k: pytest.fail("timed"))
-    assert host_check(WINNER, _profile(tmp_path, []), SETTINGS) is None
-    assert host_check(WINNER, _profile(tmp_path, [(WINNER, 0.1, 8), (FAST, 0.1, 16)]), SETTINGS) is None
+    assert host_check(WINNER, 0.1, _profile(tmp_path, []), SETTINGS) is None
+    assert host_check(WINNER, 0.1, _profile(tmp_path, [(WINNER, 0.1, 8), (FAST, 0.1, 16)]), SETTINGS) is None
 
 
 def _report(**changes) -> TuneReport:
