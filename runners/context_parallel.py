@@ -218,6 +218,31 @@ def _partial_backward(q, k, v, dout, lse, delta, *, causal: bool, scale: float):
     return dq, dk, dv
 
 
+def ring_forward_step(q, k, v, out, lse, *, rows: slice, cols: slice, causal: bool, scale: float) -> None:
+    """One ring step's forward on this rank: q's `rows` attend over the K/V block's `cols` (`_block`), merged
+    into the running output `out` and log-sum-exp `lse` in place (online softmax). The step
+    `planner profile` times as the ring's forward kernel (profilers/compute.measure_ring_blocks)."""
+    o_i, lse_i = _partial(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal=causal, scale=scale)
+    merged = torch.logaddexp(lse[:, :, rows], lse_i)
+    out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - merged).unsqueeze(-1)
+                       + o_i * torch.exp(lse_i - merged).unsqueeze(-1))
+    lse[:, :, rows] = merged
+
+
+def ring_backward_step(q, k, v, dout, lse, delta, dq, *, rows: slice, cols: slice, causal: bool,
+                       scale: float) -> torch.Tensor:
+    """One ring step's backward: adds this block's query gradient into `dq` (fp32, in place) and returns the
+    gradient of the block's K/V owner, [2, b, kv_heads, s, d] fp32 (zero outside `cols`). The step
+    `planner profile` times as the ring's backward kernel."""
+    dq_i, dk_i, dv_i = _partial_backward(q[:, :, rows], k[:, :, cols], v[:, :, cols], dout[:, :, rows],
+                                         lse[:, :, rows], delta[:, :, rows], causal=causal, scale=scale)
+    dq[:, :, rows] += dq_i
+    dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
+    dkv[0][:, :, cols] = dk_i
+    dkv[1][:, :, cols] = dv_i
+    return dkv
+
+
 class _Ring:
     """Point-to-point steps around the ring: send to the next ring rank, receive from the previous."""
 
@@ -255,11 +280,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(n):
             pending = ring.start(kv, tag=KV_TAG) if step < n - 1 else None  # hides behind this step
             rows, cols, causal = _block(step, me=me, n=n, half=half)
-            o_i, lse_i = _partial(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal=causal, scale=scale)
-            merged = torch.logaddexp(lse[:, :, rows], lse_i)
-            out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - merged).unsqueeze(-1)
-                               + o_i * torch.exp(lse_i - merged).unsqueeze(-1))
-            lse[:, :, rows] = merged
+            ring_forward_step(q, kv[0], kv[1], out, lse, rows=rows, cols=cols, causal=causal, scale=scale)
             if pending is not None:
                 kv = ring.finish(pending)
         ctx.cp = cp
@@ -280,13 +301,9 @@ class _RingAttention(torch.autograd.Function):
         for step in range(n):
             pending = ring.start(kv, tag=KV_TAG) if step < n - 1 else None
             rows, cols, causal = _block(step, me=me, n=n, half=half)
-            dq_i, dk_i, dv_i = _partial_backward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], dout[:, :, rows],
-                                                 lse[:, :, rows], delta[:, :, rows], causal=causal, scale=scale)
-            dq[:, :, rows] += dq_i
             # The K/V gradient of this step's K/V owner: what the previous ranks added, plus mine.
-            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-            dkv[0][:, :, cols] = dk_i
-            dkv[1][:, :, cols] = dv_i
+            dkv = ring_backward_step(q, kv[0], kv[1], dout, lse, delta, dq, rows=rows, cols=cols, causal=causal,
+                                     scale=scale)
             if pending_dkv is not None:
                 dkv += ring.finish(pending_dkv).float()
             pending_dkv = ring.start(dkv.to(k.dtype), tag=DKV_TAG)
