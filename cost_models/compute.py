@@ -595,9 +595,18 @@ def ring_blocks_times_s(model: ModelSpec, hw: Hardware, *, micro_batch: int, seq
     mask, each of the ring_size - 1 other steps half of one, so a rank computes (ring_size + 1) / 2 squares:
     two GEMMs forward (Q K^T, P V), five backward (the scores again, dV, dP, dQ, dK), each at the square's
     shape. The fp32 scores pass through memory on top (RING_SCORE_BYTES_*, forward and backward, and
-    step 0's mask over its square, RING_MASK_BYTES)."""
+    step 0's mask over its square, RING_MASK_BYTES).
+
+    Where the profile timed the engine's own steps at this head width and query / K-V head ratio (CPU
+    profiles: Hardware.ring_points), they price the ring instead (`measured_ring_times_s`): at a 1024-token
+    side the GEMM-and-passes price above, times the layer-fitted compute scale, came out 1.34x the steps'
+    measured time on this project's 2-core host."""
     s_r = seq_len // ring_size
     heads = micro_batch * model.num_heads // (tp * cp // ring_size)
+    measured = measured_ring_times_s(hw, side=s_r, heads=heads, head_dim=model.head_dim,
+                                     gqa=model.num_heads // model.num_kv_heads, ring_size=ring_size)
+    if measured is not None:
+        return measured
     squares = (ring_size + 1) / 2
     d = model.head_dim
     qk, pv = Gemm(s_r, s_r, d, heads), Gemm(s_r, d, s_r, heads)
@@ -610,6 +619,40 @@ def ring_blocks_times_s(model: ModelSpec, hw: Hardware, *, micro_batch: int, seq
     backward += memory_time_s(hw, scores * (RING_SCORE_BYTES_BWD - RING_EXPS_BWD * exp_bytes) + masked * RING_MASK_BYTES,
                               num_kernels=RING_KERNELS_BWD * ring_size)
     return forward + ring_exp_time_s(hw, RING_EXPS_FWD * scores), backward + ring_exp_time_s(hw, RING_EXPS_BWD * scores)
+
+
+def measured_ring_times_s(hw: Hardware, *, side: int, heads: int, head_dim: int, gqa: int,
+                          ring_size: int) -> tuple[float, float] | None:
+    """(forward, backward) seconds of a ring rank's steps from the profile's timed ones (RingBlockPoint):
+    step 0's causal square and ring_size - 1 half blocks. Each kind's measured times form one curve over
+    its scores (heads x the block's scores: the engine batches heads and micro-batch into each op, so a
+    step's launches do not grow with them), read in log-log between the measured points: a small step's
+    time is its ~20 launches, a large one's its scores, and a power law between two points follows both.
+    Below the smallest point the time holds (launch-bound), beyond the largest it grows with the scores.
+    Times the cores the profile's processes share (the steps were timed in one process), like the
+    attention points. None where no point has this head width and query / K-V head ratio."""
+    points = sorted((p for p in hw.ring_points if p.head_dim == head_dim
+                     and p.num_heads // max(1, p.num_kv_heads) == gqa), key=lambda p: p.side)
+    if not points or side < 1:
+        return None
+    square, half = (lambda n: n * n), (lambda n: n * (n // 2))
+
+    def seconds(which: str, scores_of) -> float:
+        curve = [(p.num_heads * scores_of(p.side), getattr(p, which)) for p in points]
+        work = heads * scores_of(side)
+        if work <= curve[0][0]:
+            return curve[0][1]
+        for (wa, ta), (wb, tb) in zip(curve, curve[1:]):
+            if work <= wb:
+                return ta * (work / wa) ** (math.log(tb / ta) / math.log(wb / wa))
+        return curve[-1][1] * work / curve[-1][0]
+
+    out = []
+    for kind in ("forward_s", "backward_s"):
+        step0 = seconds(f"square_{kind}", square)
+        others = seconds(f"half_{kind}", half) * (ring_size - 1) if side >= 2 else 0.0
+        out.append(cores_shared(hw) * (step0 + others))
+    return out[0], out[1]
 
 
 def ring_exp_time_s(hw: Hardware, num_elements: float) -> float:

@@ -38,8 +38,9 @@ log = logging.getLogger(__name__)
 
 KIB, MIB = 1024, 1024**2
 # 1: collectives timed as a step calls them (after compute, not after a barrier) and the ring-step curve
-# (profilers/comm.py); a cached profile of another version is measured again (planner/machine.stale_reason).
-PROFILER_VERSION = 1
+# (profilers/comm.py); 2: the engine's ring attention steps timed (Hardware.ring_points). A cached profile of
+# another version is measured again (planner/machine.stale_reason).
+PROFILER_VERSION = 2
 FULL_SIZES_BYTES = tuple(KIB * 4**i for i in range(10))  # 1 KiB .. 256 MiB
 QUICK_SIZES_BYTES = tuple(KIB * 4**i for i in range(8))  # 1 KiB .. 16 MiB
 
@@ -258,6 +259,7 @@ def build_hardware(*, device: torch.device, compute: ComputeResult, memory: Memo
         gemm_points=tuple(GemmPoint(m=g.m, n=g.n, k=g.k, dtype=g.dtype, flops_per_s=g.flops / g.time_s)
                           for g in compute.gemms),
         elementwise_bytes_per_s=compute.elementwise_bytes_per_s, attention_points=tuple(compute.attention),
+        ring_points=tuple(compute.ring),
         links_from=f"{base.name} preset ({', '.join(kept)})" if kept else "",
         # The wave model (cost_models/compute.py) needs the SM count; the device reports it, and the
         # tile and NCCL's CTAs are the library's choices the preset records for this GPU family.

@@ -9,7 +9,8 @@ the search and the CLI's argument checks run anywhere in milliseconds.
 Rooms above it (the dependency direction is fixed; tests/unit/test_layering.py checks it):
     cost_models/  prices a plan           (imports specs only)
     runners/      executes a plan         (imports specs only)
-    profilers/    measures hardware       (imports specs, and the engine only through runners.launch and
-                                          runners.comm, the collectives as the engine issues them)
+    profilers/    measures hardware       (imports specs, and the engine only through runners.launch,
+                                          runners.comm, the collectives as the engine issues them, and
+                                          runners.context_parallel, the ring steps it times)
     planner/      the application         (search, commands; the only room that combines the others)
 """

@@ -87,6 +87,24 @@ class AttentionPoint:
 
 
 @dataclass(frozen=True)
+class RingBlockPoint:
+    """This engine's ring attention steps (runners/context_parallel.ring_forward_step / ring_backward_step)
+    timed on one device in fp32 (the ring computes in fp32 whatever the model's dtype): a rank holding
+    `side` tokens of `num_heads` query heads (`num_kv_heads` K/V heads) of `head_dim`, micro-batch 1.
+    `square_*`: step 0, the causal side x side block; `half_*`: every other step, side x side / 2 unmasked
+    scores. Seconds per call, forward and backward."""
+
+    side: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    square_forward_s: float
+    square_backward_s: float
+    half_forward_s: float
+    half_backward_s: float
+
+
+@dataclass(frozen=True)
 class LayerProbePoint:
     """One transformer layer timed on every rank at once (runners/probe.py): the slowest rank's
     mean forward and forward+backward seconds at this micro-batch and sequence length."""
@@ -172,6 +190,10 @@ class Hardware:
     # CPU profiles: the fused attention kernel timed by sequence length at two head widths
     # (profilers/compute.measure_attention; cost_models/compute.measured_attention_times_s prices from them).
     attention_points: tuple[AttentionPoint, ...] = ()
+    # CPU profiles: this engine's context-parallel ring steps timed by local tokens at the profiled model's
+    # head width (profilers/compute.measure_ring_blocks; cost_models/compute.ring_blocks_times_s prices the
+    # ring from them where the head width matches, else from its GEMMs and passes).
+    ring_points: tuple[RingBlockPoint, ...] = ()
     # GPUs: streaming multiprocessors and the output tile (rows, columns) of the library's large-GEMM kernel;
     # a GEMM runs in waves of one tile per SM, so shapes that leave the last wave part-empty or pad their
     # edge tiles lose that share (cost_models/compute.py). 0 SMs: no wave model (CPU).

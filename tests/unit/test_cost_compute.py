@@ -202,6 +202,52 @@ def test_a_cpu_profile_with_attention_points_prices_the_core_from_them():
         _core_times_s(model, plain, kernel="materialized", micro_batch=1, seq_len=2048, tp=1, dtype="fp32")
 
 
+def _ring_points(ns_per_score: dict[int, float], *, head_dim: int = 32, heads: int = 4, kv_heads: int = 4) -> tuple:
+    """RingBlockPoints with these per-score, per-head forward costs (ns) by side: the square step 2x the
+    half step's per-score cost, backward 3x forward."""
+    from specs.hardware import RingBlockPoint
+
+    def at(side: int, ns: float) -> RingBlockPoint:
+        sq, hf = 2 * ns * 1e-9 * heads * side * side, ns * 1e-9 * heads * side * (side // 2)
+        return RingBlockPoint(side=side, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                              square_forward_s=sq, square_backward_s=3 * sq, half_forward_s=hf, half_backward_s=3 * hf)
+
+    return tuple(at(side, ns) for side, ns in ns_per_score.items())
+
+
+def test_measured_ring_steps_price_the_ring_by_their_scores_in_log_log():
+    from cost_models.compute import measured_ring_times_s, ring_blocks_times_s
+
+    points = _ring_points({64: 2.0, 1024: 1.0})  # 4 heads each
+    hw = dataclasses.replace(HW["cpu"], ring_points=points, kernel_overhead_s=0.0)
+    kw = dict(head_dim=32, gqa=1)
+    sq64, sq1024 = points[0].square_forward_s, points[1].square_forward_s
+    hf64, hf1024 = points[0].half_forward_s, points[1].half_forward_s
+    # At a measured point: step 0's square and ring_size - 1 halves; backward 3x.
+    fwd, bwd = measured_ring_times_s(hw, side=1024, heads=4, ring_size=4, **kw)
+    assert fwd == pytest.approx(sq1024 + 3 * hf1024) and bwd == pytest.approx(3 * fwd)
+    # Halfway between two points in log scores: the geometric mean of their times (a power law).
+    fwd, _ = measured_ring_times_s(hw, side=256, heads=4, ring_size=2, **kw)
+    assert fwd == pytest.approx((sq64 * sq1024) ** 0.5 + (hf64 * hf1024) ** 0.5)
+    # Heads and side share one curve: 16 heads of 128 tokens are the scores of 4 heads of 256.
+    assert measured_ring_times_s(hw, side=128, heads=16, ring_size=2, **kw)[0] == pytest.approx(fwd, rel=0.02)
+    # Below the smallest point a step costs its launches (held); beyond the largest it grows with its scores.
+    assert measured_ring_times_s(hw, side=16, heads=1, ring_size=2, **kw)[0] == pytest.approx(sq64 + hf64)
+    base, _ = measured_ring_times_s(hw, side=1024, heads=8, ring_size=4, **kw)
+    assert base == pytest.approx(2 * (sq1024 + 3 * hf1024))
+    # Timed in one process: 4 processes on 2 cores run it at half a core; the fitted compute scale stays out.
+    shared = dataclasses.replace(hw, calibration={"compute_time_scale": 3.0}, measured_processes=4, measured_cores=2)
+    assert measured_ring_times_s(shared, side=1024, heads=8, ring_size=4, **kw)[0] == pytest.approx(2 * base)
+    # Another head width or GQA ratio than measured: no price from the points (the GEMMs-and-passes one stands).
+    assert measured_ring_times_s(hw, side=1024, heads=8, ring_size=4, head_dim=64, gqa=1) is None
+    assert measured_ring_times_s(hw, side=1024, heads=8, ring_size=4, head_dim=32, gqa=2) is None
+    model = dataclasses.replace(PRESETS["tiny"], hidden_size=128, num_heads=4, num_kv_heads=4)
+    plain = ring_blocks_times_s(model, HW["cpu"], micro_batch=1, seq_len=4096, tp=1, cp=4, ring_size=4, dtype="fp32")
+    priced = ring_blocks_times_s(model, hw, micro_batch=2, seq_len=4096, tp=1, cp=4, ring_size=4, dtype="fp32")
+    assert priced == pytest.approx(measured_ring_times_s(hw, side=1024, heads=8, ring_size=4, **kw))
+    assert priced != pytest.approx(plain)
+
+
 def test_flash_rate_follows_the_measured_head_dim_ratio():
     # A100 causal fwd + bwd at 16k keys (flash-attention's assets/flash2_a100_fwd_bwd_benchmark.png):
     # FlashAttention 97 TFLOP/s at head dim 64 against 83 at 128, FlashAttention-2 171 against 189.

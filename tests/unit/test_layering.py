@@ -17,7 +17,7 @@ ALLOWED = {
     "specs": set(),
     "cost_models": {"specs"},
     "runners": {"specs"},
-    "profilers": {"specs", "runners.launch", "runners.comm"},
+    "profilers": {"specs", "runners.launch", "runners.comm", "runners.context_parallel"},
     "planner": {"specs", "cost_models", "runners", "profilers"},
 }
 
