@@ -204,7 +204,7 @@ def measure_attention(*, model: ModelSpec, dtype: str, device: torch.device, qui
 # Tokens a ring rank holds (its two chunks), where the ring's steps are timed: a tiny model's cp4 at 64
 # tokens holds 16, benchmarks/context_parallel.py's cp4 at 4096 holds 1024. Per score the steps cost much
 # more at the small sides (a step launches ~20 kernels) and less at the large, where the scores outgrow the
-# caches; cost_models/compute.py interpolates over the logarithm of the side.
+# caches; cost_models/compute.measured_ring_times_s reads time over scores in log-log between the sides.
 RING_SIDES = (16, 64, 256, 1024)
 RING_SIDES_FULL = (16, 64, 256, 1024, 2048)
 
