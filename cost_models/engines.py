@@ -105,6 +105,13 @@ class EngineModel:
     # engine counts it (runners/sharding/buckets.py: reduce-scatter buckets of whole gradient, boundary buckets
     # of shard bytes).
     reduce_bucket_elements: int = 0
+    # Under sequence parallelism each TP rank sees its own tokens, so the gradients of the TP-replicated
+    # parameters (norms, row-parallel biases, learned positions) are summed over the TP group. "micro_batch":
+    # one all-reduce per parameter in every micro-batch's backward (this engine: tensor_parallel.
+    # sequence_parallel_param, f's backward on the parameter itself); "step": one coalesced all-reduce per
+    # step after the last backward (Megatron's finalize_model_grads, _allreduce_layernorm_grads), a few
+    # kilobytes, not priced.
+    sp_replicated_grad_reduce: str = "step"
 
 
 # Composer's DecoupledAdamW (composer/optim/decoupled_weight_decay.py, `adamw`), which llm-foundry's MPT yamls
@@ -128,7 +135,8 @@ RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe_act", "moe")
 ENGINES: dict[str, EngineModel] = {e.name: e for e in (
     EngineModel("ours", "this project's engine (runners/): eager PyTorch, SDPA attention, bf16 reduction",
                 attention="by-arch", fused_elementwise=False, tp_comm_hidden=0.0, reduce_fp32=False,
-                main_grads_fp32=False, fused_ring_blocks=False, optimizer_bytes_per_param=OURS_ADAM_BYTES_PER_PARAM),
+                main_grads_fp32=False, fused_ring_blocks=False, optimizer_bytes_per_param=OURS_ADAM_BYTES_PER_PARAM,
+                sp_replicated_grad_reduce="micro_batch"),
     EngineModel("megatron", "Megatron-LM / NeMo with Transformer Engine (2024+): fused kernels, cuDNN fused "
                 "attention, TP communication overlap, distributed optimizer with fp32 main gradients",
                 attention="flash3", fused_elementwise=True, tp_comm_hidden=0.8, reduce_fp32=True,

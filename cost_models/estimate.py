@@ -273,6 +273,9 @@ class LayerCosts:
     last_extra_tp_comm_s: float = 0.0
     tp_comm_s: dict[str, float] = field(default_factory=dict)  # exposed in-layer communication: TP and CP
     cp_comm_s: dict[str, float] = field(default_factory=dict)  # the CP part of it (cost_models/context.py)
+    # The part of it (every policy) that sums the replicated parameters' gradients over TP under sequence
+    # parallelism (`_sp_replicated_reduce_s`).
+    replicated_reduce_s: float = 0.0
     recompute_time_s: dict[str, float] = field(default_factory=dict)
     # The largest transient of this engine's ring: one step's fp32 scores and probabilities.
     cp_working_bytes: float = 0.0
@@ -325,9 +328,10 @@ def _layer_activations(plan, *, model, job, eng, hw, dims: dict, ring: int) -> d
     return activation
 
 
-def _policy_times(times, hw, *, tp_fwd_s: float, cp_fwd_s: float, cp_bwd_s: float) -> tuple[dict, dict, dict]:
+def _policy_times(times, hw, *, tp_fwd_s: float, cp_fwd_s: float, cp_bwd_s: float,
+                  tp_bwd_s: float = 0.0) -> tuple[dict, dict, dict]:
     """Per recompute policy: (recomputed seconds, TP + CP communication seconds, CP communication seconds)
-    of one layer's forward and backward."""
+    of one layer's forward and backward; `tp_bwd_s`: TP seconds of the backward alone, never recomputed."""
     # Each checkpointed region (the layer under full, the attention core under selective) also pays the
     # calibrated recompute_overhead_s once per micro-batch: torch.utils.checkpoint's saved-tensor hooks,
     # RNG state save/restore and re-entry, on top of the recomputed ops (default 0).
@@ -337,7 +341,7 @@ def _policy_times(times, hw, *, tp_fwd_s: float, cp_fwd_s: float, cp_bwd_s: floa
     # Recomputation repeats the forward's CP communication: the whole layer (full), or the core with its
     # all-to-all and ring (selective: runners/context_parallel.py runs inside the checkpointed core).
     cp_comm = {"none": cp_fwd_s + cp_bwd_s, "selective": 2 * cp_fwd_s + cp_bwd_s, "full": 2 * cp_fwd_s + cp_bwd_s}
-    tp_comm = {"none": 2 * tp_fwd_s, "selective": 2 * tp_fwd_s, "full": 3 * tp_fwd_s}
+    tp_comm = {"none": 2 * tp_fwd_s + tp_bwd_s, "selective": 2 * tp_fwd_s + tp_bwd_s, "full": 3 * tp_fwd_s + tp_bwd_s}
     return recompute_s, {p: tp_comm[p] + cp_comm[p] for p in POLICIES}, cp_comm
 
 
@@ -371,7 +375,9 @@ def layer_costs(plan, *, model, cluster, job, engine: str = "ours") -> LayerCost
     embed_comm_s = exposed * (scatter_s if sp else reduce_s)
     tp_fwd_s = 2 * one_s
     cp_fwd_s, cp_bwd_s = _context_comm_s(plan, cluster, model=model, job=job, core_forward_s=core_fwd_s)
-    recompute_s, tp_comm, cp_comm = _policy_times(times, hw, tp_fwd_s=tp_fwd_s, cp_fwd_s=cp_fwd_s, cp_bwd_s=cp_bwd_s)
+    rep_s, rep_first_s, rep_last_s = _sp_replicated_reduce_s(plan, cluster, model=model, eng=eng, precision=job.precision)
+    recompute_s, tp_comm, cp_comm = _policy_times(times, hw, tp_fwd_s=tp_fwd_s, cp_fwd_s=cp_fwd_s, cp_bwd_s=cp_bwd_s,
+                                                  tp_bwd_s=rep_s)
     first_params, last_params = end_params_per_device(model, tp=tp, pp=plan.pp)
     grad_pass_s = _unsharded_grad_pass_s(plan, eng=eng, hw=hw, precision=job.precision)
     layer_grad_s = grad_pass_s(layer_params_per_device(model, tp=tp))
@@ -385,8 +391,9 @@ def layer_costs(plan, *, model, cluster, job, engine: str = "ours") -> LayerCost
         time_s=time_s, activation_bytes=activation, state_bytes=state.total_bytes,
         # The vocabulary-parallel embedding sums its partial lookups (all-reduce; reduce-scatter under
         # SP); the head's input is all-reduced in backward (under SP: gathered forward, scattered back).
-        first_extra_time_s=ends.embed_forward_s + ends.embed_backward_s + embed_comm_s + grad_pass_s(first_params),
-        last_extra_time_s=ends.head_forward_s + ends.head_backward_s + one_s + grad_pass_s(last_params),
+        first_extra_time_s=ends.embed_forward_s + ends.embed_backward_s + embed_comm_s + rep_first_s
+        + grad_pass_s(first_params),
+        last_extra_time_s=ends.head_forward_s + ends.head_backward_s + one_s + rep_last_s + grad_pass_s(last_params),
         first_extra_bytes=model_state_bytes(first_params, **shards).total_bytes,
         last_extra_bytes=model_state_bytes(last_params, **shards).total_bytes
         + logits_bytes(model, micro_batch=b, seq_len=s, tp=tp),
@@ -394,10 +401,33 @@ def layer_costs(plan, *, model, cluster, job, engine: str = "ours") -> LayerCost
         forward_time_s={p: times.forward_s + tp_fwd_s + cp_fwd_s for p in POLICIES},
         first_extra_forward_s=ends.embed_forward_s + embed_comm_s,
         last_extra_forward_s=ends.head_forward_s + (exposed * gather_s if sp else 0.0),
-        first_extra_tp_comm_s=embed_comm_s, last_extra_tp_comm_s=one_s,
-        tp_comm_s=tp_comm, cp_comm_s=cp_comm, recompute_time_s=recompute_s,
+        first_extra_tp_comm_s=embed_comm_s + rep_first_s, last_extra_tp_comm_s=one_s + rep_last_s,
+        tp_comm_s=tp_comm, cp_comm_s=cp_comm, recompute_time_s=recompute_s, replicated_reduce_s=rep_s,
         cp_working_bytes=_ring_working_bytes(model, plan=plan, seq_len=job.seq_len, ring=ring, eng=eng),
         overlap_efficiency_forward=share_f, overlap_efficiency_backward=share_b)
+
+
+def _sp_replicated_reduce_s(plan, cluster, *, model, eng, precision: str) -> tuple[float, float, float]:
+    """Seconds per micro-batch of the TP all-reduces that sum the replicated parameters' gradients under
+    sequence parallelism, where the engine issues them in every micro-batch's backward
+    (EngineModel.sp_replicated_grad_reduce): (one layer, the first chunk's extra, the last chunk's extra).
+    Each parameter is its own call, latency-bound: a layer's two norms (LayerNorm: weight and bias) and,
+    with biases, the two row-parallel ones; the learned positions on the first chunk; the final norm on
+    the last. Timed in one 2-process tiny tp2 sp step: 304 all-reduces, 471 of its 3708 ms (the rest of
+    SP's extra its all-gathers and reduce-scatters, priced as `one_s`)."""
+    if not (plan.sequence_parallel and plan.tp > 1 and eng.sp_replicated_grad_reduce == "micro_batch"):
+        return 0.0, 0.0, 0.0
+    nbytes = activation_bytes_per_element(precision)
+
+    def all_reduce_s(numel: int) -> float:
+        return collective_time_s(cluster, collective="all_reduce", size_bytes=numel * nbytes, group_size=plan.tp,
+                                 stride=1)
+
+    h = model.hidden_size
+    norm_s = all_reduce_s(h) * (2 if model.arch == "gpt2" else 1)
+    layer_s = 2 * norm_s + (2 * all_reduce_s(h) if model.has_bias else 0.0)
+    first_s = all_reduce_s(model.max_seq_len * h) if model.learned_positions else 0.0
+    return layer_s, first_s, norm_s
 
 
 def _unsharded_grad_pass_s(plan, *, eng, hw, precision: str):
@@ -451,11 +481,17 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
     state = model_state_bytes(moe_cost.nonexpert_layer_params_per_device(model, tp=plan.tp), precision=job.precision,
                               param_shard=plan.param_shard, grad_shard=plan.grad_shard, optim_shard=plan.optim_shard,
                               reduce_fp32=plan.reduce_fp32).total_bytes
-    extra = {"time_s": {pol: times.forward_s + times.backward_s + comm[pol] + (times.forward_s if pol == "full" else 0.0)
-                        for pol in POLICIES},
+    # Under sequence parallelism the router is a TP-replicated parameter too (runners/moe.py, `route`).
+    router_s = 0.0
+    if plan.sequence_parallel and plan.tp > 1 and eng.sp_replicated_grad_reduce == "micro_batch":
+        router_s = collective_time_s(cluster, collective="all_reduce", size_bytes=model.router_params() * p,
+                                     group_size=plan.tp, stride=1)
+    extra = {"time_s": {pol: times.forward_s + times.backward_s + comm[pol] + router_s
+                        + (times.forward_s if pol == "full" else 0.0) for pol in POLICIES},
              "forward_time_s": {pol: times.forward_s + comm["none"] / 2 for pol in POLICIES},
              "recompute_time_s": {"none": 0.0, "selective": 0.0, "full": times.forward_s},
-             "tp_comm_s": comm, "activation_bytes": {"none": act, "selective": act, "full": 0.0}}
+             "tp_comm_s": {pol: c + router_s for pol, c in comm.items()},
+             "activation_bytes": {"none": act, "selective": act, "full": 0.0}}
     if eng.recompute_modules != ("core_attn",):
         dense, attn, extra = _named_module_recompute(eng.recompute_modules, dense=dense, attn=attn, extra=extra,
                                                      moe=times, comm=comm, act_bytes=act, model=model, hw=hw,
@@ -494,7 +530,8 @@ def _without_mlp_tp_comm(attn: LayerCosts) -> LayerCosts:
     are expert TP's, priced as etp_s), so only the attention's pair remains: half the layer's TP part. A
     shared expert (shared_experts.py) is a TP-split dense MLP over the gathered sequence, which keeps the
     pair (moe_gemms prices it over tp x tokens)."""
-    tp_part = {pol: attn.tp_comm_s[pol] - attn.cp_comm_s.get(pol, 0.0) for pol in attn.tp_comm_s}
+    tp_part = {pol: attn.tp_comm_s[pol] - attn.cp_comm_s.get(pol, 0.0) - attn.replicated_reduce_s
+               for pol in attn.tp_comm_s}
     return dataclasses.replace(
         attn, time_s={pol: t - tp_part[pol] / 2 for pol, t in attn.time_s.items()},
         tp_comm_s={pol: c - tp_part[pol] / 2 for pol, c in attn.tp_comm_s.items()},

@@ -255,8 +255,41 @@ def test_sequence_parallel_moves_the_same_tensor_parallel_volume():
     cluster = _cluster(8)
     plain, sp = (layer_costs(Plan(tp=8, num_micro_batches=1, sequence_parallel=flag), model=LLAMA8,
                              cluster=cluster, job=Job(global_batch=1, seq_len=4096)) for flag in (False, True))
-    assert sp.tp_comm_s["none"] == pytest.approx(plain.tp_comm_s["none"], rel=0.01)
+    # (besides the replicated parameters' gradient all-reduces this engine adds under SP: the next test)
+    assert sp.tp_comm_s["none"] - sp.replicated_reduce_s == pytest.approx(plain.tp_comm_s["none"], rel=0.01)
     assert sp.activation_bytes["none"] < plain.activation_bytes["none"]
+
+
+def test_sequence_parallel_prices_each_replicated_gradient_all_reduce_where_the_engine_issues_it():
+    # This engine sums a replicated parameter's gradient over TP in every micro-batch's backward
+    # (runners/tensor_parallel.sequence_parallel_param): a llama layer's two RMSNorm weights, a GPT
+    # layer's two LayerNorms (weight and bias) and two row-parallel biases, the final norm on the last
+    # chunk and GPT's learned positions on the first; Megatron sums them once per step (not priced).
+    import dataclasses
+
+    from cost_models.engines import ENGINES
+    from cost_models.estimate import collective_time_s
+
+    once = dataclasses.replace(ENGINES["ours"], sp_replicated_grad_reduce="step")
+    cluster, job = _cluster(8), Job(global_batch=1, seq_len=2048)
+    for name, calls, last in (("llama3-8b", 2, 1), ("gpt3-1.7b", 6, 2)):
+        model = PRESETS[name]
+        per_mb, per_step = (layer_costs(Plan(tp=8, num_micro_batches=1, sequence_parallel=True), model=model,
+                                        cluster=cluster, job=job, engine=e) for e in ("ours", once))
+
+        def all_reduce_s(numel: int) -> float:
+            return collective_time_s(cluster, collective="all_reduce", size_bytes=numel * 2, group_size=8, stride=1)
+
+        one = all_reduce_s(model.hidden_size)
+        assert one > 0 and per_step.replicated_reduce_s == 0
+        assert per_mb.replicated_reduce_s == pytest.approx(calls * one, rel=1e-9)
+        for policy in ("none", "selective", "full"):
+            assert per_mb.time_s[policy] - per_step.time_s[policy] == pytest.approx(calls * one, rel=1e-6)
+            assert per_mb.forward_time_s[policy] == per_step.forward_time_s[policy]  # backward only
+        assert per_mb.last_extra_time_s - per_step.last_extra_time_s == pytest.approx(last * one, rel=1e-6)
+        positions = all_reduce_s(model.max_seq_len * model.hidden_size) if model.learned_positions else 0.0
+        assert per_mb.first_extra_time_s - per_step.first_extra_time_s == pytest.approx(positions, rel=1e-6, abs=1e-12)
+    assert PRESETS["gpt3-1.7b"].learned_positions
 
 
 def test_wire_bound_communication_hides_behind_compute_whatever_the_cpu_overlap():
