@@ -26,8 +26,8 @@ launches pays in Python dispatch and allocation, on top of its kernel time; coun
 head and optimizer unit by `num_ops`), collective_overhead_s (seconds every collective call pays on top
 of its latency-bandwidth time per exchange of its algorithm, `sync_rounds`: gloo's synchronisation with a
 partner process under a busy host), comm_overlap_efficiency (the fraction of per-micro-batch DP/ZeRO
-communication the separate stream hides, default 1; see `_overlap`), recompute_overhead_s (seconds per checkpointed region and
-micro-batch, see `layer_costs`) and step_overhead_s (seconds per
+communication the separate stream hides, default 1; see `_overlap`), recompute_overhead_s and selective_recompute_overhead_s
+(seconds per checkpointed layer / attention core and micro-batch, see `_policy_times`) and step_overhead_s (seconds per
 optimizer step outside any op: the step loop's bookkeeping). On small models on CPUs these dominate the
 step; on GPUs they are hidden behind the kernel queue and stay 0.
 """
@@ -332,11 +332,13 @@ def _policy_times(times, hw, *, tp_fwd_s: float, cp_fwd_s: float, cp_bwd_s: floa
                   tp_bwd_s: float = 0.0) -> tuple[dict, dict, dict]:
     """Per recompute policy: (recomputed seconds, TP + CP communication seconds, CP communication seconds)
     of one layer's forward and backward; `tp_bwd_s`: TP seconds of the backward alone, never recomputed."""
-    # Each checkpointed region (the layer under full, the attention core under selective) also pays the
-    # calibrated recompute_overhead_s once per micro-batch: torch.utils.checkpoint's saved-tensor hooks,
-    # RNG state save/restore and re-entry, on top of the recomputed ops (default 0).
+    # Each checkpointed region also pays its calibrated overhead once per micro-batch: torch.utils.checkpoint's
+    # saved-tensor hooks, RNG state save/restore and re-entry, on top of the recomputed ops (default 0):
+    # recompute_overhead_s for the layer (full), selective_recompute_overhead_s for the attention core (a
+    # profile from before profiler version 3 has only the first, used for both).
     checkpoint_s = hw.calibration.get("recompute_overhead_s", 0.0)
-    recompute_s = {"none": 0.0, "selective": times.attention_core_forward_s + checkpoint_s,
+    core_checkpoint_s = hw.calibration.get("selective_recompute_overhead_s", checkpoint_s)
+    recompute_s = {"none": 0.0, "selective": times.attention_core_forward_s + core_checkpoint_s,
                    "full": times.forward_s + checkpoint_s}
     # Recomputation repeats the forward's CP communication: the whole layer (full), or the core with its
     # all-to-all and ring (selective: runners/context_parallel.py runs inside the checkpointed core).

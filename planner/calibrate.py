@@ -13,7 +13,9 @@ Free parameters (calibration keys, documented in cost_models/estimate.py):
   collective_overhead_s  seconds every collective call pays (gloo's per-call cost on a busy host)
   step_overhead_s        seconds per optimizer step outside any op
   comm_overlap_efficiency  fraction of the DP/ZeRO communication the separate stream hides (1 on GPUs)
-  recompute_overhead_s   seconds per checkpointed region and micro-batch (torch.utils.checkpoint's own cost)
+  recompute_overhead_s   seconds per checkpointed layer and micro-batch (torch.utils.checkpoint's own cost)
+  (selective_recompute_overhead_s, the same per checkpointed attention core, comes from the profile's layer
+  probe and is not refitted here: the spread's plans rarely hold a selective one)
   framework_reserve_bytes  memory no tensor accounts for (the runtime's anonymous memory on CPU)
 
 The step-time parameters minimise the sum of squared relative errors (predicted - measured) / measured

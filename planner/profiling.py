@@ -13,9 +13,12 @@ B the layer's forward and backward compute time predicted from the profile's own
 where n is the ops of one layer forward (`num_ops`), k the backward ops per forward op, o the seconds
 each op pays (`op_overhead_s`) and c the factor by which real compute is slower than the sweep predicts
 (`compute_time_scale`). Smallest relative squared error over all points (rows divided by the measured
-time, as planner/calibrate.py weighs plans), c > 0 and o >= 0 (`fit_overheads`). The point under full
-recomputation gives torch.utils.checkpoint's own cost (`recompute_overhead_s`); the overlap probe gives
-comm_overlap_efficiency.
+time, as planner/calibrate.py weighs plans), c > 0 and o >= 0 (`fit_overheads`). The points under full and
+selective recomputation give torch.utils.checkpoint's own cost per region (`recompute_overhead_s`, the layer;
+`selective_recompute_overhead_s`, the attention core): what the layer's forward+backward takes beyond the
+plain one's and the recomputed forward's. They differ (its saved-tensor hooks and re-entry scale with the
+region: one process, tiny, 3.1 ms a layer, 1.5 a core), so one price for both put the 4-process selective
+plan of `planner validate` 50% over its measured time. The overlap probe gives comm_overlap_efficiency.
 
 On CUDA the kernel queue hides per-op dispatch behind the kernels of earlier ops (the probe runs the
 shapes training steps run, where kernels set the time), so o stays 0 and only c is fitted: how much
@@ -59,8 +62,8 @@ _PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 def fit_overheads(model: ModelSpec, hardware: Hardware, points: list[LayerProbePoint], *,
                   op_overhead: bool = True) -> dict[str, float]:
     """{'op_overhead_s', 'compute_time_scale'} fitted to the probe points without recomputation (module
-    docstring; `op_overhead` False keeps o = 0, as on CUDA), and 'recompute_overhead_s' from a point
-    under full recomputation if there is one.
+    docstring; `op_overhead` False keeps o = 0, as on CUDA), 'recompute_overhead_s' from a point under
+    full recomputation and 'selective_recompute_overhead_s' from one under selective, where there are.
 
     The predicted compute is not linear in c (each kernel's time is floored at the kernel overhead,
     cost_models/compute.py), so c is searched on a log grid, refined by golden-section search, and for each
@@ -74,6 +77,7 @@ def fit_overheads(model: ModelSpec, hardware: Hardware, points: list[LayerProbeP
     extra = [p.forward_backward_s - by_shape[(p.micro_batch, p.seq_len)].forward_backward_s
              - by_shape[(p.micro_batch, p.seq_len)].forward_s
              for p in points if p.recompute == "full" and (p.micro_batch, p.seq_len) in by_shape]
+    selective = [p for p in points if p.recompute == "selective" and (p.micro_batch, p.seq_len) in by_shape]
     points = plain
 
     def predicted(c: float) -> list[tuple[float, float, float]]:
@@ -112,4 +116,23 @@ def fit_overheads(model: ModelSpec, hardware: Hardware, points: list[LayerProbeP
     fitted = {"compute_time_scale": best, "op_overhead_s": solve(best)[1]}
     if extra:
         fitted["recompute_overhead_s"] = max(0.0, statistics.median(extra))
+    if selective:
+        fitted["selective_recompute_overhead_s"] = _core_checkpoint_s(model, hardware, selective, by_shape, fitted)
     return fitted
+
+
+def _core_checkpoint_s(model: ModelSpec, hardware: Hardware, selective: list[LayerProbePoint], by_shape: dict,
+                       fitted: dict[str, float]) -> float:
+    """torch.utils.checkpoint's own cost per attention core and micro-batch: what a selectively recomputed
+    layer's forward+backward takes beyond the plain layer's and the core's forward, priced at the fitted
+    compute scale and op overhead."""
+    hw = dataclasses.replace(hardware, calibration={"compute_time_scale": fitted["compute_time_scale"]})
+
+    def core_forward_s(p: LayerProbePoint) -> float:
+        t = layer_compute_times(model, hw, micro_batch=p.micro_batch, seq_len=p.seq_len, tp=1,
+                                sequence_parallel=False, precision=_PRECISION_OF_DTYPE.get(p.dtype, "fp32"))
+        return t.attention_core_forward_s + num_ops(model)["core"] * fitted["op_overhead_s"]
+
+    return max(0.0, statistics.median(
+        p.forward_backward_s - by_shape[(p.micro_batch, p.seq_len)].forward_backward_s - core_forward_s(p)
+        for p in selective))

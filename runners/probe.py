@@ -7,8 +7,9 @@ the same through this worker (launched by runners.launch like every other), with
 runner executes (runners/transformer.py), at a few (micro-batch, sequence) shapes, on all ranks
 simultaneously, so that what a training step pays on this host is in the numbers: eager dispatch and
 autograd bookkeeping per op, and processes sharing cores (4 ranks on 2 cores each get half a core,
-which a single-process GEMM sweep never sees). One more point runs the middle shape under full
-recomputation (torch.utils.checkpoint's own cost). The overlap probe then times a chunk's micro-step
+which a single-process GEMM sweep never sees). Two more points run the middle shape under full and under
+selective recomputation (torch.utils.checkpoint's own cost, which differs by region: 3.1 ms per tiny layer
+under full, 1.5 under selective, in one process). The overlap probe then times a chunk's micro-step
 with each unit's parameter all-gather blocking, and prefetched one unit ahead the way ZeRO-3 does.
 
 What the points mean for the cost model (the fit of op_overhead_s, compute_time_scale,
@@ -134,16 +135,16 @@ def _probe_chunk(model: ModelSpec, *, num_layers: int, recompute: str, device: t
 def measure_layer(model: ModelSpec, *, device: torch.device, dtype: torch.dtype, budget_s: float,
                   barrier=lambda: None, rounds: int = PROBE_ROUNDS) -> list[LayerProbePoint]:
     """Forward and forward+backward seconds per Block (a chunk of PROBE_LAYERS of them, timed whole) at
-    each probe shape, and the middle shape again under full recomputation. `barrier` runs before each
+    each probe shape, and the middle shape again under full and under selective recomputation. `barrier` runs before each
     measurement so that every rank measures the same shape at the same time. The shapes are measured in
     `rounds` interleaved rounds and each point keeps the median round, so a burst of foreign load spoils
     one round, not the point."""
     num_layers = min(PROBE_LAYERS, model.num_layers)
     chunks = {policy: _probe_chunk(model, num_layers=num_layers, recompute=policy, device=device, dtype=dtype)
-              for policy in ("none", "full")}
+              for policy in ("none", "full", "selective")}
     shapes = probe_shapes(model, device=device)
-    # The full-recomputation point at the middle of the three base shapes (not the CPU long point).
-    keys = [(shape, "none") for shape in shapes] + [(shapes[1], "full")]
+    # The recomputation points at the middle of the three base shapes (not the CPU long point).
+    keys = [(shape, "none") for shape in shapes] + [(shapes[1], "full"), (shapes[1], "selective")]
     # The Block's layout is [s, b, h] (runners/transformer.py), so shape (b, s) is fed as (s, b, h).
     inputs = {(b, s): torch.randn(s, b, model.hidden_size, device=device, dtype=dtype, requires_grad=True)
               for b, s in shapes}

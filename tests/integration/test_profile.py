@@ -52,9 +52,10 @@ def test_profile_json_round_trips_through_resolve_hardware(profile_path: Path) -
     # The layer probe ran on both ranks at once and, on CPU, its fit is the profile's calibration; the tiny
     # model gets the compute-bound point (2048 tokens at its longest sequence, 128).
     assert [(p.micro_batch, p.seq_len, p.recompute) for p in hw.layer_probe] == \
-        [(1, 8, "none"), (1, 64, "none"), (4, 64, "none"), (16, 128, "none"), (1, 64, "full")]
+        [(1, 8, "none"), (1, 64, "none"), (4, 64, "none"), (16, 128, "none"), (1, 64, "full"), (1, 64, "selective")]
     assert all(0 < p.forward_s < p.forward_backward_s for p in hw.layer_probe)
     assert hw.calibration["recompute_overhead_s"] >= 0
+    assert hw.calibration["selective_recompute_overhead_s"] >= 0
     assert set(hw.overlap_probe) == {"compute_s", "forward_s", "comm_s", "serial_s", "both_s", "efficiency"}
     probe = hw.overlap_probe
     assert 0 < probe["forward_s"] <= probe["compute_s"] < probe["serial_s"] and -1 <= probe["efficiency"] <= 1

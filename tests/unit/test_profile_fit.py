@@ -176,6 +176,54 @@ def test_the_full_recomputation_point_gives_the_checkpoint_overhead() -> None:
     assert "recompute_overhead_s" not in fit_overheads(model, hw, points)
 
 
+def test_the_selective_point_gives_the_attention_cores_own_checkpoint_overhead() -> None:
+    import dataclasses
+
+    from cost_models.compute import layer_compute_times
+    from cost_models.estimate import num_ops
+    from specs.model import resolve_model
+    from specs.hardware import PRESETS, with_calibration
+    from planner.profiling import fit_overheads
+
+    model, hw = resolve_model("tiny"), PRESETS["cpu"]
+    points = _probe_points(model, hw, scale=2.0, op_overhead_s=1e-5)
+    middle = points[1]
+    core = layer_compute_times(model, with_calibration(hw, {"compute_time_scale": 2.0}), micro_batch=middle.micro_batch,
+                               seq_len=middle.seq_len, tp=1, sequence_parallel=False,
+                               precision="fp32").attention_core_forward_s
+    core += num_ops(model)["core"] * 1e-5
+    full = dataclasses.replace(middle, recompute="full",
+                               forward_backward_s=middle.forward_backward_s + middle.forward_s + 3e-4)
+    # Selective: the plain forward+backward, the core's forward again, and 0.1 ms of checkpointing.
+    selective = dataclasses.replace(middle, recompute="selective",
+                                    forward_backward_s=middle.forward_backward_s + core + 1e-4)
+    fit = fit_overheads(model, hw, points + [full, selective])
+    assert fit["recompute_overhead_s"] == pytest.approx(3e-4, rel=1e-9)
+    assert fit["selective_recompute_overhead_s"] == pytest.approx(1e-4, rel=0.03)
+    assert fit["compute_time_scale"] == pytest.approx(2.0, rel=0.02)
+
+
+def test_selective_recomputation_is_priced_at_its_own_checkpoint_overhead() -> None:
+    from cost_models.estimate import estimate
+    from specs.cluster import make_cluster
+    from specs.hardware import PRESETS, with_calibration
+    from specs.job import Job
+    from specs.model import resolve_model
+    from specs.plan import Plan
+
+    model, job = resolve_model("tiny"), Job(global_batch=8, seq_len=64)
+    plan = Plan(dp=1, micro_batch=1, num_micro_batches=8, recompute="selective")
+
+    def step_s(calibration: dict) -> float:
+        cluster = make_cluster(hardware=with_calibration(PRESETS["cpu"], calibration), num_devices=1, devices_per_node=1)
+        return estimate(plan, model=model, cluster=cluster, job=job).step_time_s
+
+    old = step_s({"recompute_overhead_s": 3e-3})  # a profile before version 3: one price for both regions
+    new = step_s({"recompute_overhead_s": 3e-3, "selective_recompute_overhead_s": 1e-3})
+    # 8 layers x 8 micro-batches x (3 - 1) ms
+    assert old - new == pytest.approx(8 * 8 * 2e-3, rel=1e-6)
+
+
 def test_probes_calibrate_a_cpu_profile_and_a_cuda_one_without_the_per_op_term() -> None:
     import dataclasses
 
