@@ -195,6 +195,21 @@ def num_ops(model) -> dict[str, int]:
     norm = 7 if model.arch == "llama" else 1
     return {"layer": len(gemms["dense"]) + core + _elementwise_kernels(model), "core": core, "embed": 1,
             "head": norm + 1 + 4}
+def context_parallel_ops(a2a: int, ring: int) -> tuple[int, int]:
+    """(forward, backward) ops runners/context_parallel.py launches per layer beyond the unsplit attention's,
+    outside the ring's own steps (priced from their measured times): the all-to-all's copies into and out
+    of its buffers and its reorder into the ring layout (q, k, v in, the output back: cat, flip, stack and
+    their backward), and the ring's accumulators, K/V stack and receive buffers (one per step forward, one
+    K/V and one gradient buffer per step backward). Counted by dispatching a tiny layer's forward and
+    backward (tests/unit/test_cost_estimate.py keeps them equal to the engine's)."""
+    forward = backward = 0
+    if a2a > 1:
+        forward, backward = forward + 25, backward + 28
+    if ring > 1:
+        forward, backward = forward + 4 + 2 * ring, backward + 5 * ring - 1
+    return forward, backward
+
+
 # A fused Adam touches per parameter of its shard: the gradient (read), fp32 master, m and v (read + write)
 # and the compute-dtype parameter (write): 2 + 24 + 2 bytes mixed precision, 4 + 8 + 16 for fp32. An
 # engine whose optimizer is unfused says so (EngineModel.optimizer_bytes_per_param).
@@ -285,16 +300,18 @@ class LayerCosts:
     overlap_efficiency_backward: float = 1.0
 
 
-def _with_op_overhead(model, times, ends, *, op_overhead_s: float):
+def _with_op_overhead(model, times, ends, *, op_overhead_s: float, cp_split: tuple[int, int] = (1, 1)):
     """Layer and end compute times plus `op_overhead_s` per launched op (`num_ops`; backward
-    BACKWARD_OPS_PER_FORWARD_OP times the forward's ops)."""
+    BACKWARD_OPS_PER_FORWARD_OP times the forward's ops), and the context-parallel attention's own ops
+    (`context_parallel_ops` of the plan's (all-to-all, ring) split), which run inside the attention core."""
     if op_overhead_s <= 0:
         return times, ends
     ops, k = num_ops(model), BACKWARD_OPS_PER_FORWARD_OP
+    cp_forward, cp_backward = context_parallel_ops(*cp_split)
     times = dataclasses.replace(
-        times, forward_s=times.forward_s + ops["layer"] * op_overhead_s,
-        backward_s=times.backward_s + k * ops["layer"] * op_overhead_s,
-        attention_core_forward_s=times.attention_core_forward_s + ops["core"] * op_overhead_s)
+        times, forward_s=times.forward_s + (ops["layer"] + cp_forward) * op_overhead_s,
+        backward_s=times.backward_s + (k * ops["layer"] + cp_backward) * op_overhead_s,
+        attention_core_forward_s=times.attention_core_forward_s + (ops["core"] + cp_forward) * op_overhead_s)
     ends = dataclasses.replace(
         ends, embed_forward_s=ends.embed_forward_s + ops["embed"] * op_overhead_s,
         embed_backward_s=ends.embed_backward_s + k * ops["embed"] * op_overhead_s,
@@ -367,7 +384,7 @@ def layer_costs(plan, *, model, cluster, job, engine: str = "ours") -> LayerCost
     slow = layer_compute_times(model, contended(hw), **whole)
     share_f, share_b = times.forward_s / slow.forward_s, times.backward_s / slow.backward_s
     core_fwd_s = times.attention_core_forward_s
-    times, ends = _with_op_overhead(model, times, ends, op_overhead_s=hw.calibration.get("op_overhead_s", 0.0))
+    times, ends = _with_op_overhead(model, times, ends, op_overhead_s=hw.calibration.get("op_overhead_s", 0.0), cp_split=(a2a, ring))
     # The share the engine hides behind its GEMMs (Transformer Engine's TP overlap) leaves the path, but
     # slows those GEMMs for the SMs it holds (see _overlap).
     exposed = 1.0 - eng.tp_comm_hidden * 0.5 * (share_f + share_b)
