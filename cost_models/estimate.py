@@ -195,6 +195,8 @@ def num_ops(model) -> dict[str, int]:
     norm = 7 if model.arch == "llama" else 1
     return {"layer": len(gemms["dense"]) + core + _elementwise_kernels(model), "core": core, "embed": 1,
             "head": norm + 1 + 4}
+
+
 def context_parallel_ops(a2a: int, ring: int) -> tuple[int, int]:
     """(forward, backward) ops runners/context_parallel.py launches per layer beyond the unsplit attention's,
     outside the ring's own steps (priced from their measured times): the all-to-all's copies into and out
