@@ -428,6 +428,12 @@ def layer_costs(plan, *, model, cluster, job, engine: str = "ours") -> LayerCost
         overlap_efficiency_forward=share_f, overlap_efficiency_backward=share_b)
 
 
+def _sp_reduces_per_micro_batch(plan, eng) -> bool:
+    """Whether `eng` all-reduces the replicated parameters' gradients over TP in every micro-batch under
+    `plan` (sequence parallelism over more than one TP rank; EngineModel.sp_replicated_grad_reduce)."""
+    return plan.sequence_parallel and plan.tp > 1 and eng.sp_replicated_grad_reduce == "micro_batch"
+
+
 def _sp_replicated_reduce_s(plan, cluster, *, model, eng, precision: str) -> tuple[float, float, float]:
     """Seconds per micro-batch of the TP all-reduces that sum the replicated parameters' gradients under
     sequence parallelism, where the engine issues them in every micro-batch's backward
@@ -436,7 +442,7 @@ def _sp_replicated_reduce_s(plan, cluster, *, model, eng, precision: str) -> tup
     with biases, the two row-parallel ones; the learned positions on the first chunk; the final norm on
     the last. Timed in one 2-process tiny tp2 sp step: 304 all-reduces, 471 of its 3708 ms (the rest of
     SP's extra its all-gathers and reduce-scatters, priced as `one_s`)."""
-    if not (plan.sequence_parallel and plan.tp > 1 and eng.sp_replicated_grad_reduce == "micro_batch"):
+    if not _sp_reduces_per_micro_batch(plan, eng):
         return 0.0, 0.0, 0.0
     nbytes = activation_bytes_per_element(precision)
 
@@ -504,7 +510,7 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
                               reduce_fp32=plan.reduce_fp32).total_bytes
     # Under sequence parallelism the router is a TP-replicated parameter too (runners/moe.py, `route`).
     router_s = 0.0
-    if plan.sequence_parallel and plan.tp > 1 and eng.sp_replicated_grad_reduce == "micro_batch":
+    if _sp_reduces_per_micro_batch(plan, eng):
         router_s = collective_time_s(cluster, collective="all_reduce", size_bytes=model.router_params() * p,
                                      group_size=plan.tp, stride=1)
     extra = {"time_s": {pol: times.forward_s + times.backward_s + comm[pol] + router_s
