@@ -64,15 +64,18 @@ class Sizes:
     profile_quick: bool
     probe_seconds: float | None  # the profile's layer probe per point (None: its default)
     validate_plans: int
+    # Validate prices with the profile step's file (the dry run: on CPU the default would measure a second,
+    # full profile) rather than this machine's default (on a GPU its preset: no second measurement).
+    validate_on_profile: bool
     budget_s: float  # skip the remaining steps once this much time has gone
     step_timeout_s: float  # any one step
 
 
 GPU = Sizes(model="llama3.2-1b", seq_len=2048, global_batch=8, micro_batch=4, steps=6, exact_seq_len=64,
-            exact_steps=4, gemm_dim=8192, profile_quick=False, probe_seconds=None, validate_plans=3, budget_s=450,
+            exact_steps=4, gemm_dim=8192, profile_quick=False, probe_seconds=None, validate_plans=3, validate_on_profile=False, budget_s=450,
             step_timeout_s=300)
 DRY = Sizes(model="tiny", seq_len=32, global_batch=4, micro_batch=2, steps=3, exact_seq_len=32, exact_steps=3,
-            gemm_dim=256, profile_quick=True, probe_seconds=0.3, validate_plans=2, budget_s=3600, step_timeout_s=1200)
+            gemm_dim=256, profile_quick=True, probe_seconds=0.3, validate_plans=2, validate_on_profile=True, budget_s=3600, step_timeout_s=1200)
 
 # The exactness plans: (name, ranks, plan fields, RunConfig fields).
 EXACT = (
@@ -245,11 +248,13 @@ def step_exact(sizes: Sizes, *, ranks: int, names: list[str]) -> dict[str, dict]
     return out
 
 
-def step_validate(sizes: Sizes, out_dir: Path) -> dict:
+def step_validate(sizes: Sizes, out_dir: Path, *, hardware: str | None) -> dict:
     """`planner validate` of a few one-process plans of the tiny model with this machine's defaults (its
-    GPU's preset, bf16, NCCL), then `planner calibrate` of compute_time_scale from its report."""
+    GPU's preset, bf16, NCCL; `hardware` where given and `sizes.validate_on_profile`), then `planner
+    calibrate` of compute_time_scale from its report."""
     report, calibrated = out_dir / "validate.json", out_dir / "calibrated.json"
-    planner_cli(["validate", "--nproc", "1", "--top", "0", "--max-plans", str(sizes.validate_plans), "--steps", "3",
+    on_profile = ["--hardware", hardware] if hardware and sizes.validate_on_profile else []
+    planner_cli(["validate", *on_profile, "--nproc", "1", "--top", "0", "--max-plans", str(sizes.validate_plans), "--steps", "3",
                  "--model", "tiny",
                  "--global-batch", "4", "--seq-len", "64", "--out", str(report), "--png", str(out_dir / "validate.png"),
                  "--format", "json"])
@@ -401,7 +406,7 @@ def run_all(sizes: Sizes, out_dir: Path) -> dict:
                          lambda ranks=ranks, names=names: step_exact(sizes, ranks=ranks, names=names))
         if result is not None:
             raw["exact"].update(result)
-    result = guarded("validate + calibrate", ["validate_calibrate"], lambda: step_validate(sizes, out_dir))
+    result = guarded("validate + calibrate", ["validate_calibrate"], lambda: step_validate(sizes, out_dir, hardware=hardware))
     if result is not None:
         raw["validate"] = result
     raw["wall_s"] = time.perf_counter() - start
