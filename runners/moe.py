@@ -86,6 +86,9 @@ class MoE(nn.Module):
                              tp=TPContext.single())
         self.experts = GroupedExperts(spec, name=f"{name}.experts", seed=seed, ep=ep)
         self.shared = shared
+        # Qwen2-MoE's gate on the shared expert: sigmoid(x . w) per token, w replicated over TP.
+        self.shared_gate = (_param((1, spec.hidden_size), name=f"{name}.shared_gate", seed=seed, std=INIT_STD,
+                                   tp=TPContext.single()) if shared is not None and spec.shared_expert_gate else None)
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(probabilities [N, E] fp32, top-k expert ids [N, k], their renormalised weights [N, k])."""
@@ -140,7 +143,10 @@ class MoE(nn.Module):
         weighted = torch.empty_like(outs).index_copy(0, order, outs) * assign_weight.to(x.dtype).unsqueeze(1)
         out = torch.zeros_like(tokens).index_add(0, assign_token, weighted).view(s, b, h)
         if self.shared is not None:
-            out = out + self.shared(x)
+            shared = self.shared(x)
+            if self.shared_gate is not None:
+                shared = shared * torch.sigmoid(F.linear(x, sequence_parallel_param(self.shared_gate, self.tp)))
+            out = out + shared
         if self.spec.aux_loss_coeff > 0 and torch.is_grad_enabled():
             out = _AttachAux.apply(out, self._aux_loss(probs, totals, b), self.aux_scale)
         return out

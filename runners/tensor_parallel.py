@@ -137,6 +137,12 @@ def sequence_parallel_param(p: torch.Tensor, tp: TPContext) -> torch.Tensor:
     return p
 
 
+def tp_shared_param(p: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    """A parameter every TP rank holds whole but applies to its own heads (Qwen3's query/key head norms):
+    its gradient is summed over the TP group with or without sequence parallelism."""
+    return copy_to_tp(p, tp)
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Summed cross entropy over logits split along the vocabulary (Megatron's vocab-parallel loss):
     max, sum of exponentials and the target logit are all-reduced, never the logits themselves."""

@@ -197,6 +197,9 @@ def make_torch_trainer(cfg, *, device: torch.device):
     """The trainer for `cfg.plan` on torch's components: a pipeline or a data-parallel one."""
     if cfg.model.is_moe:
         raise PlannerError(f"engine torch does not run mixture-of-experts models ({cfg.model.name}); use engine ours")
+    if cfg.model.qk_norm and cfg.plan.tp > 1:
+        raise PlannerError(f"engine torch does not run {cfg.model.name}'s query/key head norms (qk_norm) under tensor "
+                           f"parallelism (tp {cfg.plan.tp}); use engine ours")
     if torch_strategy(cfg.plan) == "pipeline":
         return TorchPipelineTrainer(cfg, device=device)
     return TorchDataParallelTrainer(cfg, device=device)

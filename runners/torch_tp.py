@@ -57,6 +57,9 @@ class TorchAttention(nn.Module):
         self.head_dim, self.selective = attn.spec.head_dim, attn.selective
         self.wq, self.wk, self.wv = _linear(attn.wq, attn.bq), _linear(attn.wk, attn.bk), _linear(attn.wv, attn.bv)
         self.wo = _linear(attn.wo, attn.bo)
+        # Qwen3's head norms, our modules as they are: the engine refuses them under TP (make_torch_trainer),
+        # where their weights would need a gradient sum over the heads' ranks that no DTensor style gives.
+        self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
 
     @staticmethod
     def _core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -74,6 +77,8 @@ class TorchAttention(nn.Module):
         q = self.wq(x).view(s, b, -1, d)
         k = self.wk(x).view(s, b, -1, d)
         v = self.wv(x).view(s, b, -1, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             cos, sin = rope.tables(s, x.dtype)
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)

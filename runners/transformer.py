@@ -28,7 +28,7 @@ from runners.expert_parallel import EPContext
 from runners.moe import MoE
 from runners.param_init import INIT_STD, ParamInit, _param, deferred_init  # noqa: F401 (re-exported)
 from runners.tensor_parallel import (TPContext, cross_entropy_sum, enter_tp_region, exit_tp_region,
-                                     sequence_parallel_param)
+                                     sequence_parallel_param, tp_shared_param)
 
 
 def canonical_names(chunks: list[nn.Module], chunk_ids: list[int]) -> dict[str, tuple[str, int | None]]:
@@ -87,26 +87,44 @@ class Rope(nn.Module):
         return self._cached[1]
 
 
+class HeadNorm(nn.Module):
+    """Qwen3's RMSNorm of every query (or key) head over its head_dim, one weight shared by the heads. Each
+    TP rank holds other heads, so the weight's gradient is summed over TP whether or not sequence
+    parallelism is on (`tp_shared_param`)."""
+
+    def __init__(self, spec: ModelSpec, *, name: str, tp: TPContext) -> None:
+        super().__init__()
+        self.tp, self.eps = tp, spec.norm_eps
+        self.weight = _param((spec.head_dim,), name=f"{name}.weight", seed=0, std=0, tp=tp, fill=1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * tp_shared_param(self.weight, self.tp)
+
+
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, *, name: str, seed: int, tp: TPContext, selective: bool,
                  cp: CPContext | None = None) -> None:
         super().__init__()
-        h, kv = spec.hidden_size, spec.kv_dim
+        # q: the query width, heads x head_dim (h but where a config sets head_dim, as Qwen3 does).
+        h, kv, q = spec.hidden_size, spec.kv_dim, spec.num_heads * spec.head_dim
         out_std = INIT_STD / math.sqrt(2 * spec.num_layers)
         self.tp, self.spec, self.selective = tp, spec, selective
         self.cp = cp or CPContext()
         self.local_heads, self.local_kv_heads = spec.num_heads // tp.size, spec.num_kv_heads // tp.size
-        self.wq = _param((h, h), name=f"{name}.wq", seed=seed, std=INIT_STD, tp=tp, split_dim=0)
+        self.wq = _param((q, h), name=f"{name}.wq", seed=seed, std=INIT_STD, tp=tp, split_dim=0)
         self.wk = _param((kv, h), name=f"{name}.wk", seed=seed, std=INIT_STD, tp=tp, split_dim=0)
         self.wv = _param((kv, h), name=f"{name}.wv", seed=seed, std=INIT_STD, tp=tp, split_dim=0)
-        self.wo = _param((h, h), name=f"{name}.wo", seed=seed, std=out_std, tp=tp, split_dim=1)
-        if spec.has_bias:
-            self.bq = _param((h,), name=f"{name}.bq", seed=seed, std=0, tp=tp, split_dim=0, fill=0.0)
+        self.wo = _param((h, q), name=f"{name}.wo", seed=seed, std=out_std, tp=tp, split_dim=1)
+        self.bq = self.bk = self.bv = self.bo = None
+        if spec.has_bias or spec.qkv_bias:  # gpt2's biases, or Qwen2's on q, k and v only
+            self.bq = _param((q,), name=f"{name}.bq", seed=seed, std=0, tp=tp, split_dim=0, fill=0.0)
             self.bk = _param((kv,), name=f"{name}.bk", seed=seed, std=0, tp=tp, split_dim=0, fill=0.0)
             self.bv = _param((kv,), name=f"{name}.bv", seed=seed, std=0, tp=tp, split_dim=0, fill=0.0)
+        if spec.has_bias:
             self.bo = _param((h,), name=f"{name}.bo", seed=seed, std=0, tp=tp, fill=0.0)
-        else:
-            self.bq = self.bk = self.bv = self.bo = None
+        self.q_norm = HeadNorm(spec, name=f"{name}.q_norm", tp=tp) if spec.qk_norm else None
+        self.k_norm = HeadNorm(spec, name=f"{name}.k_norm", tp=tp) if spec.qk_norm else None
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.cp.size > 1:
@@ -125,6 +143,8 @@ class Attention(nn.Module):
         q = F.linear(x, self.wq, self.bq).view(s, b, self.local_heads, d)
         k = F.linear(x, self.wk, self.bk).view(s, b, self.local_kv_heads, d)
         v = F.linear(x, self.wv, self.bv).view(s, b, self.local_kv_heads, d)
+        if self.q_norm is not None:  # Qwen3: each head normalised before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             cos, sin = rope.tables(s, x.dtype)
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
@@ -313,9 +333,7 @@ def check_cp_heads(spec: ModelSpec, *, tp_size: int, a2a_size: int) -> None:
 def check_moe_runnable(spec: ModelSpec, plan) -> None:
     """Raise ValueError for the MoE models and plans this engine does not run (the cost model prices them)."""
     if spec.is_moe:
-        unsupported = [(spec.uses_mla, "multi-head latent attention"), (spec.attention_head_dim > 0, "attention_head_dim"),
-                       (spec.qk_norm, "qk_norm"), (spec.qkv_bias, "qkv_bias"), (spec.shared_expert_gate, "shared_expert_gate"),
-                       (plan.etp > 1, "etp > 1"), (plan.cp > 1, "cp > 1 with MoE layers"),
+        unsupported = [(spec.uses_mla, "multi-head latent attention"), (plan.etp > 1, "etp > 1"), (plan.cp > 1, "cp > 1 with MoE layers"),
                        (spec.capacity_factor > 0 and plan.tp > 1, "capacity_factor with tp > 1")]
         for bad, what in unsupported:
             if bad:

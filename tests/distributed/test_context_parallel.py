@@ -16,6 +16,8 @@ MATRIX = {
         "cp2-a2a-accum": Plan(cp=2, cp_kind="all-to-all", micro_batch=1, num_micro_batches=2),
         # Learned positions follow the chunk layout too; full recomputation runs the ring again.
         "gpt2-cp2-ring-full-recompute": Plan(cp=2, micro_batch=2, num_micro_batches=1, recompute="full"),
+        # Qwen's attention (head_dim 16 on hidden 64, q/k/v biases, query/key head norms) split over heads.
+        "qwen-cp2-a2a": Plan(cp=2, cp_kind="all-to-all", micro_batch=2, num_micro_batches=1),
     },
     4: {
         "cp4-ring": Plan(cp=4, micro_batch=2, num_micro_batches=1),
@@ -33,7 +35,8 @@ MATRIX = {
     },
 }
 RANKS_PER_NODE = {"cp4-hierarchical": 2}
-MODEL_CHANGES = {"gpt2-cp2-ring-full-recompute": {"arch": "gpt2", "num_kv_heads": 8}}
+MODEL_CHANGES = {"gpt2-cp2-ring-full-recompute": {"arch": "gpt2", "num_kv_heads": 8},
+                 "qwen-cp2-a2a": {"attention_head_dim": 16, "qkv_bias": True, "qk_norm": True}}
 CASES = [(world, name) for world, plans in MATRIX.items() for name in plans]
 
 

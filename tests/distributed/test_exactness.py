@@ -47,6 +47,8 @@ MATRIX = {
 }
 RANKS_PER_NODE = {"hsdp-2x2": 2, "mixed-2-2-4": 2}
 
+QWEN = {"attention_head_dim": 16, "qkv_bias": True, "qk_norm": True}
+
 # Model variants on 2 processes: GPT-2's blocks under TP + SP, and tied embeddings. The reference shares
 # one Parameter; so does the engine where both ends are on one rank and the weight is never sharded away
 # (ZeRO-2); elsewhere it keeps two copies whose reduced gradients it sums, on one rank (pp=1, sharded
@@ -57,6 +59,12 @@ MODEL_VARIANTS = {
     "tied-zero2-shared": (_z(2, 1, 2, 2, micro_batch=2, num_micro_batches=2), {"tied_embeddings": True}),
     "tied-zero3": (_z(2, 2, 2, 2, micro_batch=2, num_micro_batches=2), {"tied_embeddings": True}),
     "tied-pp2-1f1b": (Plan(pp=2, micro_batch=1, num_micro_batches=4, schedule="1f1b"), {"tied_embeddings": True}),
+    # Qwen's attention: an explicit head_dim (q width 8 x 16 = 128 on hidden 64), q/k/v biases (Qwen2) and
+    # per-head query/key RMSNorms (Qwen3), whose shared weights sum their gradients over TP with and without SP.
+    "qwen-tp2": (Plan(tp=2, micro_batch=1, num_micro_batches=2), QWEN),
+    "qwen-tp2-sp-selective": (Plan(tp=2, sequence_parallel=True, micro_batch=2, num_micro_batches=2,
+                                   recompute="selective"), QWEN),
+    "qwen-zero3": (_z(2, 2, 2, 2, micro_batch=2, num_micro_batches=2), QWEN),
 }
 
 

@@ -17,6 +17,8 @@ MATRIX = {
         "ep2-accum-full-recompute": Plan(dp=2, ep=2, micro_batch=1, num_micro_batches=2, recompute="full"),
         "ep2-capacity": Plan(dp=2, ep=2, micro_batch=2, num_micro_batches=1),
         "dp2-experts-replicated-zero2": Plan(dp=2, grad_shard=2, optim_shard=2, micro_batch=2, num_micro_batches=1),
+        # Qwen2-MoE: the sigmoid gate on the shared expert, q/k/v biases.
+        "qwen2-moe-ep2": Plan(dp=2, ep=2, micro_batch=2, num_micro_batches=1),
     },
     4: {
         "ep4": Plan(dp=4, ep=4, micro_batch=1, num_micro_batches=1),
@@ -27,6 +29,8 @@ MATRIX = {
                                    num_micro_batches=2),
         # EP folds over the TP ranks (etp 1): each TP rank routes its SP slice; experts over expert-DP 2.
         "ep2-tp2-sp": Plan(dp=2, tp=2, ep=2, sequence_parallel=True, micro_batch=1, num_micro_batches=1),
+        # Qwen3-MoE's attention (head_dim 16 on hidden 64, query/key head norms) under TP + SP.
+        "qwen3-moe-ep2-tp2-sp": Plan(dp=2, tp=2, ep=2, sequence_parallel=True, micro_batch=1, num_micro_batches=1),
         "ep2-pp2-1f1b": Plan(dp=2, pp=2, ep=2, micro_batch=1, num_micro_batches=2),
         # The search's picks for tiny-moe on 4 CPU processes: MAZ3 tiers on the dense units (the experts'
         # own engine keeps none).
@@ -44,7 +48,9 @@ MATRIX = {
     },
 }
 # A capacity of ceil(0.5 x 32 x 2 / 8) = 4 assignments per expert and sequence: tokens are dropped.
-MODEL_CHANGES = {"ep2-capacity": {"capacity_factor": 0.5}}
+MODEL_CHANGES = {"ep2-capacity": {"capacity_factor": 0.5},
+                 "qwen2-moe-ep2": {"shared_expert_gate": True, "qkv_bias": True},
+                 "qwen3-moe-ep2-tp2-sp": {"attention_head_dim": 16, "qk_norm": True}}
 CASES = [(world, name) for world, plans in MATRIX.items() for name in plans]
 
 

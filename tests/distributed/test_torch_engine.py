@@ -28,6 +28,11 @@ MATRIX = {
         "ddp-tied": (_z(2, 1, 1, 1, micro_batch=1, num_micro_batches=2), "ddp", {"tied_embeddings": True}),
         "zero3-tied-gpt2": (_z(2, 2, 2, 2, micro_batch=1, num_micro_batches=2), "zero3",
                             {"tied_embeddings": True, "arch": "gpt2", "num_kv_heads": 8}),
+        # Qwen's attention on torch's FSDP2 (head_dim 16 on hidden 64, q/k/v biases, query/key head norms),
+        # and Qwen2's biases under DTensor TP (the head norms are refused there: the last test).
+        "zero3-qwen": (_z(2, 2, 2, 2, micro_batch=2, num_micro_batches=1), "zero3",
+                       {"attention_head_dim": 16, "qkv_bias": True, "qk_norm": True}),
+        "tp2-qwen2": (Plan(tp=2, micro_batch=1, num_micro_batches=2), "tp", {"qkv_bias": True}),
         "pp2-gpipe": (Plan(pp=2, schedule="gpipe", micro_batch=1, num_micro_batches=4), "pipeline"),
         "pp2-1f1b-unequal": (Plan(pp=2, schedule="1f1b", micro_batch=1, num_micro_batches=4, stage_layers=(3, 5)),
                              "pipeline"),
@@ -97,3 +102,11 @@ def test_commshift_alone_is_named():
         plan = Plan(dp=2, commshift=True)
     with pytest.raises(PlannerError, match="commshift"):
         torch_strategy(plan)
+
+
+def test_head_norms_under_tensor_parallelism_are_refused_in_one_line():
+    from runners.torch_engine import make_torch_trainer
+
+    cfg = tiny_config(Plan(tp=2, micro_batch=1, num_micro_batches=2), engine="torch", qk_norm=True)
+    with pytest.raises(PlannerError, match=r"qk_norm\) under tensor parallelism \(tp 2\); use engine ours"):
+        make_torch_trainer(cfg, device=None)

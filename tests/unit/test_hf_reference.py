@@ -30,8 +30,12 @@ LLAMA = ModelSpec(name="tiny-llama-gqa", arch="llama", num_layers=2, hidden_size
                   ffn_hidden_size=96, vocab_size=128, max_seq_len=32, tied_embeddings=False)
 GPT2 = ModelSpec(name="tiny-gpt2", arch="gpt2", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=4,
                  ffn_hidden_size=256, vocab_size=128, max_seq_len=32, tied_embeddings=False)
+# Qwen2: q/k/v biases; Qwen3: head_dim 16 on hidden 64 (a query width of 128) and per-head query/key RMSNorms.
+QWEN2 = dataclasses.replace(LLAMA, name="tiny-qwen2", qkv_bias=True)
+QWEN3 = dataclasses.replace(LLAMA, name="tiny-qwen3", attention_head_dim=16, qk_norm=True)
 SPECS = {"llama-gqa-untied": LLAMA, "llama-gqa-tied": dataclasses.replace(LLAMA, tied_embeddings=True),
-         "gpt2-untied": GPT2, "gpt2-tied": dataclasses.replace(GPT2, tied_embeddings=True)}
+         "gpt2-untied": GPT2, "gpt2-tied": dataclasses.replace(GPT2, tied_embeddings=True),
+         "qwen2-untied": QWEN2, "qwen3-untied": QWEN3}
 
 
 # --- the weight mapping: our canonical names <-> the HF model's state dict ----------------------------
@@ -43,6 +47,11 @@ def _llama_names(spec: ModelSpec) -> dict[str, str]:
                   "attn.wv": "self_attn.v_proj.weight", "attn.wo": "self_attn.o_proj.weight",
                   "mlp.w_gate": "mlp.gate_proj.weight", "mlp.w_in": "mlp.up_proj.weight",
                   "mlp.w_out": "mlp.down_proj.weight"}
+    if spec.qkv_bias:
+        ours_to_hf.update({"attn.bq": "self_attn.q_proj.bias", "attn.bk": "self_attn.k_proj.bias",
+                           "attn.bv": "self_attn.v_proj.bias"})
+    if spec.qk_norm:
+        ours_to_hf.update({"attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight"})
     for i in range(spec.num_layers):
         names.update({f"layers.{i}.{k}": f"model.layers.{i}.{v}" for k, v in ours_to_hf.items()})
     return names
@@ -95,9 +104,20 @@ def from_hf(spec: ModelSpec, hf: dict[str, torch.Tensor], names: list[str]) -> d
 
 
 def hf_model(spec: ModelSpec):
-    """The HF model of `spec`'s architecture and shape: our epsilon (1e-5), RoPE base (500000), exact GELU,
-    no dropout, embeddings tied or not as `spec`."""
-    if spec.arch == "llama":
+    """The HF model of `spec`'s architecture and shape (Qwen2 / Qwen3 for their attention variants): our epsilon
+    (1e-5), RoPE base (500000), exact GELU, no dropout, embeddings tied or not as `spec`."""
+    if spec.qk_norm or spec.qkv_bias:
+        common = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.ffn_hidden_size,
+                      num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+                      num_key_value_heads=spec.num_kv_heads, max_position_embeddings=spec.max_seq_len,
+                      rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=spec.tied_embeddings,
+                      use_sliding_window=False, attention_dropout=0.0)
+        if spec.qk_norm:
+            model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=spec.head_dim,
+                                                                          attention_bias=False))
+        else:
+            model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    elif spec.arch == "llama":
         config = transformers.LlamaConfig(
             vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.ffn_hidden_size,
             num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
@@ -167,9 +187,10 @@ def test_model_matches_hugging_face(name):
     hf_grads = from_hf(spec, {k: p.grad for k, p in model.named_parameters()}, list(params))
     scale = max(g.abs().max().item() for g in hf_grads.values())
     for key, p in params.items():
-        if key.endswith("attn.bk"):
-            # Zero in exact arithmetic: the key bias adds q.b_k to every score of a query, which softmax
-            # ignores. Both sides must hold rounding noise only.
+        if key.endswith("attn.bk") and spec.learned_positions:
+            # Zero in exact arithmetic without RoPE: the key bias adds q.b_k to every score of a query, which
+            # softmax ignores. Both sides must hold rounding noise only. (Under RoPE each position rotates the
+            # bias differently: Qwen2's key bias has a real gradient.)
             assert max(p.grad.abs().max().item(), hf_grads[key].abs().max().item()) <= TOL * scale, key
             continue
         assert p.grad is not None and p.grad.abs().max() > 0, key
@@ -177,7 +198,7 @@ def test_model_matches_hugging_face(name):
         assert err <= TOL, f"{name}: gradient of {key} differs from HF's by {err:.1e} of its largest element"
 
 
-@pytest.mark.parametrize("name", ["llama-gqa-untied", "gpt2-untied"])
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "gpt2-untied", "qwen3-untied"])
 def test_the_mapping_is_checked(name):
     """The comparison is not vacuous: the same weights with two layers' MLP inputs swapped, or one
     norm weight perturbed by 1%, give other logits."""
