@@ -435,14 +435,15 @@ def _sp_reduces_per_micro_batch(plan, eng) -> bool:
 
 
 def _sp_replicated_reduce_s(plan, cluster, *, model, eng, precision: str) -> tuple[float, float, float]:
-    """Seconds per micro-batch of the TP all-reduces that sum the replicated parameters' gradients under
-    sequence parallelism, where the engine issues them in every micro-batch's backward
-    (EngineModel.sp_replicated_grad_reduce): (one layer, the first chunk's extra, the last chunk's extra).
-    Each parameter is its own call, latency-bound: a layer's two norms (LayerNorm: weight and bias) and,
-    with biases, the two row-parallel ones; the learned positions on the first chunk; the final norm on
-    the last. Timed in one 2-process tiny tp2 sp step: 304 all-reduces, 471 of its 3708 ms (the rest of
-    SP's extra its all-gathers and reduce-scatters, priced as `one_s`)."""
-    if not _sp_reduces_per_micro_batch(plan, eng):
+    """Seconds per micro-batch of the TP all-reduces that sum the replicated parameters' gradients, where the
+    engine issues them in every micro-batch's backward (EngineModel.sp_replicated_grad_reduce): (one layer,
+    the first chunk's extra, the last chunk's extra). Each parameter is its own call, latency-bound. Under
+    sequence parallelism: a layer's two norms (LayerNorm: weight and bias) and, with biases, the two
+    row-parallel ones; the learned positions on the first chunk; the final norm on the last. Timed in one
+    2-process tiny tp2 sp step: 304 all-reduces, 471 of its 3708 ms (the rest of SP's extra its all-gathers
+    and reduce-scatters, priced as `one_s`). Qwen3's query and key head norms under any TP > 1: each TP rank
+    normalises other heads with the same weight (runners/transformer.py, HeadNorm)."""
+    if plan.tp == 1 or eng.sp_replicated_grad_reduce != "micro_batch":
         return 0.0, 0.0, 0.0
     nbytes = activation_bytes_per_element(precision)
 
@@ -450,9 +451,12 @@ def _sp_replicated_reduce_s(plan, cluster, *, model, eng, precision: str) -> tup
         return collective_time_s(cluster, collective="all_reduce", size_bytes=numel * nbytes, group_size=plan.tp,
                                  stride=1)
 
+    head_norms_s = 2 * all_reduce_s(model.head_dim) if model.qk_norm else 0.0
+    if not _sp_reduces_per_micro_batch(plan, eng):
+        return head_norms_s, 0.0, 0.0
     h = model.hidden_size
     norm_s = all_reduce_s(h) * (2 if model.arch == "gpt2" else 1)
-    layer_s = 2 * norm_s + (2 * all_reduce_s(h) if model.has_bias else 0.0)
+    layer_s = head_norms_s + 2 * norm_s + (2 * all_reduce_s(h) if model.has_bias else 0.0)
     first_s = all_reduce_s(model.max_seq_len * h) if model.learned_positions else 0.0
     return layer_s, first_s, norm_s
 
@@ -508,11 +512,15 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
     state = model_state_bytes(moe_cost.nonexpert_layer_params_per_device(model, tp=plan.tp), precision=job.precision,
                               param_shard=plan.param_shard, grad_shard=plan.grad_shard, optim_shard=plan.optim_shard,
                               reduce_fp32=plan.reduce_fp32).total_bytes
-    # Under sequence parallelism the router is a TP-replicated parameter too (runners/moe.py, `route`).
+    # Under sequence parallelism the router is a TP-replicated parameter too (runners/moe.py, `route`), and
+    # so is Qwen2-MoE's shared-expert gate.
     router_s = 0.0
     if _sp_reduces_per_micro_batch(plan, eng):
         router_s = collective_time_s(cluster, collective="all_reduce", size_bytes=model.router_params() * p,
                                      group_size=plan.tp, stride=1)
+        if model.shared_expert_gate:
+            router_s += collective_time_s(cluster, collective="all_reduce", size_bytes=model.hidden_size * p,
+                                          group_size=plan.tp, stride=1)
     extra = {"time_s": {pol: times.forward_s + times.backward_s + comm[pol] + router_s
                         + (times.forward_s if pol == "full" else 0.0) for pol in POLICIES},
              "forward_time_s": {pol: times.forward_s + comm["none"] / 2 for pol in POLICIES},

@@ -338,6 +338,13 @@ PRESETS: dict[str, ModelSpec] = {
         # The engine and the exports use unscaled RoPE (ModelSpec.rope_theta); the cost is the same.
         _llama("llama3.1-8b", 32, 4096, 32, 8, 14336, 128256, 131072, False),
         _llama("llama3.1-70b", 80, 8192, 64, 8, 28672, 128256, 131072, False),
+        # Qwen/Qwen2.5-7B config.json: hidden 3584, 28 layers, 28 heads, 4 KV heads, intermediate 18944, vocab
+        # 152064, max_position_embeddings 131072, untied, q/k/v biases (Qwen2's attention).
+        dataclasses.replace(_llama("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064, 131072, False), qkv_bias=True),
+        # Qwen/Qwen3-8B config.json: hidden 4096, 36 layers, 32 heads of head_dim 128, 8 KV heads, intermediate
+        # 12288, vocab 151936, max_position_embeddings 40960, untied, no attention bias, query/key head norms.
+        dataclasses.replace(_llama("qwen3-8b", 36, 4096, 32, 8, 12288, 151936, 40960, False), attention_head_dim=128,
+                            qk_norm=True),
         *MOE_PRESETS,
     )
 }
@@ -392,6 +399,25 @@ def _llama_common(cfg: dict, path: Path, name: str) -> dict:
                 tied_embeddings=bool(cfg.get("tie_word_embeddings", False)))
 
 
+def _no_sliding_window(cfg: dict, path: Path) -> None:
+    """Qwen configs may turn on sliding-window attention; only full causal attention is priced and run."""
+    if cfg.get("use_sliding_window"):
+        raise PlannerError(f"config {path}: key 'use_sliding_window' true is not supported (full causal attention "
+                           f"only)")
+
+
+def _qwen_attention(cfg: dict, path: Path, model_type: str) -> dict:
+    """Qwen2's q/k/v biases, or Qwen3's explicit head_dim and per-head query/key norms."""
+    _no_sliding_window(cfg, path)
+    if model_type in ("qwen2", "qwen2_moe"):
+        return dict(qkv_bias=True)
+    if cfg.get("attention_bias"):  # Qwen3's attention_bias also puts a bias on the output projection
+        raise PlannerError(f"config {path}: key 'attention_bias' true is not supported for {model_type} (biases on q, "
+                           f"k, v and the output projection; only Qwen2's q/k/v biases are modelled)")
+    head_dim = _int_key(cfg, "head_dim", path) if cfg.get("head_dim") is not None else 0
+    return dict(attention_head_dim=head_dim, qk_norm=True)
+
+
 def _moe_fields(cfg: dict, path: Path, model_type: str) -> dict:
     """The MoE (and attention-variant) fields of a mixtral, qwen2_moe, qwen3_moe or deepseek_v3 config."""
     if model_type == "mixtral":
@@ -405,11 +431,11 @@ def _moe_fields(cfg: dict, path: Path, model_type: str) -> dict:
         _every_layer_sparse(cfg, path)
         common.update(num_experts=_int_key(cfg, "num_experts", path),
                       aux_loss_coeff=_float_key(cfg, "router_aux_loss_coef", path, 0.001))
+        common.update(_qwen_attention(cfg, path, model_type))
         if model_type == "qwen2_moe":
             shared = _int_key(cfg, "shared_expert_intermediate_size", path)
-            return dict(common, shared_expert_ffn_hidden_size=shared, shared_expert_gate=shared > 0, qkv_bias=True)
-        head_dim = _int_key(cfg, "head_dim", path) if cfg.get("head_dim") is not None else 0
-        return dict(common, attention_head_dim=head_dim, qk_norm=True, qkv_bias=bool(cfg.get("attention_bias", False)))
+            return dict(common, shared_expert_ffn_hidden_size=shared, shared_expert_gate=shared > 0)
+        return common
     shared = _int_key(cfg, "n_shared_experts", path) if cfg.get("n_shared_experts") is not None else 0
     q_lora = _int_key(cfg, "q_lora_rank", path) if cfg.get("q_lora_rank") is not None else 0
     return dict(common, num_experts=_int_key(cfg, "n_routed_experts", path),
@@ -423,11 +449,13 @@ def _moe_fields(cfg: dict, path: Path, model_type: str) -> dict:
 
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+# Dense llama-style blocks with Qwen's attention (_qwen_attention).
+QWEN_MODEL_TYPES = ("qwen2", "qwen3")
 
 
 def model_from_hf_config(path: str | Path) -> ModelSpec:
-    """Read an HF `config.json` (model_type llama, gpt2, mixtral, qwen2_moe, qwen3_moe or deepseek_v3) with
-    the key names HF writes."""
+    """Read an HF `config.json` (model_type llama, qwen2, qwen3, gpt2, mixtral, qwen2_moe, qwen3_moe or
+    deepseek_v3) with the key names HF writes."""
     path = Path(path)
     cfg = read_json_file(path, what="model config")
     if not isinstance(cfg, dict):
@@ -447,6 +475,8 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
                 tied_embeddings=bool(cfg.get("tie_word_embeddings", False)))
         if model_type in MOE_MODEL_TYPES:
             return ModelSpec(**_llama_common(cfg, path, name), **_moe_fields(cfg, path, model_type))
+        if model_type in QWEN_MODEL_TYPES:
+            return ModelSpec(**_llama_common(cfg, path, name), **_qwen_attention(cfg, path, model_type))
         if model_type == "gpt2":
             hidden = _int_key(cfg, "n_embd", path)
             heads = _int_key(cfg, "n_head", path)
@@ -463,7 +493,7 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
             raise
         raise PlannerError(f"config {path}: {exc}") from None
     raise PlannerError(f"config {path}: model_type {model_type!r} is not supported (use llama, gpt2, "
-                       f"{', '.join(MOE_MODEL_TYPES)})")
+                       f"{', '.join(QWEN_MODEL_TYPES + MOE_MODEL_TYPES)})")
 
 
 def resolve_model(name_or_path: str) -> ModelSpec:

@@ -3,7 +3,8 @@ config code in tests/integration/test_exports_accepted.py): dense 8B to 405B, pi
 unequal and interleaved stages, DDP, ZeRO-1/2/3 and HSDP, TP with and without SP, recomputation, a Lins
 mix, MAZ3 tiers and commshift, a tied-embedding model, a GPT-3 model, and long-context plans with ring,
 all-to-all and hierarchical context parallelism (which DeepSpeed's config cannot express), and MoE plans
-with expert parallelism (Megatron-LM only: torchtitan's and DeepSpeed's exporters refuse MoE models)."""
+with expert parallelism (Megatron-LM only: torchtitan's and DeepSpeed's exporters refuse MoE models), and
+dense Qwen2 / Qwen3 models (torchtitan's exporter refuses their attention)."""
 
 from __future__ import annotations
 
@@ -92,4 +93,11 @@ CASES = (
     ExportCase("qwen3-30b-a3b-ep8", "qwen3-30b-a3b", 16, 64, 4096,
                dict(dp=16, ep=8, micro_batch=1, num_micro_batches=4, zero=1, recompute="selective"),
                refused_by=("torchtitan", "deepspeed")),
+    # Dense Qwen attention: Qwen3-8B (head_dim 128, query/key head norms) and Qwen2.5-7B (q/k/v biases); the
+    # torchtitan exporter writes its llama3 model, which has neither.
+    ExportCase("qwen3-8b-tp2-zero1", "qwen3-8b", 16, 64, 4096,
+               dict(dp=8, tp=2, micro_batch=1, num_micro_batches=8, sequence_parallel=True, zero=1),
+               refused_by=("torchtitan",)),
+    ExportCase("qwen2.5-7b-zero3", "qwen2.5-7b", 8, 32, 4096,
+               dict(dp=8, micro_batch=2, num_micro_batches=2, zero=3, recompute="selective"), refused_by=("torchtitan",)),
 )

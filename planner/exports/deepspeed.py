@@ -30,6 +30,9 @@ def export_deepspeed(plan: Plan, ctx: ExportContext) -> Export:
         raise Refused(f"DeepSpeed export of mixture-of-experts model {ctx.problem.model.name} is not supported: "
                            f"DeepSpeed MoE lives in the model code (deepspeed.moe.layer.MoE with its ep_size), not in ds_config; export it to megatron")
     problem = ctx.problem
+    if problem.model.qk_norm and problem.model.qkv_bias:
+        raise Refused(f"DeepSpeed export of {problem.model.name} is not supported: no HF architecture has both query/key "
+                      f"head norms and q/k/v biases without an output bias (config.json could not describe it)")
     if plan.cp > 1:
         _refuse_context_parallel(plan, ctx)
     if plan.pp > 1 and plan.grad_shard > 1:
@@ -156,15 +159,25 @@ def ds_config(plan: Plan, ctx: ExportContext) -> dict:
 
 
 def hf_config(model) -> dict:
-    """The model as an HF transformers config.json (llama or gpt2), the model definition DeepSpeed scripts load."""
+    """The model as an HF transformers config.json (llama, qwen2, qwen3 or gpt2), the model definition DeepSpeed
+    scripts load: Qwen2's q/k/v biases are model_type qwen2, Qwen3's query/key head norms qwen3, each with its
+    architecture's own keys (export_deepspeed refuses both at once: no HF architecture has them)."""
     if model.arch == "llama":
-        return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": model.hidden_size,
-                "intermediate_size": model.ffn_hidden_size, "num_hidden_layers": model.num_layers,
-                "num_attention_heads": model.num_heads, "num_key_value_heads": model.num_kv_heads,
-                "head_dim": model.head_dim, "vocab_size": model.vocab_size,
-                "max_position_embeddings": model.max_seq_len, "rope_theta": model.rope_theta, "rope_scaling": None,
-                "rms_norm_eps": model.norm_eps, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-                "attention_dropout": 0.0, "tie_word_embeddings": model.tied_embeddings}
+        config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": model.hidden_size,
+                  "intermediate_size": model.ffn_hidden_size, "num_hidden_layers": model.num_layers,
+                  "num_attention_heads": model.num_heads, "num_key_value_heads": model.num_kv_heads,
+                  "head_dim": model.head_dim, "vocab_size": model.vocab_size,
+                  "max_position_embeddings": model.max_seq_len, "rope_theta": model.rope_theta, "rope_scaling": None,
+                  "rms_norm_eps": model.norm_eps, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+                  "attention_dropout": 0.0, "tie_word_embeddings": model.tied_embeddings}
+        if model.qk_norm:
+            del config["mlp_bias"]
+            config.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], use_sliding_window=False)
+        elif model.qkv_bias:
+            for key in ("mlp_bias", "attention_bias", "head_dim"):  # Qwen2: biases always, head_dim = h / heads
+                del config[key]
+            config.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=False)
+        return config
     return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": model.hidden_size,
             "n_layer": model.num_layers, "n_head": model.num_heads, "n_inner": model.ffn_hidden_size,
             "n_positions": model.max_seq_len, "vocab_size": model.vocab_size, "activation_function": "gelu",

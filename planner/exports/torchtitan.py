@@ -72,6 +72,13 @@ def _refuse_what_torchtitan_rejects(plan: Plan, ctx: ExportContext) -> None:
     if model.arch != "llama":
         raise Refused(f"{VERSION} has no {model.arch} decoder (LayerNorm, learned positions, GELU, biases); "
                       f"export {model.name} to megatron or deepspeed")
+    qwen = [what for on, what in ((model.qk_norm, "query/key head norms"), (model.qkv_bias, "q/k/v biases"),
+                                  (model.head_dim * model.num_heads != model.hidden_size, "a head_dim other than "
+                                   "hidden / heads")) if on]
+    if qwen:
+        raise Refused(f"torchtitan export of {model.name} is not supported: its {', '.join(qwen)} (Qwen's attention) "
+                      f"are not in {VERSION}'s llama3 model, the one this exporter writes; export it to megatron or "
+                      f"deepspeed")
     if model.tied_embeddings and plan.pp > 1:
         dp = plan.dp * plan.pp
         micro_batch = plan.micro_batch if job.global_batch % (dp * plan.micro_batch) == 0 else 1

@@ -292,6 +292,28 @@ def test_sequence_parallel_prices_each_replicated_gradient_all_reduce_where_the_
     assert PRESETS["gpt3-1.7b"].learned_positions
 
 
+def test_qwen3_head_norms_add_two_all_reduces_per_layer_under_any_tp():
+    # Each TP rank normalises its own heads with the one q_norm / k_norm weight (runners/transformer.HeadNorm),
+    # so this engine sums both gradients over TP in every micro-batch, with or without SP; Megatron once a step.
+    import dataclasses
+
+    from cost_models.engines import ENGINES
+    from cost_models.estimate import collective_time_s
+
+    once = dataclasses.replace(ENGINES["ours"], sp_replicated_grad_reduce="step")
+    cluster, job = _cluster(8), Job(global_batch=1, seq_len=2048)
+    model = PRESETS["qwen3-8b"]
+    head_norm = collective_time_s(cluster, collective="all_reduce", size_bytes=model.head_dim * 2, group_size=8, stride=1)
+    hidden = collective_time_s(cluster, collective="all_reduce", size_bytes=model.hidden_size * 2, group_size=8, stride=1)
+    for sp, calls in ((False, 2 * head_norm), (True, 2 * head_norm + 2 * hidden)):
+        plan = Plan(tp=8, num_micro_batches=1, sequence_parallel=sp)
+        per_mb, per_step = (layer_costs(plan, model=model, cluster=cluster, job=job, engine=e) for e in ("ours", once))
+        assert per_step.replicated_reduce_s == 0 and per_mb.replicated_reduce_s == pytest.approx(calls, rel=1e-9)
+        plain = layer_costs(plan, model=PRESETS["llama3-8b"], cluster=cluster, job=job)
+        assert plain.replicated_reduce_s == pytest.approx(calls - 2 * head_norm, rel=1e-9, abs=1e-15)
+    assert layer_costs(Plan(num_micro_batches=1), model=model, cluster=cluster, job=job).replicated_reduce_s == 0
+
+
 def test_wire_bound_communication_hides_behind_compute_whatever_the_cpu_overlap():
     """Waiting on an inter-node wire takes no core: that share hides fully, and the measured (here
     negative) overlap efficiency applies to the CPU-bound rest; at efficiency 1 it is max(compute, comm)."""

@@ -4,6 +4,7 @@ from its own code. (tests/integration/test_exports_accepted.py loads every expor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -177,6 +178,24 @@ def test_deepspeed_config_and_refusal():
                                       r"it accepts is dp4 tp8 pp2 mb1x16 1f1b rc=none zero1"):
         _export(Plan(dp=4, tp=8, pp=2, micro_batch=1, num_micro_batches=16, sequence_parallel=True, param_shard=4,
                      grad_shard=4, optim_shard=4), "deepspeed")
+
+
+def test_qwen_attention_is_the_models_in_megatron_and_deepspeed_and_refused_by_torchtitan():
+    qwen3 = make_problem(model="qwen3-8b", hardware="h100", gpus=8, gpus_per_node=8, global_batch=16, seq_len=4096)
+    qwen2 = make_problem(model="qwen2.5-7b", hardware="h100", gpus=8, gpus_per_node=8, global_batch=16, seq_len=4096)
+    plan = Plan(dp=8, micro_batch=1, num_micro_batches=2)
+    args = _export(plan, "megatron", qwen3).settings["args"]
+    assert args["--qk-layernorm"] is True and args["--kv-channels"] == 128 and "--add-qkv-bias" not in args
+    assert _export(plan, "megatron", qwen2).settings["args"]["--add-qkv-bias"] is True
+    for problem, model_type, keys in ((qwen3, "qwen3", {"head_dim": 128, "attention_bias": False}),
+                                      (qwen2, "qwen2", {"use_sliding_window": False})):
+        config = json.loads(_export(plan, "deepspeed", problem).files["config.json"])
+        assert config["model_type"] == model_type and keys.items() <= config.items()
+        with pytest.raises(Refused, match="query/key head norms|q/k/v biases"):
+            _export(plan, "torchtitan", problem)
+    both = dataclasses.replace(qwen3, model=dataclasses.replace(qwen3.model, name="qwen-both", qkv_bias=True))
+    with pytest.raises(Refused, match="no HF architecture has both"):
+        _export(plan, "deepspeed", both)
 
 
 def test_knobs_a_target_cannot_express_are_one_line_each_from_the_knob_table():

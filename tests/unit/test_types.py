@@ -97,6 +97,33 @@ def test_hf_configs(tmp_path):
     assert abs(resolve_model(str(tmp_path)).num_params() - 124_439_808) == 0  # GPT-2 small
 
 
+# Qwen/Qwen3-8B and Qwen/Qwen2.5-7B config.json (the keys the planner reads, as HF writes them).
+QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936,
+            "max_position_embeddings": 40960, "tie_word_embeddings": False, "attention_bias": False,
+            "use_sliding_window": False}
+QWEN25_7B = {"model_type": "qwen2", "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
+             "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
+             "max_position_embeddings": 131072, "tie_word_embeddings": False, "use_sliding_window": False}
+
+
+@pytest.mark.parametrize("cfg,preset,billions", [(QWEN3_8B, "qwen3-8b", 8.19), (QWEN25_7B, "qwen2.5-7b", 7.62)])
+def test_dense_qwen_configs(tmp_path, cfg, preset, billions):
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = resolve_model(str(tmp_path))
+    assert spec.num_params() == PRESETS[preset].num_params() == pytest.approx(billions * 1e9, rel=0.002)
+    assert (spec.qk_norm, spec.qkv_bias, spec.head_dim) == (PRESETS[preset].qk_norm, PRESETS[preset].qkv_bias, 128)
+
+
+@pytest.mark.parametrize("change,match", [({"use_sliding_window": True}, "'use_sliding_window' true is not supported"),
+                                          ({"attention_bias": True}, "'attention_bias' true is not supported")])
+def test_qwen_variants_the_engine_does_not_model_are_one_line(tmp_path, change, match):
+    (tmp_path / "config.json").write_text(json.dumps(dict(QWEN3_8B, **change)))
+    with pytest.raises(PlannerError, match=match) as exc:
+        resolve_model(str(tmp_path))
+    assert "\n" not in str(exc.value)
+
+
 def test_hardware_profile_round_trip(tmp_path):
     path = tmp_path / "profile.json"
     HW["h100"].save(path)
