@@ -79,8 +79,8 @@ class EngineModel:
     # layer, its dispatch and combine included: moe_layer.py checkpoints router to combine).
     recompute_modules: tuple[str, ...] = ("core_attn",)
     # Context parallelism in an MoE model: Megatron-Core folds CP into the attention side and the MoE layers
-    # route each CP rank's tokens (parallel folding); this project's engine refuses cp > 1 with MoE layers,
-    # and the others are not modelled running MoE with CP.
+    # route each CP rank's tokens (parallel folding), as this project's engine does (runners/moe.py, which
+    # sums a sequence's expert counts over CP); the others are not modelled running MoE with CP.
     moe_context_parallel: bool = False
     # What the engine's FSDP does to the whole unsharded gradient every micro-batch before its reduce-scatter
     # (`estimate.unsharded_grad_pass_bytes`): "fsdp1", PyTorch FSDP1 (llm-foundry's Composer): the
@@ -136,7 +136,7 @@ ENGINES: dict[str, EngineModel] = {e.name: e for e in (
     EngineModel("ours", "this project's engine (runners/): eager PyTorch, SDPA attention, bf16 reduction",
                 attention="by-arch", fused_elementwise=False, tp_comm_hidden=0.0, reduce_fp32=False,
                 main_grads_fp32=False, fused_ring_blocks=False, optimizer_bytes_per_param=OURS_ADAM_BYTES_PER_PARAM,
-                sp_replicated_grad_reduce="micro_batch"),
+                sp_replicated_grad_reduce="micro_batch", moe_context_parallel=True),
     EngineModel("megatron", "Megatron-LM / NeMo with Transformer Engine (2024+): fused kernels, cuDNN fused "
                 "attention, TP communication overlap, distributed optimizer with fp32 main gradients",
                 attention="flash3", fused_elementwise=True, tp_comm_hidden=0.8, reduce_fp32=True,

@@ -504,7 +504,9 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
     # Expert TP: the etp ranks of an expert gather its rows before and reduce-scatter its outputs after.
     etp_s = 2 * collective_time_s(cluster, collective="all_gather", size_bytes=buffer * plan.etp, group_size=plan.etp,
                                   stride=1)
-    comm = {pol: moe_cost.all_to_alls_per_layer(pol) / 2 * (2 * a2a_s + etp_s) for pol in POLICIES}
+    counts_s = _routing_counts_s(plan, cluster, model=model)  # every forward, a recomputed one too
+    comm = {pol: moe_cost.all_to_alls_per_layer(pol) / 2 * (2 * a2a_s + etp_s) + counts_s * (2 if pol == "full" else 1)
+            for pol in POLICIES}
     if eng.moe_a2a_overlap:
         comm = _overlapped_ep_comm(plan, comm, a2a_s=a2a_s + etp_s / 2, attn=attn, moe=times, cluster=cluster)
     act = moe_cost.moe_activation_bytes(model, tokens=tokens, ep=plan.ep, etp=plan.etp, imbalance=imbalance,
@@ -512,15 +514,7 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
     state = model_state_bytes(moe_cost.nonexpert_layer_params_per_device(model, tp=plan.tp), precision=job.precision,
                               param_shard=plan.param_shard, grad_shard=plan.grad_shard, optim_shard=plan.optim_shard,
                               reduce_fp32=plan.reduce_fp32).total_bytes
-    # Under sequence parallelism the router is a TP-replicated parameter too (runners/moe.py, `route`), and
-    # so is Qwen2-MoE's shared-expert gate.
-    router_s = 0.0
-    if _sp_reduces_per_micro_batch(plan, eng):
-        router_s = collective_time_s(cluster, collective="all_reduce", size_bytes=model.router_params() * p,
-                                     group_size=plan.tp, stride=1)
-        if model.shared_expert_gate:
-            router_s += collective_time_s(cluster, collective="all_reduce", size_bytes=model.hidden_size * p,
-                                          group_size=plan.tp, stride=1)
+    router_s = _moe_replicated_reduce_s(plan, cluster, model=model, eng=eng, nbytes=p)
     extra = {"time_s": {pol: times.forward_s + times.backward_s + comm[pol] + router_s
                         + (times.forward_s if pol == "full" else 0.0) for pol in POLICIES},
              "forward_time_s": {pol: times.forward_s + comm["none"] / 2 for pol in POLICIES},
@@ -541,9 +535,34 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
         "time_s", "activation_bytes", "forward_time_s", "tp_comm_s", "cp_comm_s", "recompute_time_s")})
 
 
+def _moe_replicated_reduce_s(plan, cluster, *, model, eng, nbytes: int) -> float:
+    """Seconds per micro-batch of an MoE layer's TP-replicated gradients' all-reduces under sequence
+    parallelism, where the engine issues them every micro-batch: the router's (runners/moe.py, `route`) and
+    Qwen2-MoE's shared-expert gate's."""
+    if not _sp_reduces_per_micro_batch(plan, eng):
+        return 0.0
+    sizes = [model.router_params()] + ([model.hidden_size] if model.shared_expert_gate else [])
+    return sum(collective_time_s(cluster, collective="all_reduce", size_bytes=n * nbytes, group_size=plan.tp, stride=1)
+               for n in sizes)
+
+
+def _routing_counts_s(plan, cluster, *, model) -> float:
+    """Seconds per MoE layer forward of summing each sequence's per-expert assignment counts (micro-batch x
+    experts int64, for the load-balancing loss and the capacity) over the ranks holding its other tokens:
+    the TP group under sequence parallelism, then the CP group (runners/moe.py, `_sequence_counts`)."""
+    nbytes = plan.micro_batch * model.num_experts * 8
+    seconds = 0.0
+    if plan.sequence_parallel and plan.tp > 1:
+        seconds += collective_time_s(cluster, collective="all_reduce", size_bytes=nbytes, group_size=plan.tp, stride=1)
+    if plan.cp > 1:
+        seconds += collective_time_s(cluster, collective="all_reduce", size_bytes=nbytes, group_size=plan.cp,
+                                     stride=plan.tp)
+    return seconds
+
+
 def _moe_mlp_times(model, hw, *, plan, precision: str, eng, tokens: int, imbalance: float) -> moe_cost.MoETimes:
     """Forward and backward seconds of one MoE layer's MLP compute on one rank: router and expert GEMMs,
-    the dispatcher's permutations, and under fp8 each expert's operand casts (the experts' GEMMs run in fp8:
+    the dispatcher's permutations, the eager engine's per-op overhead of its extra ops, and under fp8 each expert's operand casts (the experts' GEMMs run in fp8:
     Transformer Engine's GroupedLinear under fp8_autocast; moe_cost.fp8_quantize_times_s)."""
     gemms = moe_cost.moe_compute_times(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp, tp=plan.tp,
                                        imbalance=imbalance, dtype=precision, accumulate_fp32=eng.main_grads_fp32,
@@ -554,6 +573,10 @@ def _moe_mlp_times(model, hw, *, plan, precision: str, eng, tokens: int, imbalan
     if precision == "fp8":
         parts.append(moe_cost.fp8_quantize_times_s(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp,
                                                    imbalance=imbalance))
+    op_s = hw.calibration.get("op_overhead_s", 0.0)  # the eager engine's per-op cost (0 on GPUs)
+    if op_s > 0:
+        ops_f, ops_b = moe_cost.moe_extra_ops(model, ep=plan.ep)
+        parts.append(moe_cost.MoETimes(forward_s=ops_f * op_s, backward_s=ops_b * op_s))
     return moe_cost.MoETimes(forward_s=sum(t.forward_s for t in parts), backward_s=sum(t.backward_s for t in parts))
 
 

@@ -257,13 +257,14 @@ def expert_options(problem: Problem, *, dp: int, cp: int, tp: int, sequence_para
                    context_parallel: bool = False) -> list[int]:
     """The ep degrees worth pricing for one layout: [1] for a dense model; for an MoE model every ep that
     divides the experts and folds over the tp x cp x dp ranks of a stage (specs/plan.py), where the engine
-    runs it: CP only where `context_parallel` (Megatron-Core; this project's engine has none with MoE), TP
-    only with sequence parallelism (each TP rank routes its own tokens) and not with a capacity factor (the
-    engine drops per whole sequence). etp is 1: the engine does not split experts."""
+    runs it: CP only where `context_parallel` (Megatron-Core and this project's engine) and, like TP, not with a
+    capacity factor (the engine drops per whole sequence, in position order), TP only with sequence
+    parallelism (each TP rank routes its own tokens). etp is 1: the engine does not split experts."""
     model = problem.model
     if not model.is_moe:
         return [1]
-    if (cp > 1 and not context_parallel) or (tp > 1 and (not sequence_parallel or model.capacity_factor > 0)):
+    if (cp > 1 and (not context_parallel or model.capacity_factor > 0)) or (
+            tp > 1 and (not sequence_parallel or model.capacity_factor > 0)):
         return []
     return [ep for ep in divisors(model.num_experts) if (tp * cp * dp) % ep == 0]
 

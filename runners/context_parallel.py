@@ -49,6 +49,7 @@ class CPContext:
     size: int = 1
     rank: int = 0
     comm: Comm | None = None
+    group: object = None  # the whole CP group (MoE layers sum their per-sequence expert counts over it)
     a2a_group: object = None
     a2a_size: int = 1
     a2a_rank: int = 0
@@ -59,7 +60,8 @@ class CPContext:
 
     @classmethod
     def from_mesh(cls, mesh, *, comm: Comm) -> "CPContext":
-        return cls(size=mesh.cp, rank=mesh.cp_rank, comm=comm, a2a_group=mesh.groups.get("cp_a2a"),
+        return cls(size=mesh.cp, rank=mesh.cp_rank, comm=comm, group=mesh.groups.get("cp"),
+                   a2a_group=mesh.groups.get("cp_a2a"),
                    a2a_size=len(mesh.cp_a2a_ranks), a2a_rank=mesh.cp_a2a_ranks.index(mesh.rank),
                    ring_group=mesh.groups.get("cp_ring"), ring_ranks=mesh.cp_ring_ranks,
                    ring_rank=mesh.cp_ring_ranks.index(mesh.rank))

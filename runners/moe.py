@@ -10,7 +10,9 @@ sums: the capacity (capacity_factor > 0: each expert takes at most ceil(cf x seq
 sequence's assignments, earliest positions first; the overflow is dropped) and the load-balancing loss,
 Megatron-Core's switch form per sequence, coeff x E / (S^2 k) x sum_e P_e c_e (P_e the sequence's summed
 router probabilities of expert e, c_e its assignment count), averaged over the global batch's sequences.
-Under sequence parallelism a sequence's counts are summed over the TP group first. The aux loss is
+Under sequence parallelism a sequence's counts are summed over the TP group first, and under context
+parallelism over the CP group (each CP rank routes its chunks of the sequence; the capacity, which needs
+the sequence's positions in order, is refused there, as under TP). The aux loss is
 not added to the reported loss: its gradient is attached to the layer's output (Megatron-Core's
 MoEAuxLossAutoScaler), which works unchanged across pipeline stages and recomputation.
 """
@@ -75,9 +77,10 @@ class MoE(nn.Module):
     shared expert (a dense MLP, TP-split like any), or None."""
 
     def __init__(self, spec, *, name: str, seed: int, tp: TPContext, ep: EPContext, aux_scale: float,
-                 shared: nn.Module | None = None) -> None:
+                 shared: nn.Module | None = None, cp=None) -> None:
         super().__init__()
         self.spec, self.tp, self.ep = spec, tp, ep
+        self.cp = cp  # runners.context_parallel.CPContext: a sequence's tokens are over its CP ranks too
         self.k, self.num_experts = spec.num_experts_per_token, spec.num_experts
         self.aux_scale = aux_scale  # 1 / sequences in the global batch (times the fp16 loss scale)
         self.layer_index = int(name.split(".")[1]) if name.startswith("layers.") else 0
@@ -99,19 +102,25 @@ class MoE(nn.Module):
         return probs, ids, weights / weights.sum(dim=-1, keepdim=True)
 
     def _sequence_counts(self, ids: torch.Tensor, batch: int) -> torch.Tensor:
-        """[s_local, b, E] one-hot assignments and their per-sequence totals [b, E] (over TP under SP)."""
+        """[s_local, b, E] one-hot assignments and their per-sequence totals [b, E] (over TP under SP, over CP)."""
         one_hot = torch.zeros(ids.shape[0], self.num_experts, dtype=torch.int64, device=ids.device)
         one_hot.scatter_(1, ids, 1)
         per_position = one_hot.view(-1, batch, self.num_experts)
         totals = per_position.sum(0)
         if self.tp.sequence_parallel and self.tp.size > 1:
             self.tp.comm.all_reduce(totals, self.tp.group)
+        if self._cp_size > 1:  # the sequence's other chunks
+            self.cp.comm.all_reduce(totals, self.cp.group)
         return per_position, totals
+
+    @property
+    def _cp_size(self) -> int:
+        return self.cp.size if self.cp is not None else 1
 
     def _aux_loss(self, probs: torch.Tensor, totals: torch.Tensor, batch: int) -> torch.Tensor:
         """Sum over my sequences of coeff x E / (S^2 k) x sum_e P_e c_e, P_e over my tokens (linear in them,
         so the TP ranks' parts add up to the sequence's)."""
-        seq_len = probs.shape[0] // batch * (self.tp.size if self.tp.sequence_parallel else 1)
+        seq_len = probs.shape[0] // batch * (self.tp.size if self.tp.sequence_parallel else 1) * self._cp_size
         summed = probs.view(-1, batch, self.num_experts).sum(0)  # [b, E]
         coeff = self.spec.aux_loss_coeff * self.num_experts / (seq_len * seq_len * self.k)
         return coeff * (summed * totals.to(summed.dtype)).sum()

@@ -197,7 +197,7 @@ class Block(nn.Module):
         if spec.is_moe_layer(index):
             shared = (MLP(spec, name=f"{name}.mlp.shared", seed=seed, tp=tp, ffn=spec.shared_expert_ffn_hidden_size)
                       if spec.shared_expert_ffn_hidden_size else None)
-            self.mlp = MoE(spec, name=f"{name}.mlp", seed=seed, tp=tp, ep=ep or EPContext.single(), aux_scale=aux_scale,
+            self.mlp = MoE(spec, name=f"{name}.mlp", seed=seed, tp=tp, ep=ep or EPContext.single(), cp=cp, aux_scale=aux_scale,
                            shared=shared)
         else:
             self.mlp = MLP(spec, name=f"{name}.mlp", seed=seed, tp=tp)
@@ -333,8 +333,9 @@ def check_cp_heads(spec: ModelSpec, *, tp_size: int, a2a_size: int) -> None:
 def check_moe_runnable(spec: ModelSpec, plan) -> None:
     """Raise ValueError for the MoE models and plans this engine does not run (the cost model prices them)."""
     if spec.is_moe:
-        unsupported = [(spec.uses_mla, "multi-head latent attention"), (plan.etp > 1, "etp > 1"), (plan.cp > 1, "cp > 1 with MoE layers"),
-                       (spec.capacity_factor > 0 and plan.tp > 1, "capacity_factor with tp > 1")]
+        unsupported = [(spec.uses_mla, "multi-head latent attention"), (plan.etp > 1, "etp > 1"),
+                       (spec.capacity_factor > 0 and plan.tp > 1, "capacity_factor with tp > 1"),
+                       (spec.capacity_factor > 0 and plan.cp > 1, "capacity_factor with cp > 1")]
         for bad, what in unsupported:
             if bad:
                 raise ValueError(f"the engine does not run {what} of model {spec.name} (the cost model prices it)")

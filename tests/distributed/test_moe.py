@@ -1,7 +1,7 @@
 """Expert parallelism trains to the one-process losses (fp32, 1e-4) and parameters (harness.PARAM_TOL): the
 tiny MoE model (8 experts top-2, a shared expert, a leading dense layer, the load-balancing loss) with its
-experts split over EP ranks, alone and with DP sharding of the experts over expert-DP, TP + SP, pipelines,
-recomputation and a capacity factor that drops tokens.
+experts split over EP ranks, alone and with DP sharding of the experts over expert-DP, TP + SP, context
+parallelism, pipelines, recomputation and a capacity factor that drops tokens.
 
 Plans of one world size share one set of gloo processes, as in test_exactness.py; 4 steps each.
 """
@@ -19,6 +19,10 @@ MATRIX = {
         "dp2-experts-replicated-zero2": Plan(dp=2, grad_shard=2, optim_shard=2, micro_batch=2, num_micro_batches=1),
         # Qwen2-MoE: the sigmoid gate on the shared expert, q/k/v biases.
         "qwen2-moe-ep2": Plan(dp=2, ep=2, micro_batch=2, num_micro_batches=1),
+        # Context parallelism: each CP rank routes its two chunks of a sequence, whose expert counts (the
+        # load-balancing loss's) are summed over CP; EP folded over the CP ranks, or experts replicated there.
+        "cp2-ring-ep2": Plan(cp=2, ep=2, micro_batch=2, num_micro_batches=1),
+        "cp2-a2a-experts-replicated-accum": Plan(cp=2, cp_kind="all-to-all", micro_batch=1, num_micro_batches=2),
     },
     4: {
         "ep4": Plan(dp=4, ep=4, micro_batch=1, num_micro_batches=1),
@@ -31,6 +35,10 @@ MATRIX = {
         "ep2-tp2-sp": Plan(dp=2, tp=2, ep=2, sequence_parallel=True, micro_batch=1, num_micro_batches=1),
         # Qwen3-MoE's attention (head_dim 16 on hidden 64, query/key head norms) under TP + SP.
         "qwen3-moe-ep2-tp2-sp": Plan(dp=2, tp=2, ep=2, sequence_parallel=True, micro_batch=1, num_micro_batches=1),
+        # Counts summed over TP (SP) and then CP; EP 4 over tp x cp, the dense parameters at ZeRO-3 over cp.
+        "cp2-tp2-sp-ep4-zero3": Plan(cp=2, tp=2, ep=4, sequence_parallel=True, param_shard=2, grad_shard=2,
+                                     optim_shard=2, micro_batch=1, num_micro_batches=1),
+        "cp2-dp2-ep2-full-recompute": Plan(cp=2, dp=2, ep=2, micro_batch=1, num_micro_batches=2, recompute="full"),
         "ep2-pp2-1f1b": Plan(dp=2, pp=2, ep=2, micro_batch=1, num_micro_batches=2),
         # The search's picks for tiny-moe on 4 CPU processes: MAZ3 tiers on the dense units (the experts'
         # own engine keeps none).

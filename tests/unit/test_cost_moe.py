@@ -144,7 +144,25 @@ def test_search_enumerates_ep_and_proposes_only_what_the_engine_runs():
     for plan in plans:
         check_plan(plan, model=TINY, num_devices=4, job=problem.job)
         check_moe_runnable(TINY, plan)
-        assert plan.cp == 1 and plan.etp == 1 and (plan.tp == 1 or plan.sequence_parallel)
+        assert plan.etp == 1 and (plan.tp == 1 or plan.sequence_parallel)
+
+
+def test_a_sequences_expert_counts_are_summed_over_tp_and_cp_every_forward():
+    # runners/moe.py `_sequence_counts`: micro-batch x experts int64, all-reduced over TP under SP, then over CP;
+    # a fully recomputed layer runs its forward twice.
+    from cost_models.estimate import _routing_counts_s, collective_time_s, layer_costs
+    from specs.plan import Plan
+
+    problem = _problem(TINY, devices=8, global_batch=8, seq_len=64)
+    cluster, job = problem.cluster, problem.job
+    plan = Plan(cp=2, tp=2, ep=2, dp=2, sequence_parallel=True, micro_batch=1, num_micro_batches=4)
+    nbytes = TINY.num_experts * 8
+    want = (collective_time_s(cluster, collective="all_reduce", size_bytes=nbytes, group_size=2, stride=1)
+            + collective_time_s(cluster, collective="all_reduce", size_bytes=nbytes, group_size=2, stride=2))
+    assert _routing_counts_s(plan, cluster, model=TINY) == pytest.approx(want, rel=1e-12) and want > 0
+    assert _routing_counts_s(Plan(dp=8, ep=2, micro_batch=1, num_micro_batches=1), cluster, model=TINY) == 0
+    costs = layer_costs(plan, model=TINY, cluster=cluster, job=job)
+    assert costs.time_s["full"] > costs.time_s["none"]
 
 
 def test_all_to_all_time_is_the_slower_link():
@@ -438,3 +456,65 @@ def test_fp8_experts_run_fp8_gemms_and_their_casts():
     assert got.backward_s == pytest.approx(gemms.backward_s + perm.backward_s + casts.backward_s)
     bf16 = moe_compute_times(model, hw, dtype="bf16", accumulate_fp32=True, expert_streams=4, **kw)
     assert gemms.forward_s < 0.7 * bf16.forward_s  # the fp8 tensor cores' rate, not bf16's
+
+
+def test_moe_op_counts_are_the_engines():
+    """moe_extra_ops against the aten ops runners/moe.py's MoE MLP dispatches beyond a dense MLP's (one process;
+    at ep 2 rank 0 with the all-to-alls replaced by uncounted fills: they are priced as collectives). Views are
+    not ops."""
+    import collections
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cost_models.moe import moe_extra_ops
+    from runners.expert_parallel import EPContext
+    from runners.moe import MoE
+    from runners.tensor_parallel import TPContext
+    from runners.transformer import MLP
+
+    views = {"view", "permute", "_unsafe_view", "t", "transpose", "expand", "unsqueeze", "squeeze", "slice",
+             "select", "alias", "detach", "split", "unbind", "as_strided", "reshape", "flatten", "view_as",
+             "split_with_sizes"}
+    paused = []
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not paused and func.overloadpacket.__name__ not in views:
+                self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    class FillComm:
+        def all_to_all(self, out, x, group):
+            paused.append(1)
+            out.copy_(x)
+            paused.pop()
+
+        def all_to_all_uneven(self, out, x, *, output_splits, input_splits, group):
+            paused.append(1)
+            out.zero_()
+            paused.pop()
+
+    def ops(module, spec):
+        x = torch.randn(32, 2, spec.hidden_size, requires_grad=True)
+        with Count() as forward:
+            y = module(x)
+        with Count() as backward:
+            y.backward(torch.randn_like(y))
+        return forward.ops, backward.ops
+
+    for changes, ep in (({}, 1), ({}, 2), ({"shared_expert_ffn_hidden_size": 0, "aux_loss_coeff": 0.0}, 1),
+                        ({"num_experts": 4}, 1), ({"shared_expert_gate": True}, 2)):
+        spec = dataclasses.replace(TINY, **changes)
+        tp = TPContext.single()
+        shared = (MLP(spec, name="layers.1.mlp.shared", seed=0, tp=tp, ffn=spec.shared_expert_ffn_hidden_size)
+                  if spec.shared_expert_ffn_hidden_size else None)
+        group = EPContext.single() if ep == 1 else EPContext(group=None, rank=0, size=ep, comm=FillComm())
+        moe = MoE(spec, name="layers.1.mlp", seed=0, tp=tp, ep=group, aux_scale=0.1, shared=shared)
+        moe_f, moe_b = ops(moe, spec)
+        dense_f, dense_b = ops(MLP(spec, name="layers.1.mlp", seed=0, tp=tp), spec)
+        assert moe_extra_ops(spec, ep=ep) == (moe_f - dense_f, moe_b - dense_b), (changes, ep)

@@ -321,8 +321,12 @@ def test_moe_models_get_context_parallelism_only_where_the_engine_runs_it():
     # cp 2 x dp 4 ranks a stage: every ep dividing the 8 experts and the 8 ranks, where the engine has it.
     assert expert_options(problem, dp=4, cp=2, tp=1, sequence_parallel=False, context_parallel=True) == [1, 2, 4, 8]
     assert expert_options(problem, dp=4, cp=2, tp=1, sequence_parallel=False) == []
-    assert default_cost_model("megatron").moe_context_parallel
-    assert not default_cost_model("ours").moe_context_parallel
+    assert default_cost_model("megatron").moe_context_parallel and default_cost_model("ours").moe_context_parallel
+    assert not default_cost_model("torchtitan").moe_context_parallel
+    # A capacity factor drops per sequence in position order: not with a sequence split over CP (or TP) ranks.
+    capped = dataclasses.replace(problem, model=dataclasses.replace(problem.model, capacity_factor=1.0))
+    assert expert_options(capped, dp=4, cp=2, tp=1, sequence_parallel=False, context_parallel=True) == []
+    assert expert_options(capped, dp=8, cp=1, tp=1, sequence_parallel=False) == [1, 2, 4, 8]
 
 
 def test_search_bounds_hold_under_the_schedule_dependent_ep_overlap():
