@@ -75,13 +75,14 @@ SPREAD: tuple[tuple[str, dict], ...] = (
     ("tp2 recompute full", {"tp": 2, "recompute": "full"}),
     ("cp2 a2a", {"cp": 2, "cp_kind": "all-to-all"}),
     # MoE models only (a dense model refuses ep, so these are skipped for it): experts over EP, alone and
-    # with the sharding, TP + SP and pipeline the engine folds them with.
+    # with the sharding, TP + SP, pipeline and context parallelism the engine folds them with.
     ("ep2", {"ep": 2}),
     ("ep4", {"ep": 4}),
     ("ep2 zero3", {"ep": 2, "zero": 3}),
     ("ep2 tp2 sp", {"ep": 2, "tp": 2, "sequence_parallel": True}),
     ("ep2 pp2", {"ep": 2, "pp": 2}),
     ("ep2 recompute full", {"ep": 2, "recompute": "full"}),
+    ("ep2 cp2", {"ep": 2, "cp": 2}),
 )
 
 
