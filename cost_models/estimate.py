@@ -498,9 +498,8 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
     eng = engine_model(engine)
     times = _moe_mlp_times(model, hw, plan=plan, precision=job.precision, eng=eng, tokens=tokens, imbalance=imbalance)
     buffer = tokens * model.num_experts_per_token * model.hidden_size * p
-    a2a_s = moe_cost.all_to_all_time_s(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp,
-                                       ranks_per_node=cluster.devices_per_node, precision=job.precision,
-                                       dispatcher=eng.moe_dispatcher) * imbalance  # the busiest rank's rows
+    a2a_s = _ep_all_to_all_s(plan, cluster, model=model, eng=eng, tokens=tokens, precision=job.precision,
+                             buffer_bytes=buffer) * imbalance  # the busiest rank's rows
     # Expert TP: the etp ranks of an expert gather its rows before and reduce-scatter its outputs after.
     etp_s = 2 * collective_time_s(cluster, collective="all_gather", size_bytes=buffer * plan.etp, group_size=plan.etp,
                                   stride=1)
@@ -546,12 +545,33 @@ def _moe_replicated_reduce_s(plan, cluster, *, model, eng, nbytes: int) -> float
                for n in sizes)
 
 
+def _ep_all_to_all_s(plan, cluster, *, model, eng, tokens: int, precision: str, buffer_bytes: float) -> float:
+    """One dispatch (or combine) all-to-all over the EP group at mean load. GPUs: NCCL's pairwise sends
+    (moe_cost.all_to_all_time_s). CPUs: gloo's alltoall as the profile measured it (its all_to_all curve at
+    the EP group's size) with the per-call overhead every collective pays (`collective_time_s`), on the
+    rank's whole buffer of tokens x k rows, as the curve's points were timed."""
+    if plan.ep == 1:
+        return 0.0
+    if cluster.hardware.device_type == "cpu":
+        return collective_time_s(cluster, collective="all_to_all", size_bytes=buffer_bytes, group_size=plan.ep,
+                                 stride=plan.etp)
+    return moe_cost.all_to_all_time_s(model, cluster.hardware, tokens=tokens, ep=plan.ep, etp=plan.etp,
+                                      ranks_per_node=cluster.devices_per_node, precision=precision,
+                                      dispatcher=eng.moe_dispatcher)
+
+
 def _routing_counts_s(plan, cluster, *, model) -> float:
-    """Seconds per MoE layer forward of summing each sequence's per-expert assignment counts (micro-batch x
-    experts int64, for the load-balancing loss and the capacity) over the ranks holding its other tokens:
-    the TP group under sequence parallelism, then the CP group (runners/moe.py, `_sequence_counts`)."""
+    """Seconds per MoE layer forward of the routing's small collectives: summing each sequence's per-expert
+    assignment counts (micro-batch x experts int64, for the load-balancing loss and the capacity) over the
+    ranks holding its other tokens, the TP group under sequence parallelism, then the CP group
+    (runners/moe.py, `_sequence_counts`); and under EP the exchange of the per-expert row counts that sizes
+    the dispatch (runners/expert_parallel.plan_dispatch: an all-to-all of experts int64; Megatron-Core's
+    alltoall dispatcher exchanges its tokens_per_expert likewise)."""
     nbytes = plan.micro_batch * model.num_experts * 8
     seconds = 0.0
+    if plan.ep > 1:
+        seconds += collective_time_s(cluster, collective="all_to_all", size_bytes=model.num_experts * 8,
+                                     group_size=plan.ep, stride=plan.etp)
     if plan.sequence_parallel and plan.tp > 1:
         seconds += collective_time_s(cluster, collective="all_reduce", size_bytes=nbytes, group_size=plan.tp, stride=1)
     if plan.cp > 1:

@@ -159,8 +159,9 @@ def test_a_sequences_expert_counts_are_summed_over_tp_and_cp_every_forward():
     nbytes = TINY.num_experts * 8
     want = (collective_time_s(cluster, collective="all_reduce", size_bytes=nbytes, group_size=2, stride=1)
             + collective_time_s(cluster, collective="all_reduce", size_bytes=nbytes, group_size=2, stride=2))
+    want += collective_time_s(cluster, collective="all_to_all", size_bytes=nbytes, group_size=2, stride=1)  # EP's
     assert _routing_counts_s(plan, cluster, model=TINY) == pytest.approx(want, rel=1e-12) and want > 0
-    assert _routing_counts_s(Plan(dp=8, ep=2, micro_batch=1, num_micro_batches=1), cluster, model=TINY) == 0
+    assert _routing_counts_s(Plan(dp=8, micro_batch=1, num_micro_batches=1), cluster, model=TINY) == 0
     costs = layer_costs(plan, model=TINY, cluster=cluster, job=job)
     assert costs.time_s["full"] > costs.time_s["none"]
 
@@ -456,6 +457,27 @@ def test_fp8_experts_run_fp8_gemms_and_their_casts():
     assert got.backward_s == pytest.approx(gemms.backward_s + perm.backward_s + casts.backward_s)
     bf16 = moe_compute_times(model, hw, dtype="bf16", accumulate_fp32=True, expert_streams=4, **kw)
     assert gemms.forward_s < 0.7 * bf16.forward_s  # the fp8 tensor cores' rate, not bf16's
+
+
+def test_cpu_dispatch_is_priced_as_glooss_all_to_all_and_the_counts_exchange_every_forward():
+    # On CPU the dispatch is gloo's alltoall, which the profile times (its all_to_all curve, plus the per-call
+    # overhead); every forward under EP first exchanges the per-expert counts (plan_dispatch).
+    from cost_models.estimate import _ep_all_to_all_s, _routing_counts_s, collective_time_s
+    from cost_models.engines import engine_model
+    from specs.plan import Plan
+
+    problem = _problem(TINY, devices=4, global_batch=8, seq_len=64)
+    plan = Plan(dp=4, ep=2, micro_batch=1, num_micro_batches=2)
+    buffer = 64 * TINY.num_experts_per_token * TINY.hidden_size * 4
+    got = _ep_all_to_all_s(plan, problem.cluster, model=TINY, eng=engine_model("ours"), tokens=64, precision="fp32",
+                           buffer_bytes=buffer)
+    assert got == collective_time_s(problem.cluster, collective="all_to_all", size_bytes=buffer, group_size=2,
+                                    stride=1) > 0
+    counts = collective_time_s(problem.cluster, collective="all_to_all", size_bytes=TINY.num_experts * 8, group_size=2,
+                               stride=1)
+    assert _routing_counts_s(plan, problem.cluster, model=TINY) == pytest.approx(counts, rel=1e-12)
+    assert _ep_all_to_all_s(Plan(dp=4, micro_batch=1, num_micro_batches=2), problem.cluster, model=TINY,
+                            eng=engine_model("ours"), tokens=64, precision="fp32", buffer_bytes=buffer) == 0
 
 
 def test_moe_op_counts_are_the_engines():
