@@ -424,30 +424,14 @@ def test_context_parallel_op_counts_are_the_engines():
     """context_parallel_ops against the aten ops runners/context_parallel.py dispatches for a tiny layer
     (one process; the all-to-all and the ring's exchange replaced by copies, the ring's own steps not
     counted: they are priced from their measured times), beyond the unsplit layer's. Views are not ops."""
-    import collections
-
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     import runners.context_parallel as cpm
     from cost_models.estimate import context_parallel_ops
     from runners.context_parallel import CPContext
     from runners.tensor_parallel import TPContext
     from runners.transformer import Block
-
-    views = {"view", "permute", "_unsafe_view", "t", "transpose", "expand", "unsqueeze", "squeeze", "slice",
-             "select", "alias", "detach", "split", "unbind", "as_strided", "reshape", "flatten", "view_as"}
-    paused = []
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not paused and func.overloadpacket.__name__ not in views:
-                self.ops += 1
-            return func(*args, **(kwargs or {}))
+    from tests.opcount import forward_backward_ops, uncounted
 
     class CopyComm:
         def all_to_all(self, out, x, group):
@@ -460,28 +444,20 @@ def test_context_parallel_op_counts_are_the_engines():
         def wait(self, work):
             pass
 
-    def uncounted(step):
+    def not_counted(step):
         def run(*args, **kwargs):
-            paused.append(1)
-            try:
+            with uncounted():
                 return step(*args, **kwargs)
-            finally:
-                paused.pop()
         return run
 
     def ops(cp: CPContext, seq: int) -> tuple[int, int]:
         torch.manual_seed(0)
         block = Block(PRESETS["tiny"], index=0, seed=0, tp=TPContext.single(), recompute="none", cp=cp)
-        x = torch.randn(seq, 1, PRESETS["tiny"].hidden_size, requires_grad=True)
-        with Count() as forward:
-            y = block(x)
-        with Count() as backward:
-            y.backward(torch.ones_like(y))
-        return forward.ops, backward.ops
+        return forward_backward_ops(block, torch.randn(seq, 1, PRESETS["tiny"].hidden_size, requires_grad=True))
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpm, "ring_forward_step", uncounted(cpm.ring_forward_step))
-        mp.setattr(cpm, "ring_backward_step", uncounted(cpm.ring_backward_step))
+        mp.setattr(cpm, "ring_forward_step", not_counted(cpm.ring_forward_step))
+        mp.setattr(cpm, "ring_backward_step", not_counted(cpm.ring_backward_step))
         plain = ops(CPContext(), 64)
         for a2a, ring in ((2, 1), (1, 2), (1, 4)):
             cp = CPContext(size=a2a * ring, comm=CopyComm(), a2a_size=a2a, ring_ranks=tuple(range(ring)))

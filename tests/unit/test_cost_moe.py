@@ -484,50 +484,26 @@ def test_moe_op_counts_are_the_engines():
     """moe_extra_ops against the aten ops runners/moe.py's MoE MLP dispatches beyond a dense MLP's (one process;
     at ep 2 rank 0 with the all-to-alls replaced by uncounted fills: they are priced as collectives). Views are
     not ops."""
-    import collections
-
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from cost_models.moe import moe_extra_ops
     from runners.expert_parallel import EPContext
     from runners.moe import MoE
     from runners.tensor_parallel import TPContext
     from runners.transformer import MLP
-
-    views = {"view", "permute", "_unsafe_view", "t", "transpose", "expand", "unsqueeze", "squeeze", "slice",
-             "select", "alias", "detach", "split", "unbind", "as_strided", "reshape", "flatten", "view_as",
-             "split_with_sizes"}
-    paused = []
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not paused and func.overloadpacket.__name__ not in views:
-                self.ops += 1
-            return func(*args, **(kwargs or {}))
+    from tests.opcount import forward_backward_ops, uncounted
 
     class FillComm:
         def all_to_all(self, out, x, group):
-            paused.append(1)
-            out.copy_(x)
-            paused.pop()
+            with uncounted():
+                out.copy_(x)
 
         def all_to_all_uneven(self, out, x, *, output_splits, input_splits, group):
-            paused.append(1)
-            out.zero_()
-            paused.pop()
+            with uncounted():
+                out.zero_()
 
     def ops(module, spec):
-        x = torch.randn(32, 2, spec.hidden_size, requires_grad=True)
-        with Count() as forward:
-            y = module(x)
-        with Count() as backward:
-            y.backward(torch.randn_like(y))
-        return forward.ops, backward.ops
+        return forward_backward_ops(module, torch.randn(32, 2, spec.hidden_size, requires_grad=True))
 
     for changes, ep in (({}, 1), ({}, 2), ({"shared_expert_ffn_hidden_size": 0, "aux_loss_coeff": 0.0}, 1),
                         ({"num_experts": 4}, 1), ({"shared_expert_gate": True}, 2)):
