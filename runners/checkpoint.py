@@ -8,7 +8,9 @@ one-process name (runners/transformer.py: `canonical_name`) as three global tens
 (`model/<name>`) and its Adam moments (`optim/exp_avg/<name>`, `optim/exp_avg_sq/<name>`). Each rank
 writes only the part it owns: the slice of its optimizer shard (runners/sharding/'s nested layout)
 that falls in each parameter, placed at its offsets in the full tensor (the TP shard's position along
-`tp_split_dim`). A contiguous slice of a row-major [rows, cols] shard is at most three rectangles (a
+`tp_split_dim`). An MoE model's experts live in their own sharding engine over expert-DP: each expert
+weight [experts, a, b] is stored as [experts x a, b], every EP rank writing its experts' rows from its
+expert-DP shard, so an ep4 checkpoint resumes under ep2, or with the experts replicated. A contiguous slice of a row-major [rows, cols] shard is at most three rectangles (a
 partial row, whole rows, a partial row), so every piece is a box DCP can index; DCP's load plan then
 reads, for any other plan, exactly the boxes that overlap what each of its ranks needs (resharding on
 load). Replicas write nothing: DP positions q >= s_os duplicate positions q < s_os, and parameters that
@@ -209,33 +211,50 @@ def flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tupl
     return boxes
 
 
-def unit_params(chunks) -> list[tuple[torch.nn.Module, list[torch.nn.Parameter]]]:
-    """Every engine unit and its parameters in the engine's order (runners.sharding builds units the same
-    way: chunk by chunk, unit by unit, trainable parameters only, units without any skipped)."""
+def unit_params(chunks, *, experts: bool | None = None) -> list[tuple[torch.nn.Module, list[torch.nn.Parameter]]]:
+    """Every engine unit and its parameters in the engine's order (runners/sharding/engine.py builds units
+    the same way: chunk by chunk, unit by unit, trainable parameters only, units without any skipped).
+    `experts` as the engine's: None every parameter, False all but MoE experts', True the experts' alone
+    (one unit per MoE layer's GroupedExperts)."""
+    from runners.moe import GroupedExperts
+
     units, seen = [], set()
     for chunk in chunks:
-        for module in chunk.units:
-            params = [p for p in module.parameters() if p.requires_grad and id(p) not in seen]  # a shared tied weight: its owner's
+        modules = [m for m in chunk.modules() if isinstance(m, GroupedExperts)] if experts else chunk.units
+        for module in modules:
+            params = [p for p in module.parameters() if p.requires_grad and id(p) not in seen  # a shared tied weight: its owner's
+                      and (experts is None or bool(getattr(p, "is_expert", False)) == experts)]
             seen |= {id(p) for p in params}
             if params:
                 units.append((module, params))
     return units
 
 
-def pieces_in_range(params, *, start: int, stop: int, tp_rank: int, tp: int) -> list[Piece]:
+def _split(p, *, tp_rank: int, tp: int, ep_rank: int, ep: int) -> tuple[tuple[int, ...], int | None, int, int]:
+    """How a parameter's local tensor sits in its canonical one: (the 2-D or 1-D shape it is stored as, the
+    split dim or None, this rank's index along it, the number of parts). An MoE expert weight [local, a, b]
+    is stored as [local x a, b] and split over EP along its rows; a TP-split one along tp_split_dim."""
+    if getattr(p, "is_expert", False):
+        local, *rest = p.shape
+        return (local * rest[0], *rest[1:]), 0, ep_rank, ep
+    return tuple(p.shape), p.tp_split_dim, tp_rank, tp
+
+
+def pieces_in_range(params, *, start: int, stop: int, tp_rank: int, tp: int, ep_rank: int = 0,
+                    ep: int = 1) -> list[Piece]:
     """The canonical boxes that elements [start, stop) of a unit's flat buffer hold."""
     pieces, offset = [], 0
     for p in params:
         lo, hi = max(start, offset), min(stop, offset + p.numel())
         if lo < hi:
-            shape, split = tuple(p.shape), p.tp_split_dim
+            shape, split, rank, parts = _split(p, tp_rank=tp_rank, tp=tp, ep_rank=ep_rank, ep=ep)
             global_shape = list(shape)
-            if split is not None and tp > 1:
-                global_shape[split] *= tp
+            if split is not None and parts > 1:
+                global_shape[split] *= parts
             for box_offsets, sizes, flat in flat_range_boxes(shape, lo - offset, hi - offset):
                 box_offsets = list(box_offsets)
-                if split is not None and tp > 1:
-                    box_offsets[split] += tp_rank * shape[split]
+                if split is not None and parts > 1:
+                    box_offsets[split] += rank * shape[split]
                 pieces.append(Piece(p.canonical_name, tuple(global_shape), tuple(box_offsets), sizes, offset + flat,
                                     tp_replicated=split is None and tp > 1))
         offset += p.numel()
@@ -253,16 +272,36 @@ class UnitLayout:
     optim_range: tuple[int, int]
 
 
-def unit_layouts(chunks, *, plan: Plan, dp_rank: int) -> list[UnitLayout]:
+def unit_layouts(chunks, *, plan: Plan, dp_rank: int, experts: bool | None = None) -> list[UnitLayout]:
     s_p, _, s_os = plan.shard_degrees
     p_chunk, _, o_chunk = shard_chunks(dp_rank, degrees=plan.shard_degrees)
     layouts = []
-    for module, params in unit_params(chunks):
+    for module, params in unit_params(chunks, experts=experts):
         padded = math.ceil(sum(p.numel() for p in params) / s_os) * s_os
         param_len, optim_len = padded // s_p, padded // s_os
         layouts.append(UnitLayout(module, params, padded, (p_chunk * param_len, (p_chunk + 1) * param_len),
                                   (o_chunk * optim_len, (o_chunk + 1) * optim_len)))
     return layouts
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """One of a trainer's sharding engines as the checkpoint sees it: the dense parameters' (every parameter
+    of a dense model), or an MoE model's experts' over expert-DP (runners/train.py, `expert_plan`)."""
+
+    engine: object
+    plan: Plan
+    shard_rank: int
+    experts: bool | None
+
+
+def engine_views(trainer, plan: Plan) -> list[EngineView]:
+    moe = trainer.expert_engine is not None
+    views = [EngineView(trainer.engine, plan, trainer.mesh.shard_rank, False if moe else None)]
+    if moe:  # the experts' engine runs runners/train.expert_plan on the mesh's expert view
+        engine = trainer.expert_engine
+        views.append(EngineView(engine, engine.plan, engine.mesh.shard_rank, True))
+    return views
 
 
 # --- DCP planners over explicit pieces ----------------------------------------------------------------------
@@ -336,27 +375,34 @@ def _writes_params(*, plan: Plan, dp_rank: int) -> bool:
 
 
 def save_pieces(trainer, *, plan: Plan) -> dict[str, list[tuple[Piece, torch.Tensor]]]:
-    """This rank's owned boxes of the master weights and Adam moments, as tensors to write."""
-    mesh = trainer.mesh
+    """This rank's owned boxes of the master weights and Adam moments, as tensors to write: of the dense
+    parameters, and of an MoE model's experts (each EP rank its own, expert-DP replicas nothing)."""
     out: dict[str, list[tuple[Piece, torch.Tensor]]] = {}
-    if not _writes_params(plan=plan, dp_rank=mesh.shard_rank):
-        return out
+    for view in engine_views(trainer, plan):
+        if _writes_params(plan=view.plan, dp_rank=view.shard_rank):
+            _save_engine_pieces(trainer, view, out)
+    return out
+
+
+def _save_engine_pieces(trainer, view: EngineView, out: dict) -> None:
     from runners.transformer import LMHead
 
-    state = trainer.engine.local_state(copy=False)  # the live shards: each piece is copied to host once
-    for i, layout in enumerate(unit_layouts(trainer.chunks, plan=plan, dp_rank=mesh.shard_rank)):
+    mesh, plan = trainer.mesh, trainer.cfg.plan
+    state = view.engine.local_state(copy=False)  # the live shards: each piece is copied to host once
+    for i, layout in enumerate(unit_layouts(trainer.chunks, plan=view.plan, dp_rank=view.shard_rank,
+                                            experts=view.experts)):
         start, stop = layout.optim_range
         assert state[f"unit{i}.master"].numel() == stop - start, "checkpoint layout disagrees with the engine's shards"
         if isinstance(layout.module, LMHead) and trainer.cfg.model.tied_embeddings:
             continue  # a tied head is a copy of the embedding (the trainer keeps them equal): written once
-        for piece in pieces_in_range(layout.params, start=start, stop=stop, tp_rank=mesh.tp_rank, tp=plan.tp):
-            if piece.tp_replicated and mesh.tp_rank != 0:
+        for piece in pieces_in_range(layout.params, start=start, stop=stop, tp_rank=mesh.tp_rank, tp=plan.tp,
+                                     ep_rank=trainer.ep.rank, ep=trainer.ep.size):
+            if piece.tp_replicated and mesh.tp_rank != 0 and not view.experts:
                 continue
             lo, hi = piece.flat_start - start, piece.flat_start - start + piece.numel
             for prefix, key in (("model", "master"), ("optim/exp_avg", "exp_avg"), ("optim/exp_avg_sq", "exp_avg_sq")):
                 tensor = state[f"unit{i}.{key}"][lo:hi].reshape(piece.sizes).to("cpu", copy=True)
                 out.setdefault(f"{prefix}/{piece.name}", []).append((piece, tensor))
-    return out
 
 
 def _rng_state_b64() -> str:
@@ -491,23 +537,25 @@ def find_latest(root: str | Path) -> Path | None:
 
 
 def load_pieces(trainer, *, plan: Plan):
-    """Destination buffers this rank needs: for each unit, the fp32 master over its parameter shard
-    (compute parameters are cast from it) and the Adam moments over its optimizer shard."""
+    """Destination buffers this rank needs: for each unit of each engine, the fp32 master over its parameter
+    shard (compute parameters are cast from it) and the Adam moments over its optimizer shard."""
     mesh = trainer.mesh
     wanted: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
     buffers = []
-    for layout in unit_layouts(trainer.chunks, plan=plan, dp_rank=mesh.shard_rank):
-        bufs = {"model": torch.zeros(layout.param_range[1] - layout.param_range[0]),
-                "exp_avg": torch.zeros(layout.optim_range[1] - layout.optim_range[0]),
-                "exp_avg_sq": torch.zeros(layout.optim_range[1] - layout.optim_range[0])}
-        for kind, (start, stop) in (("model", layout.param_range), ("exp_avg", layout.optim_range),
-                                    ("exp_avg_sq", layout.optim_range)):
-            key_prefix = "model" if kind == "model" else f"optim/{kind}"
-            for piece in pieces_in_range(layout.params, start=start, stop=stop, tp_rank=mesh.tp_rank, tp=plan.tp):
-                lo = piece.flat_start - start
-                view = bufs[kind][lo:lo + piece.numel].view(piece.sizes)
-                wanted.setdefault(f"{key_prefix}/{piece.name}", []).append((piece.offsets, view, piece.global_shape))
-        buffers.append((layout, bufs))
+    for view in engine_views(trainer, plan):
+        for layout in unit_layouts(trainer.chunks, plan=view.plan, dp_rank=view.shard_rank, experts=view.experts):
+            bufs = {"model": torch.zeros(layout.param_range[1] - layout.param_range[0]),
+                    "exp_avg": torch.zeros(layout.optim_range[1] - layout.optim_range[0]),
+                    "exp_avg_sq": torch.zeros(layout.optim_range[1] - layout.optim_range[0])}
+            for kind, (start, stop) in (("model", layout.param_range), ("exp_avg", layout.optim_range),
+                                        ("exp_avg_sq", layout.optim_range)):
+                key_prefix = "model" if kind == "model" else f"optim/{kind}"
+                for piece in pieces_in_range(layout.params, start=start, stop=stop, tp_rank=mesh.tp_rank, tp=plan.tp,
+                                             ep_rank=trainer.ep.rank, ep=trainer.ep.size):
+                    lo = piece.flat_start - start
+                    view_ = bufs[kind][lo:lo + piece.numel].view(piece.sizes)
+                    wanted.setdefault(f"{key_prefix}/{piece.name}", []).append((piece.offsets, view_, piece.global_shape))
+            buffers.append((view.engine, layout, bufs))
     return wanted, buffers
 
 
@@ -536,16 +584,17 @@ def restore_checkpoint(trainer, cfg, folder: Path) -> CheckpointMeta:
     with _plain_errors(f"reading checkpoint {folder}"):
         dcp.load({}, storage_reader=FileSystemReader(folder),
                  planner=_PieceLoadPlanner({k: [(off, t) for off, t, _ in v] for k, v in wanted.items()}))
-    state = trainer.engine.local_state(copy=False)  # only read for dtypes; replaced below
-    state["num_steps"] = torch.tensor(meta.step)
-    for i, (layout, bufs) in enumerate(buffers):
-        o_lo = layout.optim_range[0] - layout.param_range[0]
-        master = bufs["model"][o_lo:o_lo + layout.optim_range[1] - layout.optim_range[0]]
-        state[f"unit{i}.param_shard"] = bufs["model"].to(state[f"unit{i}.param_shard"].dtype)
-        state[f"unit{i}.master"] = master.clone()
-        state[f"unit{i}.exp_avg"] = bufs["exp_avg"]
-        state[f"unit{i}.exp_avg_sq"] = bufs["exp_avg_sq"]
-    trainer.engine.load_local_state(state)
+    for engine in trainer.engines:
+        state = engine.local_state(copy=False)  # only read for dtypes; replaced below
+        state["num_steps"] = torch.tensor(meta.step)
+        for i, (layout, bufs) in enumerate((layout, bufs) for e, layout, bufs in buffers if e is engine):
+            o_lo = layout.optim_range[0] - layout.param_range[0]
+            master = bufs["model"][o_lo:o_lo + layout.optim_range[1] - layout.optim_range[0]]
+            state[f"unit{i}.param_shard"] = bufs["model"].to(state[f"unit{i}.param_shard"].dtype)
+            state[f"unit{i}.master"] = master.clone()
+            state[f"unit{i}.exp_avg"] = bufs["exp_avg"]
+            state[f"unit{i}.exp_avg_sq"] = bufs["exp_avg_sq"]
+        engine.load_local_state(state)
     _restore_rng(meta, rank=dist.get_rank())
     return meta
 

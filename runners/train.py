@@ -87,8 +87,6 @@ class Trainer:
         if moe and cfg.job.precision == "fp16":
             raise PlannerError("the engine trains MoE models in fp32 or bf16 (fp16's loss scale is not shared "
                                "between its dense and expert optimizers yet)")
-        if moe and cfg.checkpoint_dir:
-            raise PlannerError("the engine does not checkpoint MoE models yet (their expert shards are not saved)")
         self.mesh = build_mesh(self.plan, ranks_per_node=ranks_per_node,
                                timeout=datetime.timedelta(seconds=cfg.timeout_s), moe=moe)
         mutation = mutations.active()  # a test's injected bug; None outside tests

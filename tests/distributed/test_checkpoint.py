@@ -3,7 +3,8 @@ and parameters continue as the uninterrupted one-process run's (fp32, 1e-4 / 1e-
 
 Plans of one world size share one set of gloo processes (runners after one another, as in
 test_exactness): each case trains plan A for K steps with checkpoints, then plan B resumes from them up
-to N steps. One case saves on 4 processes and resumes on 2 (the cluster shrank).
+to N steps. One case saves on 4 processes and resumes on 2 (the cluster shrank); two are MoE models whose
+experts change their EP split and expert-DP sharding across the resume.
 """
 
 from __future__ import annotations
@@ -46,8 +47,16 @@ CASES = {
     "mixed-2-2-4-dp4->zero1-dp2 (4 procs -> 2)": (Plan(dp=4, param_shard=2, grad_shard=2, optim_shard=4, micro_batch=1,
                                                        num_micro_batches=2),
                                                   _z(2, 1, micro_batch=4, num_micro_batches=1)),
+    # MoE (tiny-moe): the experts' weights and moments as [experts x rows, cols] tensors split over EP, from
+    # their own engine over expert-DP; resumed with the experts replicated and ZeRO-3 over expert-DP, and
+    # from ep4 over dp4 to ep2 over tp2 + SP x dp2.
+    "moe-ep2-zero1->ep1-zero3": (Plan(dp=2, ep=2, optim_shard=2, micro_batch=2, num_micro_batches=2),
+                                 _z(2, 3, micro_batch=2, num_micro_batches=2)),
+    "moe-ep4-dp4->ep2-tp2-sp-dp2": (Plan(dp=4, ep=4, micro_batch=1, num_micro_batches=2),
+                                    Plan(dp=2, tp=2, ep=2, sequence_parallel=True, micro_batch=2, num_micro_batches=2)),
 }
 MODEL_CHANGES = {"tied-pp2->zero2-dp2": {"tied_embeddings": True}}
+MODELS = {"moe-ep2-zero1->ep1-zero3": "tiny-moe", "moe-ep4-dp4->ep2-tp2-sp-dp2": "tiny-moe"}
 # Tied embeddings: two copies with summed gradients drift from the one-process shared parameter by up to
 # ~1e-3 by step 6 with or without checkpoints (Adam magnifies the order of summing near-zero gradients
 # of rare tokens), so these cases compare with the saving plan's own uninterrupted run.
@@ -64,7 +73,7 @@ def ckpt_root(tmp_path_factory) -> Path:
 def _configs(name: str, root: Path):
     plan_a, plan_b = CASES[name]
     folder = str(root / name.split(" ")[0].replace(">", ""))
-    changes = MODEL_CHANGES.get(name, {})
+    changes = dict(MODEL_CHANGES.get(name, {}), model=MODELS.get(name, "tiny"))
     save = dataclasses.replace(tiny_config(plan_a, steps=SAVE_STEPS, **changes), checkpoint_dir=folder,
                                checkpoint_every=2)
     resume = dataclasses.replace(tiny_config(plan_b, steps=TOTAL_STEPS, **changes), checkpoint_dir=folder,
