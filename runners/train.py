@@ -84,9 +84,6 @@ class Trainer:
         ranks_per_node = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         self.comm = Comm(ranks_per_node=ranks_per_node, device=device)
         moe = cfg.model.is_moe
-        if moe and cfg.job.precision == "fp16":
-            raise PlannerError("the engine trains MoE models in fp32 or bf16 (fp16's loss scale is not shared "
-                               "between its dense and expert optimizers yet)")
         self.mesh = build_mesh(self.plan, ranks_per_node=ranks_per_node,
                                timeout=datetime.timedelta(seconds=cfg.timeout_s), moe=moe)
         mutation = mutations.active()  # a test's injected bug; None outside tests
@@ -225,9 +222,15 @@ class Trainer:
             if before_update is not None:
                 before_update()
 
-        self.engine.optimizer_step(before_update=ready if self.tied_units or before_update else None)
+        from runners.sharding.engine import decide_overflow
+
+        # One overflow decision and one loss-scale update for the dense and the expert engine together.
+        self.engine.finish_gradients(before_update=ready if self.tied_units or before_update else None)
         if self.expert_engine is not None:
-            self.expert_engine.optimizer_step()
+            self.expert_engine.finish_gradients()
+        decision = decide_overflow(self.engines, self.loss_scale)
+        for engine in self.engines:
+            engine.apply_update(decision)
         return float(sum(l.item() for l in losses)) / scale if self.holds_loss else 0.0
 
     def _one_process_view(self, tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:

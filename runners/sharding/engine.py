@@ -26,6 +26,19 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing when gra
                         "respect to module outputs")
 
 
+def decide_overflow(engines, loss_scale: DynamicLossScale | None) -> tuple[bool, float]:
+    """(whether this step's gradients overflowed on any rank of any of `engines`, 1 / the scale they carry),
+    and the loss scale updated once for the step; (False, 1.0) without a loss scale."""
+    if loss_scale is None:
+        return False, 1.0
+    grads = [u.grad for e in engines for u in e.units]
+    device = grads[0].device if grads else (engines[0].device or torch.device("cpu"))
+    overflow = loss_scale.found_inf(grads, device=device)
+    inv_scale = 1.0 / loss_scale.scale
+    loss_scale.update(found_inf=overflow)
+    return overflow, inv_scale
+
+
 class ShardedDataParallel:
     """Trains a rank's model chunks under the plan's DP sharding (see the package docstring).
 
@@ -186,7 +199,13 @@ class ShardedDataParallel:
         gradients of tied copies through unit_grad). The redistribution of the updated shards is left in
         flight (Lins); the next forward waits for it unit by unit. Under a loss scale, a step whose
         gradients overflowed on any rank is skipped (parameters and Adam state unchanged). Returns whether
-        the parameters were updated."""
+        the parameters were updated. (Two engines sharing a loss scale, an MoE model's dense and expert
+        ones, step through `finish_gradients`, one `decide_overflow` over both, and `apply_update` each.)"""
+        self.finish_gradients(before_update=before_update)
+        return self.apply_update(decide_overflow([self], self.loss_scale))
+
+    def finish_gradients(self, *, before_update: Callable[[], None] | None = None) -> None:
+        """Every micro-batch's gradients reduced and final (`optimizer_step`'s first half)."""
         self.lins.finish_all()
         for u in self.units:
             if u.num_backward != self.num_micro_batches:
@@ -198,18 +217,15 @@ class ShardedDataParallel:
         self.reducer.drain()
         if before_update is not None:
             before_update()
-        updated = True
-        if self.loss_scale is not None:
-            device = self.units[0].grad.device if self.units else (self.device or torch.device("cpu"))
-            overflow = self.loss_scale.found_inf([u.grad for u in self.units], device=device)
-            inv_scale = 1.0 / self.loss_scale.scale
-            self.loss_scale.update(found_inf=overflow)
-            updated = not overflow
-        if updated:
+
+    def apply_update(self, decision: tuple[bool, float]) -> bool:
+        """Adam-step the shards unless `decision` (overflow, 1 / the scale the gradients carry) says the step
+        overflowed; zero the gradients either way (`optimizer_step`'s second half)."""
+        overflow, inv_scale = decision
+        if not overflow:
             self.num_steps += 1
             for u in self.units:
-                adam_update(u, step=self.num_steps, settings=self.adam,
-                            grad_scale=inv_scale if self.loss_scale is not None else 1.0)
+                adam_update(u, step=self.num_steps, settings=self.adam, grad_scale=inv_scale)
             with torch.no_grad():
                 self.lins.issue()
         for u in self.units:
@@ -218,7 +234,7 @@ class ShardedDataParallel:
             u.boundary_done = False
             u.rs_reduced = self.degrees[1] == 1
         self.deferred.new_step()
-        return updated
+        return not overflow
 
     # --- state ----------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:

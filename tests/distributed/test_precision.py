@@ -85,6 +85,12 @@ def _trainer_checks(rank: int, world: int, tmp: str) -> dict:
     cfg = cfg.replace(job=cfg.job.__class__(global_batch=cfg.job.global_batch, seq_len=cfg.job.seq_len, precision="fp16"))
     metrics, _ = _train(cfg)
     out["fp16"] = metrics.to_dict()
+    # fp16 for an MoE model: its dense and expert engines share one loss scale and one overflow decision.
+    moe = tiny_config(Plan(dp=2, ep=2, grad_shard=2, optim_shard=2, micro_batch=2, num_micro_batches=2), steps=4,
+                      model="tiny-moe")
+    moe = moe.replace(job=moe.job.__class__(global_batch=moe.job.global_batch, seq_len=moe.job.seq_len, precision="fp16"))
+    metrics, _ = _train(moe)
+    out["fp16_moe"] = metrics.to_dict()
     # The reducer chained on side streams (NCCL's path), exact on gloo.
     out["ordered"] = {}
     for name, plan in (("zero3", Plan(**ZERO3, micro_batch=1, num_micro_batches=3)),
@@ -259,6 +265,19 @@ def test_fp16_trainer_with_loss_scaling_tracks_fp32(results):
     assert metrics.summary.precision == "fp16" and metrics.summary.skipped_steps == 0
     assert metrics.summary.loss_scale == 2.0**16
     # fp16 keeps 10 mantissa bits: the losses agree to ~1e-3 of the fp32 run's.
+    assert metrics.losses == pytest.approx(ref_losses, abs=2e-2)
+
+
+def test_fp16_moe_trainer_shares_the_loss_scale_and_tracks_fp32(results):
+    from runners.config import RunMetrics
+    from runners.reference import train_reference
+
+    cfg = tiny_config(Plan(dp=2, ep=2, grad_shard=2, optim_shard=2, micro_batch=2, num_micro_batches=2), steps=4,
+                      model="tiny-moe")
+    ref_losses, _ = train_reference(cfg)
+    metrics = RunMetrics.from_dict(results[0]["trainer"]["fp16_moe"])
+    assert metrics.summary.precision == "fp16" and metrics.summary.skipped_steps == 0
+    assert metrics.summary.loss_scale == 2.0**16
     assert metrics.losses == pytest.approx(ref_losses, abs=2e-2)
 
 

@@ -71,3 +71,22 @@ def test_found_inf_sees_any_non_finite_gradient():
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
         DynamicLossScale(**kwargs)
+
+
+def test_two_engines_sharing_a_scale_skip_together_and_update_it_once():
+    # An MoE model's dense and expert engines: an overflow in either skips both, and the scale halves once
+    # for the step (each engine deciding alone halved it twice and could update one and skip the other).
+    from types import SimpleNamespace
+
+    from runners.sharding.engine import decide_overflow
+
+    def engine(*grads):
+        return SimpleNamespace(units=[SimpleNamespace(grad=g) for g in grads], device=torch.device("cpu"))
+
+    scale = DynamicLossScale(init_scale=1024.0)
+    dense, experts = engine(torch.ones(4)), engine(torch.tensor([1.0, math.inf]))
+    assert decide_overflow([dense, experts], scale) == (True, 1 / 1024.0)
+    assert scale.scale == 512.0 and scale.num_skipped == 1
+    assert decide_overflow([dense, engine(torch.ones(3))], scale) == (False, 1 / 512.0)
+    assert scale.scale == 512.0 and scale.clean_steps == 1
+    assert decide_overflow([dense], None) == (False, 1.0)
