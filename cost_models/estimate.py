@@ -582,8 +582,9 @@ def _routing_counts_s(plan, cluster, *, model) -> float:
 
 def _moe_mlp_times(model, hw, *, plan, precision: str, eng, tokens: int, imbalance: float) -> moe_cost.MoETimes:
     """Forward and backward seconds of one MoE layer's MLP compute on one rank: router and expert GEMMs,
-    the dispatcher's permutations, the eager engine's per-op overhead of its extra ops, and under fp8 each expert's operand casts (the experts' GEMMs run in fp8:
-    Transformer Engine's GroupedLinear under fp8_autocast; moe_cost.fp8_quantize_times_s)."""
+    the dispatcher's permutations, the eager engine's per-op overhead of its extra ops, and under fp8 each
+    expert's operand casts (the experts' GEMMs run in fp8: Transformer Engine's GroupedLinear under
+    fp8_autocast; moe_cost.fp8_quantize_times_s)."""
     gemms = moe_cost.moe_compute_times(model, hw, tokens=tokens, ep=plan.ep, etp=plan.etp, tp=plan.tp,
                                        imbalance=imbalance, dtype=precision, accumulate_fp32=eng.main_grads_fp32,
                                        expert_streams=eng.expert_gemm_streams)
