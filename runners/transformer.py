@@ -38,6 +38,12 @@ def canonical_names(chunks: list[nn.Module], chunk_ids: list[int]) -> dict[str, 
             for c, chunk in zip(chunk_ids, chunks) for name, p in chunk.named_parameters()}
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in fp32 and cast back before the weight (as HF Llama / Qwen)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
 class Norm(nn.Module):
     """RMSNorm (llama) or LayerNorm (gpt2); replicated over TP, gradients summed under sequence parallel."""
 
@@ -50,8 +56,7 @@ class Norm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = sequence_parallel_param(self.weight, self.tp)
         if self.rms:
-            xf = x.float()
-            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * w
+            return rms_norm(x, w, self.eps)
         return F.layer_norm(x, (x.shape[-1],), w, sequence_parallel_param(self.bias, self.tp), self.eps)
 
 
@@ -98,8 +103,7 @@ class HeadNorm(nn.Module):
         self.weight = _param((spec.head_dim,), name=f"{name}.weight", seed=0, std=0, tp=tp, fill=1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * tp_shared_param(self.weight, self.tp)
+        return rms_norm(x, tp_shared_param(self.weight, self.tp), self.eps)
 
 
 class Attention(nn.Module):
@@ -197,8 +201,8 @@ class Block(nn.Module):
         if spec.is_moe_layer(index):
             shared = (MLP(spec, name=f"{name}.mlp.shared", seed=seed, tp=tp, ffn=spec.shared_expert_ffn_hidden_size)
                       if spec.shared_expert_ffn_hidden_size else None)
-            self.mlp = MoE(spec, name=f"{name}.mlp", seed=seed, tp=tp, ep=ep or EPContext.single(), cp=cp, aux_scale=aux_scale,
-                           shared=shared)
+            self.mlp = MoE(spec, name=f"{name}.mlp", seed=seed, tp=tp, ep=ep or EPContext.single(), cp=cp,
+                           aux_scale=aux_scale, shared=shared)
         else:
             self.mlp = MLP(spec, name=f"{name}.mlp", seed=seed, tp=tp)
         self.rope = Rope(spec, cp=cp) if spec.arch == "llama" else None
