@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runners.context_parallel import CPContext
 from runners.expert_parallel import EPContext, combine, dispatch, plan_dispatch
 from runners.param_init import INIT_STD, _param
 from runners.tensor_parallel import TPContext, sequence_parallel_param
@@ -77,10 +78,10 @@ class MoE(nn.Module):
     shared expert (a dense MLP, TP-split like any), or None."""
 
     def __init__(self, spec, *, name: str, seed: int, tp: TPContext, ep: EPContext, aux_scale: float,
-                 shared: nn.Module | None = None, cp=None) -> None:
+                 shared: nn.Module | None = None, cp: CPContext | None = None) -> None:
         super().__init__()
         self.spec, self.tp, self.ep = spec, tp, ep
-        self.cp = cp  # runners.context_parallel.CPContext: a sequence's tokens are over its CP ranks too
+        self.cp = cp or CPContext()  # a sequence's tokens are over its CP ranks too
         self.k, self.num_experts = spec.num_experts_per_token, spec.num_experts
         self.aux_scale = aux_scale  # 1 / sequences in the global batch (times the fp16 loss scale)
         self.layer_index = int(name.split(".")[1]) if name.startswith("layers.") else 0
@@ -109,18 +110,14 @@ class MoE(nn.Module):
         totals = per_position.sum(0)
         if self.tp.sequence_parallel and self.tp.size > 1:
             self.tp.comm.all_reduce(totals, self.tp.group)
-        if self._cp_size > 1:  # the sequence's other chunks
+        if self.cp.size > 1:  # the sequence's other chunks
             self.cp.comm.all_reduce(totals, self.cp.group)
         return per_position, totals
-
-    @property
-    def _cp_size(self) -> int:
-        return self.cp.size if self.cp is not None else 1
 
     def _aux_loss(self, probs: torch.Tensor, totals: torch.Tensor, batch: int) -> torch.Tensor:
         """Sum over my sequences of coeff x E / (S^2 k) x sum_e P_e c_e, P_e over my tokens (linear in them,
         so the TP ranks' parts add up to the sequence's)."""
-        seq_len = probs.shape[0] // batch * (self.tp.size if self.tp.sequence_parallel else 1) * self._cp_size
+        seq_len = probs.shape[0] // batch * (self.tp.size if self.tp.sequence_parallel else 1) * self.cp.size
         summed = probs.view(-1, batch, self.num_experts).sum(0)  # [b, E]
         coeff = self.spec.aux_loss_coeff * self.num_experts / (seq_len * seq_len * self.k)
         return coeff * (summed * totals.to(summed.dtype)).sum()
