@@ -10,8 +10,9 @@ writes only the part it owns: the slice of its optimizer shard (runners/sharding
 that falls in each parameter, placed at its offsets in the full tensor (the TP shard's position along
 `tp_split_dim`). An MoE model's experts live in their own sharding engine over expert-DP: each expert
 weight [experts, a, b] is stored as [experts x a, b], every EP rank writing its experts' rows from its
-expert-DP shard, so an ep4 checkpoint resumes under ep2, or with the experts replicated. A contiguous slice of a row-major [rows, cols] shard is at most three rectangles (a
-partial row, whole rows, a partial row), so every piece is a box DCP can index; DCP's load plan then
+expert-DP shard, so an ep4 checkpoint resumes under ep2, or with the experts replicated. A contiguous
+slice of a row-major [rows, cols] shard is at most three rectangles (a partial row, whole rows, a partial
+row), so every piece is a box DCP can index; DCP's load plan then
 reads, for any other plan, exactly the boxes that overlap what each of its ranks needs (resharding on
 load). Replicas write nothing: DP positions q >= s_os duplicate positions q < s_os, and parameters that
 TP replicates are written by tp rank 0 only. DCP's save validation checks that the written pieces
@@ -380,14 +381,14 @@ def save_pieces(trainer, *, plan: Plan) -> dict[str, list[tuple[Piece, torch.Ten
     out: dict[str, list[tuple[Piece, torch.Tensor]]] = {}
     for view in engine_views(trainer, plan):
         if _writes_params(plan=view.plan, dp_rank=view.shard_rank):
-            _save_engine_pieces(trainer, view, out)
+            _save_engine_pieces(trainer, view, out, tp=plan.tp)
     return out
 
 
-def _save_engine_pieces(trainer, view: EngineView, out: dict) -> None:
+def _save_engine_pieces(trainer, view: EngineView, out: dict, *, tp: int) -> None:
     from runners.transformer import LMHead
 
-    mesh, plan = trainer.mesh, trainer.cfg.plan
+    mesh = trainer.mesh
     state = view.engine.local_state(copy=False)  # the live shards: each piece is copied to host once
     for i, layout in enumerate(unit_layouts(trainer.chunks, plan=view.plan, dp_rank=view.shard_rank,
                                             experts=view.experts)):
@@ -395,9 +396,9 @@ def _save_engine_pieces(trainer, view: EngineView, out: dict) -> None:
         assert state[f"unit{i}.master"].numel() == stop - start, "checkpoint layout disagrees with the engine's shards"
         if isinstance(layout.module, LMHead) and trainer.cfg.model.tied_embeddings:
             continue  # a tied head is a copy of the embedding (the trainer keeps them equal): written once
-        for piece in pieces_in_range(layout.params, start=start, stop=stop, tp_rank=mesh.tp_rank, tp=plan.tp,
+        for piece in pieces_in_range(layout.params, start=start, stop=stop, tp_rank=mesh.tp_rank, tp=tp,
                                      ep_rank=trainer.ep.rank, ep=trainer.ep.size):
-            if piece.tp_replicated and mesh.tp_rank != 0 and not view.experts:
+            if piece.tp_replicated and mesh.tp_rank != 0:  # never an expert's: EP splits those
                 continue
             lo, hi = piece.flat_start - start, piece.flat_start - start + piece.numel
             for prefix, key in (("model", "master"), ("optim/exp_avg", "exp_avg"), ("optim/exp_avg_sq", "exp_avg_sq")):
@@ -553,8 +554,8 @@ def load_pieces(trainer, *, plan: Plan):
                 for piece in pieces_in_range(layout.params, start=start, stop=stop, tp_rank=mesh.tp_rank, tp=plan.tp,
                                              ep_rank=trainer.ep.rank, ep=trainer.ep.size):
                     lo = piece.flat_start - start
-                    view_ = bufs[kind][lo:lo + piece.numel].view(piece.sizes)
-                    wanted.setdefault(f"{key_prefix}/{piece.name}", []).append((piece.offsets, view_, piece.global_shape))
+                    box = bufs[kind][lo:lo + piece.numel].view(piece.sizes)
+                    wanted.setdefault(f"{key_prefix}/{piece.name}", []).append((piece.offsets, box, piece.global_shape))
             buffers.append((view.engine, layout, bufs))
     return wanted, buffers
 
