@@ -216,18 +216,15 @@ class Trainer:
             setattr(head, "aux_scale" if hasattr(head, "aux_scale") else "loss_scale", base * scale)
         losses = self.run_micro_batches(micro_batches)
 
-        def ready() -> None:
-            if self.tied_units:
-                self._sum_tied_grads()
-            if before_update is not None:
-                before_update()
-
         from runners.sharding.engine import decide_overflow
 
-        # One overflow decision and one loss-scale update for the dense and the expert engine together.
-        self.engine.finish_gradients(before_update=ready if self.tied_units or before_update else None)
+        # One overflow decision and one loss-scale update for the dense and the expert engine together;
+        # `before_update` once both engines' gradients are final (the experts' too).
+        self.engine.finish_gradients(before_update=self._sum_tied_grads if self.tied_units else None)
         if self.expert_engine is not None:
             self.expert_engine.finish_gradients()
+        if before_update is not None:
+            before_update()
         decision = decide_overflow(self.engines, self.loss_scale)
         for engine in self.engines:
             engine.apply_update(decision)

@@ -337,7 +337,10 @@ def check_cp_heads(spec: ModelSpec, *, tp_size: int, a2a_size: int) -> None:
 def check_moe_runnable(spec: ModelSpec, plan) -> None:
     """Raise ValueError for the MoE models and plans this engine does not run (the cost model prices them)."""
     if spec.is_moe:
+        # TP without SP: every TP rank would route and run the same tokens, each expert's gradient summed
+        # tp times over expert-DP (Megatron-Core refuses MoE with TP and no sequence parallelism too).
         unsupported = [(spec.uses_mla, "multi-head latent attention"), (plan.etp > 1, "etp > 1"),
+                       (plan.tp > 1 and not plan.sequence_parallel, "tp > 1 without sequence_parallel"),
                        (spec.capacity_factor > 0 and plan.tp > 1, "capacity_factor with tp > 1"),
                        (spec.capacity_factor > 0 and plan.cp > 1, "capacity_factor with cp > 1")]
         for bad, what in unsupported:

@@ -6,7 +6,8 @@ Run: bash scripts/test.sh tests/distributed/test_gradients.py
 Adam divides each gradient by its own running scale, so a plan whose gradients are off by a constant
 factor on a group of weights (a double reduction, a wrong scale on one tensor) trains to the reference's
 losses (1e-4) and parameters (1e-3) for 8 steps. So, for every plan of test_exactness.py (with its model
-variants), test_techniques.py and the reducer chained on side streams (STREAM_ORDERED) on our engine,
+variants), test_techniques.py, test_context_parallel.py, test_moe.py and the reducer chained on side
+streams (STREAM_ORDERED) on our engine,
 and of test_torch_engine.py on `--engine torch`, at one
 of SEEDS in turn (every case at all three with PLANNER_EXACTNESS_SEEDS=all):
 
@@ -37,7 +38,9 @@ import torch
 from runners.config import RunConfig
 from runners.mutations import Mutation
 from specs.plan import Plan
+from tests.distributed import test_context_parallel as context_parallel
 from tests.distributed import test_exactness as exactness
+from tests.distributed import test_moe as moe
 from tests.distributed import test_techniques as techniques
 from tests.distributed import test_torch_engine as torch_engine
 from tests.distributed.harness import SEEDS, spread_seeds, tiny_config
@@ -72,8 +75,8 @@ STREAM_ORDERED = {
 
 
 def _plans() -> dict[int, dict[str, RunConfig]]:
-    """Every plan of both exactness matrices (and the stream-ordered reducer) by world size, as
-    'engine/name' -> its RunConfig."""
+    """Every plan of both exactness matrices, the CP and MoE matrices (and the stream-ordered reducer) by
+    world size, as 'engine/name' -> its RunConfig."""
     by_world: dict[int, dict[str, RunConfig]] = {2: {}, 4: {}, 8: {}}
     for world, plans in exactness.MATRIX.items():
         for name in plans:
@@ -85,6 +88,10 @@ def _plans() -> dict[int, dict[str, RunConfig]]:
     for world, plans in torch_engine.MATRIX.items():
         for name in plans:
             by_world[world][f"torch/{name}"] = torch_engine._config(world, name)
+    for prefix, module in (("cp", context_parallel), ("moe", moe)):
+        for world, plans in module.MATRIX.items():
+            for name in plans:
+                by_world[world][f"ours/{prefix}-{name}"] = module._config(world, name)
     for name, plan in STREAM_ORDERED.items():
         by_world[2][f"ours/stream-ordered-{name}"] = tiny_config(plan).replace(stream_ordered=True)
     return by_world
@@ -163,6 +170,8 @@ def _first_step(case: Case, references: dict, rank: int) -> dict:
     data = make_data(cfg.data, vocab_size=cfg.model.vocab_size, seq_len=cfg.job.seq_len, seed=cfg.seed)
     batches = rank_micro_batches(data.global_batch(0, cfg.job.global_batch), dp=cfg.plan.dp,
                                  dp_rank=trainer.mesh.dp_rank, micro_batch=cfg.plan.micro_batch, device=cpu)
+    if cfg.plan.cp > 1:  # this CP rank's two chunks of every sequence (runners/train.timed_step)
+        batches = [(trainer.cp.local_tokens(x), trainer.cp.local_tokens(y)) for x, y in batches]
     if cfg.engine == "ours":
         grads: list[tuple[str, torch.Tensor]] = []
         trainer.step(batches, before_update=lambda: grads.extend(trainer.full_gradients()))

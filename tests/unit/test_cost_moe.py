@@ -10,6 +10,7 @@ from cost_models.moe import (all_to_all_bytes, all_to_alls_per_layer, expected_i
                              expert_state_bytes, moe_activation_bytes, moe_compute_times, moe_gemms, rows_per_expert)
 from specs.hardware import PRESETS as HARDWARE_PRESETS
 from specs.model import PRESETS
+from specs.plan import Plan
 
 MIXTRAL = PRESETS["mixtral-8x7b"]
 TINY = PRESETS["tiny-moe"]
@@ -145,6 +146,20 @@ def test_search_enumerates_ep_and_proposes_only_what_the_engine_runs():
         check_plan(plan, model=TINY, num_devices=4, job=problem.job)
         check_moe_runnable(TINY, plan)
         assert plan.etp == 1 and (plan.tp == 1 or plan.sequence_parallel)
+
+
+@pytest.mark.parametrize("plan,what", [
+    (Plan(tp=2, dp=2), "tp > 1 without sequence_parallel"),
+    (Plan(tp=2, dp=2, ep=2), "tp > 1 without sequence_parallel"),
+])
+def test_the_engine_refuses_moe_plans_it_would_run_wrong(plan, what):
+    # TP without SP: both TP ranks would route the same tokens and each expert's gradient would be summed
+    # twice over expert-DP (Adam hides the factor; the first-step gradient check in test_gradients.py does not).
+    from runners.transformer import check_moe_runnable
+
+    with pytest.raises(ValueError, match=what):
+        check_moe_runnable(TINY, plan)
+    check_moe_runnable(TINY, plan.replace(sequence_parallel=True))
 
 
 def test_a_sequences_expert_counts_are_summed_over_tp_and_cp_every_forward():
