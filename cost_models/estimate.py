@@ -501,8 +501,7 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
     a2a_s = _ep_all_to_all_s(plan, cluster, model=model, eng=eng, tokens=tokens, precision=job.precision,
                              buffer_bytes=buffer) * imbalance  # the busiest rank's rows
     # Expert TP: the etp ranks of an expert gather its rows before and reduce-scatter its outputs after.
-    etp_s = 2 * collective_time_s(cluster, collective="all_gather", size_bytes=buffer * plan.etp, group_size=plan.etp,
-                                  stride=1)
+    etp_s = 2 * _etp_exchange_s(plan, cluster, gathered_bytes=buffer * plan.etp * imbalance)
     counts_s = _routing_counts_s(plan, cluster, model=model)  # every forward, a recomputed one too
     comm = {pol: moe_cost.all_to_alls_per_layer(pol) / 2 * (2 * a2a_s + etp_s) + counts_s * (2 if pol == "full" else 1)
             for pol in POLICIES}
@@ -560,18 +559,33 @@ def _ep_all_to_all_s(plan, cluster, *, model, eng, tokens: int, precision: str, 
                                       dispatcher=eng.moe_dispatcher)
 
 
+def _etp_exchange_s(plan, cluster, *, gathered_bytes: float) -> float:
+    """One gather of the EP-received rows over the ETP group (its reduce-scatter back costs the same), of
+    `gathered_bytes` gathered. GPUs: an all-gather (Megatron-Core's). CPUs: this engine builds both from
+    gloo's alltoall (runners/expert_parallel.py), which moves the same bytes, priced from the profile's
+    all_to_all curve on the whole gathered buffer, like the dispatch (`_ep_all_to_all_s`)."""
+    if plan.etp == 1:
+        return 0.0
+    collective = "all_to_all" if cluster.hardware.device_type == "cpu" else "all_gather"
+    return collective_time_s(cluster, collective=collective, size_bytes=gathered_bytes, group_size=plan.etp, stride=1)
+
+
 def _routing_counts_s(plan, cluster, *, model) -> float:
     """Seconds per MoE layer forward of the routing's small collectives: summing each sequence's per-expert
     assignment counts (micro-batch x experts int64, for the load-balancing loss and the capacity) over the
     ranks holding its other tokens, the TP group under sequence parallelism, then the CP group
     (runners/moe.py, `_sequence_counts`); and under EP the exchange of the per-expert row counts that sizes
     the dispatch (runners/expert_parallel.plan_dispatch: an all-to-all of experts int64; Megatron-Core's
-    alltoall dispatcher exchanges its tokens_per_expert likewise)."""
+    alltoall dispatcher exchanges its tokens_per_expert likewise), and under expert TP the all-gather of
+    the received counts over the ETP group (etp x experts int64 gathered)."""
     nbytes = plan.micro_batch * model.num_experts * 8
     seconds = 0.0
     if plan.ep > 1:
         seconds += collective_time_s(cluster, collective="all_to_all", size_bytes=model.num_experts * 8,
                                      group_size=plan.ep, stride=plan.etp)
+    if plan.etp > 1:
+        seconds += collective_time_s(cluster, collective="all_gather", size_bytes=plan.etp * model.num_experts * 8,
+                                     group_size=plan.etp, stride=1)
     if plan.sequence_parallel and plan.tp > 1:
         seconds += collective_time_s(cluster, collective="all_reduce", size_bytes=nbytes, group_size=plan.tp, stride=1)
     if plan.cp > 1:
@@ -596,7 +610,7 @@ def _moe_mlp_times(model, hw, *, plan, precision: str, eng, tokens: int, imbalan
                                                    imbalance=imbalance))
     op_s = hw.calibration.get("op_overhead_s", 0.0)  # the eager engine's per-op cost (0 on GPUs)
     if op_s > 0:
-        ops_f, ops_b = moe_cost.moe_extra_ops(model, ep=plan.ep)
+        ops_f, ops_b = moe_cost.moe_extra_ops(model, ep=plan.ep, etp=plan.etp)
         parts.append(moe_cost.MoETimes(forward_s=ops_f * op_s, backward_s=ops_b * op_s))
     return moe_cost.MoETimes(forward_s=sum(t.forward_s for t in parts), backward_s=sum(t.backward_s for t in parts))
 

@@ -317,8 +317,8 @@ def fp8_quantize_times_s(model: ModelSpec, hw: Hardware, *, tokens: int, ep: int
 # top-k sort, renormalisation, the per-sequence counts, the assignment order and bincount, the dispatch's
 # regrouping and the combine's weighted index_add), each local expert's SwiGLU (its split, three GEMMs,
 # silu, mul; backward the six GEMMs, the weight slices' gradients), the shared expert and its residual add,
-# the load-balancing loss, Qwen2-MoE's shared gate, and EP's receive buffers (the all-to-alls themselves
-# are priced as collectives). Counted by dispatching tiny-moe's layer (tests/unit/test_cost_moe.py keeps
+# the load-balancing loss, Qwen2-MoE's shared gate, EP's receive buffers and expert TP's gather and
+# reduce-scatter buffers and sum (the all-to-alls themselves are priced as collectives). Counted by dispatching tiny-moe's layer (tests/unit/test_cost_moe.py keeps
 # them equal to the engine's).
 MOE_ROUTING_OPS = (33 - 5, 22 - 10)
 MOE_EXPERT_OPS = (5, 16)
@@ -326,15 +326,16 @@ MOE_SHARED_OPS = (6, 11)
 MOE_AUX_OPS = (5, 5)
 MOE_GATE_OPS = (3, 7)
 MOE_EP_OPS = (3, 2)
+MOE_ETP_OPS = (6, 4)
 
 
-def moe_extra_ops(model: ModelSpec, *, ep: int) -> tuple[int, int]:
+def moe_extra_ops(model: ModelSpec, *, ep: int, etp: int = 1) -> tuple[int, int]:
     """(forward, backward) ops one MoE layer's MLP launches on a rank beyond a dense MLP's: charged at the
     profile's op_overhead_s, as every op of this project's eager engine is (cost_models/estimate.py)."""
     parts = [(MOE_ROUTING_OPS, 1), (MOE_EXPERT_OPS, model.num_experts // ep),
              (MOE_SHARED_OPS, 1 if model.shared_expert_ffn_hidden_size else 0),
              (MOE_AUX_OPS, 1 if model.aux_loss_coeff > 0 else 0), (MOE_GATE_OPS, 1 if model.shared_expert_gate else 0),
-             (MOE_EP_OPS, 1 if ep > 1 else 0)]
+             (MOE_EP_OPS, 1 if ep > 1 else 0), (MOE_ETP_OPS, 1 if etp > 1 else 0)]
     return (sum(ops[0] * n for ops, n in parts), sum(ops[1] * n for ops, n in parts))
 
 

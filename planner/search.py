@@ -20,7 +20,7 @@ k-th best plan found, or enter the few fitting plans the ILPs below start from (
 Exact whenever the bounds are true lower bounds of the cost model, which the tests check against brute
 force, and the search counts any violation it sees (`bound_violations`).
 
-The per-layer costs depend only on (tp, sequence parallel, micro-batch, cp, ep), so they are computed once per
+The per-layer costs depend only on (tp, sequence parallel, micro-batch, cp, ep, etp), so they are computed once per
 such key and shared by every slot, and handed to the estimate of each variant. The ILPs (planner/ilp.py) then refine the best few plans: unequal
 stages and per-layer recomputation, and each layer's MAZ3 tier (`_refine_cache_with_ilp`). A variant
 that only adds a cache tier or commshift to its plain plan is skipped when the plain plan's compute,
@@ -149,10 +149,11 @@ class Slot:
     sequence_parallel: bool
     cp: int = 1
     cp_kind: str = "ring"
-    ep: int = 1  # MoE models: expert-parallel degree, folded over tp x cp x dp (etp stays 1: the engine's)
+    ep: int = 1  # MoE models: expert-parallel degree, folded over tp x cp x dp
+    etp: int = 1  # MoE models: expert tensor-parallel degree (each expert's FFN width over etp ranks)
 
     def plan(self, *, shards: tuple[int, int, int] = (1, 1, 1), cache: str = "none", commshift: bool = False) -> Plan:
-        return Plan(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, cp_kind=self.cp_kind, ep=self.ep,
+        return Plan(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, cp_kind=self.cp_kind, ep=self.ep, etp=self.etp,
                     virtual_stages=self.virtual_stages,
                     micro_batch=self.micro_batch, num_micro_batches=self.num_micro_batches,
                     schedule=self.schedule, recompute=self.recompute, sequence_parallel=self.sequence_parallel,
@@ -248,25 +249,28 @@ def enumerate_slots(problem: Problem, options: SearchOptions, *, moe_context_par
                                                 max_v=options.max_virtual_stages):
                 for rc in options.recompute:
                     for sp in ((False, True) if tp > 1 and local_seq % tp == 0 else (False,)):
-                        for ep in expert_options(problem, dp=dp, cp=cp, tp=tp, sequence_parallel=sp,
-                                                 context_parallel=moe_context_parallel):
-                            yield Slot(dp, tp, pp, v, schedule, mb, m, rc, sp, cp, kind, ep)
+                        for ep, etp in expert_options(problem, dp=dp, cp=cp, tp=tp, sequence_parallel=sp,
+                                                      context_parallel=moe_context_parallel):
+                            yield Slot(dp, tp, pp, v, schedule, mb, m, rc, sp, cp, kind, ep, etp)
 
 
 def expert_options(problem: Problem, *, dp: int, cp: int, tp: int, sequence_parallel: bool,
-                   context_parallel: bool = False) -> list[int]:
-    """The ep degrees worth pricing for one layout: [1] for a dense model; for an MoE model every ep that
-    divides the experts and folds over the tp x cp x dp ranks of a stage (specs/plan.py), where the engine
-    runs it: CP only where `context_parallel` (Megatron-Core and this project's engine) and, like TP, not with a
-    capacity factor (the engine drops per whole sequence, in position order), TP only with sequence
-    parallelism (each TP rank routes its own tokens). etp is 1: the engine does not split experts."""
+                   context_parallel: bool = False) -> list[tuple[int, int]]:
+    """The (ep, etp) degrees worth pricing for one layout: [(1, 1)] for a dense model; for an MoE model
+    every ep that divides the experts and every etp that divides the attention's TP and the experts' FFN
+    width (Megatron-Core's usual choices, 1 and tp, and those between: expert TP stays inside the TP
+    group's node), with etp x ep folding over the tp x cp x dp ranks of a stage (specs/plan.py), where the
+    engine runs it: CP only where `context_parallel` (Megatron-Core and this project's engine) and, like
+    TP, not with a capacity factor (the engine drops per whole sequence, in position order), TP only with
+    sequence parallelism (each TP rank routes its own tokens)."""
     model = problem.model
     if not model.is_moe:
-        return [1]
+        return [(1, 1)]
     if (cp > 1 and (not context_parallel or model.capacity_factor > 0)) or (
             tp > 1 and (not sequence_parallel or model.capacity_factor > 0)):
         return []
-    return [ep for ep in divisors(model.num_experts) if (tp * cp * dp) % ep == 0]
+    etps = [t for t in divisors(tp) if model.expert_ffn_hidden_size % t == 0]
+    return [(ep, etp) for etp in etps for ep in divisors(model.num_experts) if (tp * cp * dp) % (ep * etp) == 0]
 
 
 def _fills_nodes(degree: int, *, dp: int, dp_per_node: int) -> bool:
@@ -407,7 +411,7 @@ def slot_memory(slot: Slot, costs, problem: Problem) -> SlotMemory:
             # Non-expert parameters as the estimate holds them, experts split over EP (under the dense
             # shards, at least as many as the experts' own: a lower bound).
             experts = moe_cost.moe_fraction(model) * moe_cost.expert_params_per_device(
-                model, num_moe_layers=1, ep=slot.ep, etp=1)
+                model, num_moe_layers=1, ep=slot.ep, etp=slot.etp)
             params.append(n * (moe_cost.nonexpert_layer_params_per_device(model, tp=slot.tp) + experts) + ends / slot.tp)
         else:
             params.append((n * model.layer_params() + ends) / slot.tp)
@@ -433,7 +437,7 @@ class _Pricer:
         # Per-layer time and activations depend on the layer's shape on one device (tp, sequence
         # parallelism, micro-batch), not on how many replicas or stages there are; unsharded states give
         # the smallest per-layer time, so the bound stays a lower bound for every sharding variant.
-        key = (slot.tp, slot.sequence_parallel, slot.micro_batch, slot.cp, slot.cp_kind, slot.ep)
+        key = (slot.tp, slot.sequence_parallel, slot.micro_batch, slot.cp, slot.cp_kind, slot.ep, slot.etp)
         if self.problem.model.is_moe:
             # The EP overlap hides dispatch and combine in the passes the schedule pairs (estimate.paired_share).
             key += (slot.pp, slot.virtual_stages, slot.num_micro_batches)

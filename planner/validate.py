@@ -74,8 +74,8 @@ SPREAD: tuple[tuple[str, dict], ...] = (
     ("pp4 gpipe", {"pp": 4, "schedule": "gpipe"}),
     ("tp2 recompute full", {"tp": 2, "recompute": "full"}),
     ("cp2 a2a", {"cp": 2, "cp_kind": "all-to-all"}),
-    # MoE models only (a dense model refuses ep, so these are skipped for it): experts over EP, alone and
-    # with the sharding, TP + SP, pipeline and context parallelism the engine folds them with.
+    # MoE models only (a dense model refuses ep and etp, so these are skipped for it): experts over EP,
+    # alone and with the sharding, TP + SP, pipeline and context parallelism the engine folds them with.
     ("ep2", {"ep": 2}),
     ("ep4", {"ep": 4}),
     ("ep2 zero3", {"ep": 2, "zero": 3}),
@@ -83,6 +83,9 @@ SPREAD: tuple[tuple[str, dict], ...] = (
     ("ep2 pp2", {"ep": 2, "pp": 2}),
     ("ep2 recompute full", {"ep": 2, "recompute": "full"}),
     ("ep2 cp2", {"ep": 2, "cp": 2}),
+    # Expert TP: every expert's width over 2 ranks, its rows gathered and its outputs reduce-scattered.
+    ("etp2", {"etp": 2}),
+    ("ep2 etp2", {"ep": 2, "etp": 2}),
 )
 
 

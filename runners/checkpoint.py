@@ -9,8 +9,9 @@ one-process name (runners/transformer.py: `canonical_name`) as three global tens
 writes only the part it owns: the slice of its optimizer shard (runners/sharding/'s nested layout)
 that falls in each parameter, placed at its offsets in the full tensor (the TP shard's position along
 `tp_split_dim`). An MoE model's experts live in their own sharding engine over expert-DP: each expert
-weight [experts, a, b] is stored as [experts x a, b], every EP rank writing its experts' rows from its
-expert-DP shard, so an ep4 checkpoint resumes under ep2, or with the experts replicated. A contiguous
+weight [experts, a, b] is stored as [experts x a, b], every EP rank writing its experts' rows (under
+expert TP, each ETP rank its slice of each expert's a rows or b columns) from its expert-DP shard, so an
+ep4 checkpoint resumes under ep2 x etp2, or with the experts replicated. A contiguous
 slice of a row-major [rows, cols] shard is at most three rectangles (a partial row, whole rows, a partial
 row), so every piece is a box DCP can index; DCP's load plan then
 reads, for any other plan, exactly the boxes that overlap what each of its ranks needs (resharding on
@@ -231,33 +232,56 @@ def unit_params(chunks, *, experts: bool | None = None) -> list[tuple[torch.nn.M
     return units
 
 
-def _split(p, *, tp_rank: int, tp: int, ep_rank: int, ep: int) -> tuple[tuple[int, ...], int | None, int, int]:
-    """How a parameter's local tensor sits in its canonical one: (the 2-D or 1-D shape it is stored as, the
-    split dim or None, this rank's index along it, the number of parts). An MoE expert weight [local, a, b]
-    is stored as [local x a, b] and split over EP along its rows; a TP-split one along tp_split_dim."""
-    if getattr(p, "is_expert", False):
-        local, *rest = p.shape
-        return (local * rest[0], *rest[1:]), 0, ep_rank, ep
-    return tuple(p.shape), p.tp_split_dim, tp_rank, tp
+def _tp_boxes(p, lo: int, hi: int, *, tp_rank: int, tp: int) -> tuple[tuple[int, ...], list]:
+    """(global shape, [(offsets, sizes, flat start)]) of elements [lo, hi) of a parameter's local tensor,
+    placed along its tp_split_dim."""
+    shape, split = tuple(p.shape), p.tp_split_dim
+    global_shape = list(shape)
+    if split is not None and tp > 1:
+        global_shape[split] *= tp
+    boxes = []
+    for box_offsets, sizes, flat in flat_range_boxes(shape, lo, hi):
+        box_offsets = list(box_offsets)
+        if split is not None and tp > 1:
+            box_offsets[split] += tp_rank * shape[split]
+        boxes.append((tuple(box_offsets), sizes, flat))
+    return tuple(global_shape), boxes
 
 
-def pieces_in_range(params, *, start: int, stop: int, tp_rank: int, tp: int, ep_rank: int = 0,
-                    ep: int = 1) -> list[Piece]:
+def _expert_boxes(p, lo: int, hi: int, *, ep_rank: int, ep: int, etp_rank: int,
+                  etp: int) -> tuple[tuple[int, ...], list]:
+    """The same for an MoE expert weight: local [local, a, b] (a or b cut by expert TP along
+    etp_split_dim) stored as [local x a, b] in the global [experts x A, B]. A run of whole rows is cut
+    where it crosses from one local expert to the next (under etp > 1 on dim 1 they are apart there)."""
+    local, a, b = p.shape
+    by_rows, by_cols = (etp if p.etp_split_dim == 1 else 1), (etp if p.etp_split_dim == 2 else 1)
+    full_a = a * by_rows
+    boxes = []
+    for (row, col), (rows, cols), flat in flat_range_boxes((local * a, b), lo, hi):
+        cuts = [row] if by_rows == 1 else [row, *range((row // a + 1) * a, row + rows, a)]
+        ends = [*cuts[1:], row + rows]
+        for r0, r1 in zip(cuts, ends):
+            expert, within = divmod(r0, a)
+            g_row = (ep_rank * local + expert) * full_a + (etp_rank * a if by_rows > 1 else 0) + within
+            g_col = col + (etp_rank * b if by_cols > 1 else 0)
+            boxes.append(((g_row, g_col), (r1 - r0, cols), flat + (r0 - row) * cols))
+    return (local * ep * full_a, b * by_cols), boxes
+
+
+def pieces_in_range(params, *, start: int, stop: int, tp_rank: int, tp: int, ep_rank: int = 0, ep: int = 1,
+                    etp_rank: int = 0, etp: int = 1) -> list[Piece]:
     """The canonical boxes that elements [start, stop) of a unit's flat buffer hold."""
     pieces, offset = [], 0
     for p in params:
         lo, hi = max(start, offset), min(stop, offset + p.numel())
         if lo < hi:
-            shape, split, rank, parts = _split(p, tp_rank=tp_rank, tp=tp, ep_rank=ep_rank, ep=ep)
-            global_shape = list(shape)
-            if split is not None and parts > 1:
-                global_shape[split] *= parts
-            for box_offsets, sizes, flat in flat_range_boxes(shape, lo - offset, hi - offset):
-                box_offsets = list(box_offsets)
-                if split is not None and parts > 1:
-                    box_offsets[split] += rank * shape[split]
-                pieces.append(Piece(p.canonical_name, tuple(global_shape), tuple(box_offsets), sizes, offset + flat,
-                                    tp_replicated=split is None and tp > 1))
+            expert = getattr(p, "is_expert", False)
+            global_shape, boxes = (
+                _expert_boxes(p, lo - offset, hi - offset, ep_rank=ep_rank, ep=ep, etp_rank=etp_rank, etp=etp)
+                if expert else _tp_boxes(p, lo - offset, hi - offset, tp_rank=tp_rank, tp=tp))
+            for box_offsets, sizes, flat in boxes:
+                pieces.append(Piece(p.canonical_name, global_shape, box_offsets, sizes, offset + flat,
+                                    tp_replicated=not expert and p.tp_split_dim is None and tp > 1))
         offset += p.numel()
     return pieces
 
@@ -397,7 +421,8 @@ def _save_engine_pieces(trainer, view: EngineView, out: dict, *, tp: int) -> Non
         if isinstance(layout.module, LMHead) and trainer.cfg.model.tied_embeddings:
             continue  # a tied head is a copy of the embedding (the trainer keeps them equal): written once
         for piece in pieces_in_range(layout.params, start=start, stop=stop, tp_rank=mesh.tp_rank, tp=tp,
-                                     ep_rank=trainer.ep.rank, ep=trainer.ep.size):
+                                     ep_rank=trainer.ep.rank, ep=trainer.ep.size, etp_rank=trainer.ep.etp_rank,
+                                     etp=trainer.ep.etp_size):
             if piece.tp_replicated and mesh.tp_rank != 0:  # never an expert's: EP splits those
                 continue
             lo, hi = piece.flat_start - start, piece.flat_start - start + piece.numel
@@ -552,7 +577,8 @@ def load_pieces(trainer, *, plan: Plan):
                                         ("exp_avg_sq", layout.optim_range)):
                 key_prefix = "model" if kind == "model" else f"optim/{kind}"
                 for piece in pieces_in_range(layout.params, start=start, stop=stop, tp_rank=mesh.tp_rank, tp=plan.tp,
-                                             ep_rank=trainer.ep.rank, ep=trainer.ep.size):
+                                             ep_rank=trainer.ep.rank, ep=trainer.ep.size,
+                                             etp_rank=trainer.ep.etp_rank, etp=trainer.ep.etp_size):
                     lo = piece.flat_start - start
                     box = bufs[kind][lo:lo + piece.numel].view(piece.sizes)
                     wanted.setdefault(f"{key_prefix}/{piece.name}", []).append((piece.offsets, box, piece.global_shape))

@@ -152,16 +152,17 @@ class Comm:
         self.time_stream_wait(lambda: dist.all_to_all_single(output, input, group=group))
 
     def all_to_all_uneven(self, output: torch.Tensor, input: torch.Tensor, *, output_splits: list[int],
-                          input_splits: list[int], group):
+                          input_splits: list[int], group, kind: str = "all_to_all"):
         """Rows input_splits[i] (along dim 0) of `input` to group rank i, output_splits[i] rows of `output`
-        from it (the MoE token dispatch). Counted: the rows that leave this rank."""
+        from it (the MoE token dispatch). Counted under `kind` (an uneven all-gather or reduce-scatter
+        built from it counts as one): the rows that leave this rank."""
         ranks = self._group_ranks(group)
         if len(ranks) == 1:
             output.copy_(input)
             return
         me = ranks.index(dist.get_rank())
         row_bytes = input[0].numel() * input.element_size() if input.shape[0] else 0
-        self._count("all_to_all", (sum(input_splits) - input_splits[me]) * row_bytes, ranks)
+        self._count(kind, (sum(input_splits) - input_splits[me]) * row_bytes, ranks)
         dist.all_to_all_single(output, input, output_split_sizes=output_splits, input_split_sizes=input_splits,
                                group=group)
 

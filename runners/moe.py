@@ -35,7 +35,9 @@ class GroupedExperts(nn.Module):
     """This EP rank's num_experts / ep SwiGLU experts as stacked weights [local, ...] (one sharding unit).
 
     Each weight is EP rank r's rows r x local .. (r + 1) x local - 1 of the full [num_experts, ...] weight,
-    drawn from it (runners/transformer.py's seeded init), so every plan starts from one process's experts."""
+    and under expert TP this ETP rank's 1/etp of each expert's FFN width (w_gate, w_in: dim 1; w_out: dim
+    2), drawn from it (runners/transformer.py's seeded init), so every plan starts from one process's
+    experts."""
 
     def __init__(self, spec, *, name: str, seed: int, ep: EPContext) -> None:
         super().__init__()
@@ -43,13 +45,17 @@ class GroupedExperts(nn.Module):
         out_std = INIT_STD / math.sqrt(2 * spec.num_layers)
         self.num_local = e // ep.size
         shards = dict(seed=seed, tp=ep, split_dim=0)  # _param slices dim 0 by (rank, size) of `tp`
-        self.w_gate = _param((e, f, h), name=f"{name}.w_gate", std=INIT_STD, **shards)
-        self.w_in = _param((e, f, h), name=f"{name}.w_in", std=INIT_STD, **shards)
-        self.w_out = _param((e, h, f), name=f"{name}.w_out", std=out_std, **shards)
-        for p in (self.w_gate, self.w_in, self.w_out):
-            # Split over EP, not TP: the sharding engine keeps them apart (runners/train.py) and the
-            # one-process view joins them over the EP group.
-            p.tp_split_dim, p.ep_split_dim, p.is_expert = None, 0, True
+
+        def etp(dim: int) -> tuple[int, int, int]:
+            return (dim, ep.etp_rank, ep.etp_size)
+
+        self.w_gate = _param((e, f, h), name=f"{name}.w_gate", std=INIT_STD, extra_split=etp(1), **shards)
+        self.w_in = _param((e, f, h), name=f"{name}.w_in", std=INIT_STD, extra_split=etp(1), **shards)
+        self.w_out = _param((e, h, f), name=f"{name}.w_out", std=out_std, extra_split=etp(2), **shards)
+        for p, etp_dim in ((self.w_gate, 1), (self.w_in, 1), (self.w_out, 2)):
+            # Split over EP (and ETP), not TP: the sharding engine keeps them apart (runners/train.py) and
+            # the one-process view joins them over the EP and ETP groups.
+            p.tp_split_dim, p.ep_split_dim, p.etp_split_dim, p.is_expert = None, 0, etp_dim, True
 
     def forward(self, rows: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
         outs = []

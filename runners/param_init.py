@@ -69,13 +69,22 @@ class ParamInit:
     split_dim: int | None
     tp_rank: int = 0
     tp_size: int = 1
+    # A second split (dim, rank, size): an MoE expert weight is split over EP along dim 0 (the split above)
+    # and over expert TP along its FFN dim (runners/moe.py).
+    extra_split: tuple[int, int, int] | None = None
+
+    @property
+    def splits(self) -> list[tuple[int, int, int]]:
+        """(dim, rank, parts) of every split that cuts the full weight."""
+        out = [(self.split_dim, self.tp_rank, self.tp_size)] if self.split_dim is not None else []
+        out += [self.extra_split] if self.extra_split is not None else []
+        return [s for s in out if s[2] > 1]
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        if self.split_dim is None or self.tp_size == 1:
-            return self.full_shape
         shape = list(self.full_shape)
-        shape[self.split_dim] //= self.tp_size
+        for dim, _, parts in self.splits:
+            shape[dim] //= parts
         return tuple(shape)
 
     def values(self, start: int, stop: int) -> torch.Tensor:
@@ -84,18 +93,36 @@ class ParamInit:
             return torch.full((stop - start,), float(self.fill), dtype=torch.float32)
         draw = functools.partial(_seeded_range, seed=self.seed, name=self.name, numel=math.prod(self.full_shape),
                                  std=self.std)
-        if self.split_dim is None or self.tp_size == 1:
+        splits, local = self.splits, self.local_shape
+        if not splits:
             return draw(start=start, stop=stop)
-        local = self.local_shape
-        if self.split_dim == 0:  # whole rows: one contiguous range of the full weight
-            offset = self.tp_rank * math.prod(local)
+        (dim, rank, _), = splits if len(splits) == 1 else [(None, 0, 1)]
+        if dim == 0:  # whole rows: one contiguous range of the full weight
+            offset = rank * math.prod(local)
             return draw(start=offset + start, stop=offset + stop)
-        assert self.split_dim == 1 and len(local) == 2, "a weight split along dim 1 is a matrix"
+        if dim != 1 or len(local) != 2:  # several cuts, or one inside a 3-D weight
+            return self._values_of_box(draw, start, stop)
         cols, full_cols = local[1], self.full_shape[1]
         first, last = start // cols, (stop - 1) // cols
         rows = draw(start=first * full_cols, stop=(last + 1) * full_cols).view(-1, full_cols)
-        mine = rows[:, self.tp_rank * cols:(self.tp_rank + 1) * cols].reshape(-1)
+        mine = rows[:, rank * cols:(rank + 1) * cols].reshape(-1)
         return mine[start - first * cols:stop - first * cols].clone()
+
+    def _values_of_box(self, draw, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of a local tensor cut along several dims: their full-weight indices by
+        index arithmetic, drawn as the one contiguous span of the full weight that holds them."""
+        local, full = self.local_shape, self.full_shape
+        offsets = [0] * len(full)
+        for dim, rank, _ in self.splits:
+            offsets[dim] = rank * local[dim]
+        index, rest = torch.zeros(stop - start, dtype=torch.int64), torch.arange(start, stop)
+        for dim in reversed(range(len(local))):  # unravel over the local shape, ravel over the full one
+            rest, coord = rest.div(local[dim], rounding_mode="floor"), rest % local[dim]
+            index += (coord + offsets[dim]) * math.prod(full[dim + 1:])
+        if index.numel() == 0:
+            return torch.empty(0)
+        lo = int(index.min())
+        return draw(start=lo, stop=int(index.max()) + 1)[index - lo]
 
 
 @contextlib.contextmanager
@@ -109,9 +136,11 @@ def deferred_init():
         _DEFERRED.reset(token)
 
 
-def _param(full_shape, *, name, seed, std, tp, split_dim=None, fill=None) -> nn.Parameter:
+def _param(full_shape, *, name, seed, std, tp, split_dim=None, fill=None, extra_split=None) -> nn.Parameter:
+    """`extra_split`: (dim, rank, parts), a second cut of the weight besides `split_dim` over `tp`."""
     init = ParamInit(name=name, seed=seed, std=std, fill=fill, full_shape=tuple(full_shape),
-                     split_dim=split_dim if tp.size > 1 else None, tp_rank=tp.rank, tp_size=tp.size)
+                     split_dim=split_dim if tp.size > 1 else None, tp_rank=tp.rank, tp_size=tp.size,
+                     extra_split=extra_split)
     numel = math.prod(init.local_shape)
     if _DEFERRED.get():
         data = torch.empty(init.local_shape)  # never touched: no pages are committed

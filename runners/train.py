@@ -128,9 +128,10 @@ class Trainer:
         self.expert_engine = ShardedDataParallel(self.chunks, plan=expert_plan(plan), mesh=self.mesh.expert_view(),
                                                  comm=self.comm, experts=True, **engine_args) if moe else None
         self.engines = [e for e in (self.engine, self.expert_engine) if e is not None]
-        self.expert_keys = {key for c, chunk in zip(self.chunk_ids, self.chunks)
-                            for key, p in ((f"{c}.{n}", p) for n, p in chunk.named_parameters())
-                            if getattr(p, "is_expert", False)}
+        # Expert parameters' keys and the dim expert TP splits (runners/moe.GroupedExperts).
+        self.expert_etp_dims = {key: p.etp_split_dim for c, chunk in zip(self.chunk_ids, self.chunks)
+                                for key, p in ((f"{c}.{n}", p) for n, p in chunk.named_parameters())
+                                if getattr(p, "is_expert", False)}
 
     def _find_loss_heads(self) -> None:
         """The modules whose loss the fp16 loss scale multiplies alike: the LM heads' loss and the MoE
@@ -235,10 +236,13 @@ class Trainer:
         out = []
         for key, tensor in tensors.items():
             name, split = self.names[key]
-            if key in self.expert_keys and self.ep.size > 1:  # experts split over EP along dim 0
-                parts = [torch.empty_like(tensor) for _ in range(self.ep.size)]
-                dist.all_gather(parts, tensor.contiguous(), group=self.ep.group)
-                tensor = torch.cat(parts, dim=0)
+            if key in self.expert_etp_dims:  # experts split over ETP along their FFN dim, over EP along dim 0
+                for group, size, dim in ((self.ep.etp_group, self.ep.etp_size, self.expert_etp_dims[key]),
+                                         (self.ep.group, self.ep.size, 0)):
+                    if size > 1:
+                        parts = [torch.empty_like(tensor) for _ in range(size)]
+                        dist.all_gather(parts, tensor.contiguous(), group=group)
+                        tensor = torch.cat(parts, dim=dim)
             if split is not None and self.plan.tp > 1:
                 parts = [torch.empty_like(tensor) for _ in range(self.plan.tp)]
                 dist.all_gather(parts, tensor.contiguous(), group=self.mesh.tp_group)

@@ -339,7 +339,7 @@ def check_moe_runnable(spec: ModelSpec, plan) -> None:
     if spec.is_moe:
         # TP without SP: every TP rank would route and run the same tokens, each expert's gradient summed
         # tp times over expert-DP (Megatron-Core refuses MoE with TP and no sequence parallelism too).
-        unsupported = [(spec.uses_mla, "multi-head latent attention"), (plan.etp > 1, "etp > 1"),
+        unsupported = [(spec.uses_mla, "multi-head latent attention"),
                        (plan.tp > 1 and not plan.sequence_parallel, "tp > 1 without sequence_parallel"),
                        (spec.capacity_factor > 0 and plan.tp > 1, "capacity_factor with tp > 1"),
                        (spec.capacity_factor > 0 and plan.cp > 1, "capacity_factor with cp > 1")]

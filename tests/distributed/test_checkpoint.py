@@ -3,8 +3,8 @@ and parameters continue as the uninterrupted one-process run's (fp32, 1e-4 / 1e-
 
 Plans of one world size share one set of gloo processes (runners after one another, as in
 test_exactness): each case trains plan A for K steps with checkpoints, then plan B resumes from them up
-to N steps. One case saves on 4 processes and resumes on 2 (the cluster shrank); two are MoE models whose
-experts change their EP split and expert-DP sharding across the resume.
+to N steps. Two cases save on 4 processes and resume on 2 (the cluster shrank); four are MoE models whose
+experts change their EP and expert-TP split and expert-DP sharding across the resume.
 """
 
 from __future__ import annotations
@@ -54,9 +54,16 @@ CASES = {
                                  _z(2, 3, micro_batch=2, num_micro_batches=2)),
     "moe-ep4-dp4->ep2-tp2-sp-dp2": (Plan(dp=4, ep=4, micro_batch=1, num_micro_batches=2),
                                     Plan(dp=2, tp=2, ep=2, sequence_parallel=True, micro_batch=2, num_micro_batches=2)),
+    # Expert TP: each ETP rank writes its slice of every expert's rows (w_gate, w_in) or columns (w_out),
+    # read back whole-width under EP or by the other slice count.
+    "moe-etp2-zero2-dp2->ep2": (_z(2, 2, etp=2, micro_batch=2, num_micro_batches=2),
+                                Plan(dp=2, ep=2, micro_batch=2, num_micro_batches=2)),
+    "moe-ep2-etp2-dp4->etp2-zero3 (4 procs -> 2)": (Plan(dp=4, ep=2, etp=2, optim_shard=4, micro_batch=1,
+                                                         num_micro_batches=2),
+                                                    _z(2, 3, etp=2, micro_batch=2, num_micro_batches=2)),
 }
 MODEL_CHANGES = {"tied-pp2->zero2-dp2": {"tied_embeddings": True}}
-MODELS = {"moe-ep2-zero1->ep1-zero3": "tiny-moe", "moe-ep4-dp4->ep2-tp2-sp-dp2": "tiny-moe"}
+MODELS = {name: "tiny-moe" for name in CASES if name.startswith("moe-")}
 # Tied embeddings: two copies with summed gradients drift from the one-process shared parameter by up to
 # ~1e-3 by step 6 with or without checkpoints (Adam magnifies the order of summing near-zero gradients
 # of rare tokens), so these cases compare with the saving plan's own uninterrupted run.
@@ -211,6 +218,35 @@ def test_flat_range_boxes_cover_the_range_once(rows, cols, data):
         assert block.reshape(-1).tolist() == list(range(flat, flat + h * w))  # a contiguous run
         seen += block.reshape(-1).tolist()
     assert sorted(seen) == list(range(start, stop))
+
+
+@settings(max_examples=200, deadline=None)
+@given(etp_dim=st.sampled_from([1, 2]), ep=st.sampled_from([1, 2, 4]), etp=st.sampled_from([1, 2, 3]),
+       data=st.data())
+def test_expert_boxes_place_every_slice_of_every_rank_once(etp_dim, ep, etp, data):
+    # An expert weight [4, 6, 6] (w_gate-like: expert TP cuts dim 1; w_out-like: dim 2) stored as [24, 6]:
+    # every (EP rank, ETP rank)'s local slice, any flat range of it, lands on the global values it holds.
+    from types import SimpleNamespace
+
+    full = torch.arange(4 * 6 * 6).view(4, 6, 6)
+    stored = full.view(24, 6)
+    cover = torch.zeros(24, 6, dtype=torch.int64)
+    for ep_rank in range(ep):
+        for etp_rank in range(etp):
+            local = full[ep_rank * 4 // ep:(ep_rank + 1) * 4 // ep]
+            local = local.narrow(etp_dim, etp_rank * 6 // etp, 6 // etp)
+            values = local.reshape(-1)
+            whole = data.draw(st.booleans())
+            lo = 0 if whole else data.draw(st.integers(0, values.numel()))
+            hi = values.numel() if whole else data.draw(st.integers(lo, values.numel()))
+            shape, boxes = ck._expert_boxes(SimpleNamespace(shape=tuple(local.shape), etp_split_dim=etp_dim), lo, hi,
+                                            ep_rank=ep_rank, ep=ep, etp_rank=etp_rank, etp=etp)
+            assert shape == (24, 6)
+            assert sum(h * w for _, (h, w), _ in boxes) == hi - lo
+            for (r, c), (h, w), flat in boxes:
+                assert torch.equal(values[flat:flat + h * w].view(h, w), stored[r:r + h, c:c + w])
+                cover[r:r + h, c:c + w] += whole
+    assert cover.max() <= 1  # no two ranks write one element
 
 
 def test_checkpoint_folder_names_sort_by_step(tmp_path):

@@ -1,7 +1,8 @@
 """Expert parallelism trains to the one-process losses (fp32, 1e-4) and parameters (harness.PARAM_TOL): the
 tiny MoE model (8 experts top-2, a shared expert, a leading dense layer, the load-balancing loss) with its
-experts split over EP ranks, alone and with DP sharding of the experts over expert-DP, TP + SP, context
-parallelism, pipelines, recomputation and a capacity factor that drops tokens.
+experts split over EP ranks and each expert's width over expert-TP ranks, alone and with DP sharding of the
+experts over expert-DP, TP + SP, context parallelism, pipelines, recomputation and a capacity factor that
+drops tokens.
 
 Plans of one world size share one set of gloo processes, as in test_exactness.py; 4 steps each.
 """
@@ -23,6 +24,10 @@ MATRIX = {
         # load-balancing loss's) are summed over CP; EP folded over the CP ranks, or experts replicated there.
         "cp2-ring-ep2": Plan(cp=2, ep=2, micro_batch=2, num_micro_batches=1),
         "cp2-a2a-experts-replicated-accum": Plan(cp=2, cp_kind="all-to-all", micro_batch=1, num_micro_batches=2),
+        # Expert TP: both ranks hold every expert, half its FFN width each; the rows are gathered over
+        # ETP and the partial outputs reduce-scattered back.
+        "etp2-accum": Plan(dp=2, etp=2, micro_batch=1, num_micro_batches=2),
+        "cp2-ring-etp2": Plan(cp=2, etp=2, micro_batch=2, num_micro_batches=1),
     },
     4: {
         "ep4": Plan(dp=4, ep=4, micro_batch=1, num_micro_batches=1),
@@ -40,6 +45,11 @@ MATRIX = {
                                      optim_shard=2, micro_batch=1, num_micro_batches=1),
         "cp2-dp2-ep2-full-recompute": Plan(cp=2, dp=2, ep=2, micro_batch=1, num_micro_batches=2, recompute="full"),
         "ep2-pp2-1f1b": Plan(dp=2, pp=2, ep=2, micro_batch=1, num_micro_batches=2),
+        # ETP innermost (ranks 2q, 2q + 1), EP over the pairs; experts over expert-DP 1 or 2.
+        "ep2-etp2": Plan(dp=4, ep=2, etp=2, micro_batch=1, num_micro_batches=1),
+        "etp2-tp2-sp-zero3": Plan(dp=2, tp=2, etp=2, sequence_parallel=True, param_shard=2, grad_shard=2,
+                                  optim_shard=2, micro_batch=1, num_micro_batches=1),
+        "etp2-pp2-full-recompute": Plan(dp=2, pp=2, etp=2, micro_batch=1, num_micro_batches=2, recompute="full"),
         # The search's picks for tiny-moe on 4 CPU processes: MAZ3 tiers on the dense units (the experts'
         # own engine keeps none).
         "ep2-zero3-maz3-device": Plan(dp=4, ep=2, param_shard=4, grad_shard=4, optim_shard=4, param_cache="device",
@@ -51,6 +61,9 @@ MATRIX = {
         # EP 4 over TP 2 x DP 4 (expert-DP 2), dense ZeRO-1 over dp 4 and experts' ZeRO-1 over expert-DP 2.
         "ep4-tp2-sp-zero1": Plan(dp=4, tp=2, ep=4, sequence_parallel=True, optim_shard=4, micro_batch=1,
                                  num_micro_batches=1),
+        # ETP 2 x EP 2 over TP 2 x DP 4 (expert-DP 2, experts' ZeRO-1 over it).
+        "ep2-etp2-tp2-sp-zero1": Plan(dp=4, tp=2, ep=2, etp=2, sequence_parallel=True, optim_shard=4, micro_batch=1,
+                                      num_micro_batches=1),
         "ep2-tp2-pp2-sp-selective": Plan(dp=2, tp=2, pp=2, ep=2, sequence_parallel=True, micro_batch=1,
                                          num_micro_batches=2, recompute="selective"),
     },
@@ -76,3 +89,5 @@ def test_moe_matches_one_process(world, name):
     assert any(k.endswith("experts.w_in") for k in params), "no expert parameters"
     if MATRIX[world][name].ep > 1:
         assert metrics.summary.comm_bytes["all_to_all"] > 0, "no token dispatch by all-to-all"
+    if MATRIX[world][name].etp > 1:
+        assert metrics.summary.comm_bytes["reduce_scatter"] > 0, "no expert-TP reduce-scatter"

@@ -145,7 +145,8 @@ def test_search_enumerates_ep_and_proposes_only_what_the_engine_runs():
     for plan in plans:
         check_plan(plan, model=TINY, num_devices=4, job=problem.job)
         check_moe_runnable(TINY, plan)
-        assert plan.etp == 1 and (plan.tp == 1 or plan.sequence_parallel)
+        assert plan.tp == 1 or plan.sequence_parallel
+    assert {p.etp for p in plans if p.tp == 2} == {1, 2}  # expert TP where the attention has TP
 
 
 @pytest.mark.parametrize("plan,what", [
@@ -513,21 +514,26 @@ def test_moe_op_counts_are_the_engines():
             with uncounted():
                 out.copy_(x)
 
-        def all_to_all_uneven(self, out, x, *, output_splits, input_splits, group):
+        def all_to_all_uneven(self, out, x, *, output_splits, input_splits, group, kind="all_to_all"):
             with uncounted():
                 out.zero_()
+
+        def all_gather(self, out, x, group):  # the ETP group's received counts: every rank's are mine
+            with uncounted():
+                out.copy_(x.repeat(out.shape[0] // x.shape[0], 1))
 
     def ops(module, spec):
         return forward_backward_ops(module, torch.randn(32, 2, spec.hidden_size, requires_grad=True))
 
-    for changes, ep in (({}, 1), ({}, 2), ({"shared_expert_ffn_hidden_size": 0, "aux_loss_coeff": 0.0}, 1),
-                        ({"num_experts": 4}, 1), ({"shared_expert_gate": True}, 2)):
+    for changes, ep, etp in (({}, 1, 1), ({}, 2, 1), ({"shared_expert_ffn_hidden_size": 0, "aux_loss_coeff": 0.0}, 1, 1),
+                             ({"num_experts": 4}, 1, 1), ({"shared_expert_gate": True}, 2, 1), ({}, 1, 2), ({}, 2, 2)):
         spec = dataclasses.replace(TINY, **changes)
         tp = TPContext.single()
         shared = (MLP(spec, name="layers.1.mlp.shared", seed=0, tp=tp, ffn=spec.shared_expert_ffn_hidden_size)
                   if spec.shared_expert_ffn_hidden_size else None)
-        group = EPContext.single() if ep == 1 else EPContext(group=None, rank=0, size=ep, comm=FillComm())
+        group = (EPContext.single() if ep == etp == 1 else
+                 EPContext(group=None, rank=0, size=ep, comm=FillComm(), etp_group=None, etp_rank=0, etp_size=etp))
         moe = MoE(spec, name="layers.1.mlp", seed=0, tp=tp, ep=group, aux_scale=0.1, shared=shared)
         moe_f, moe_b = ops(moe, spec)
         dense_f, dense_b = ops(MLP(spec, name="layers.1.mlp", seed=0, tp=tp), spec)
-        assert moe_extra_ops(spec, ep=ep) == (moe_f - dense_f, moe_b - dense_b), (changes, ep)
+        assert moe_extra_ops(spec, ep=ep, etp=etp) == (moe_f - dense_f, moe_b - dense_b), (changes, ep, etp)

@@ -319,14 +319,17 @@ def test_moe_models_get_context_parallelism_only_where_the_engine_runs_it():
                                                                  hardware=HW["h100"]),
                       job=Job(global_batch=8, seq_len=128, precision="bf16"))
     # cp 2 x dp 4 ranks a stage: every ep dividing the 8 experts and the 8 ranks, where the engine has it.
-    assert expert_options(problem, dp=4, cp=2, tp=1, sequence_parallel=False, context_parallel=True) == [1, 2, 4, 8]
+    pairs = [(1, 1), (2, 1), (4, 1), (8, 1)]  # (ep, etp)
+    assert expert_options(problem, dp=4, cp=2, tp=1, sequence_parallel=False, context_parallel=True) == pairs
     assert expert_options(problem, dp=4, cp=2, tp=1, sequence_parallel=False) == []
+    # Expert TP over a divisor of the attention's TP (and of the experts' FFN width 32), etp x ep over the 8 ranks.
+    assert expert_options(problem, dp=4, cp=1, tp=2, sequence_parallel=True) == [*pairs, (1, 2), (2, 2), (4, 2)]
     assert default_cost_model("megatron").moe_context_parallel and default_cost_model("ours").moe_context_parallel
     assert not default_cost_model("torchtitan").moe_context_parallel
     # A capacity factor drops per sequence in position order: not with a sequence split over CP (or TP) ranks.
     capped = dataclasses.replace(problem, model=dataclasses.replace(problem.model, capacity_factor=1.0))
     assert expert_options(capped, dp=4, cp=2, tp=1, sequence_parallel=False, context_parallel=True) == []
-    assert expert_options(capped, dp=8, cp=1, tp=1, sequence_parallel=False) == [1, 2, 4, 8]
+    assert expert_options(capped, dp=8, cp=1, tp=1, sequence_parallel=False) == pairs
 
 
 def test_search_bounds_hold_under_the_schedule_dependent_ep_overlap():
