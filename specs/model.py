@@ -378,15 +378,17 @@ def _float_key(cfg: dict, key: str, path: Path, default: float) -> float:
     return float(value)
 
 
-def _every_layer_sparse(cfg: dict, path: Path) -> None:
-    """Qwen-MoE's decoder_sparse_step / mlp_only_layers can interleave dense layers; only every layer MoE is
-    expressed (num_dense_layers counts leading dense layers)."""
+def _leading_dense_layers(cfg: dict, path: Path) -> int:
+    """Qwen-MoE's decoder_sparse_step / mlp_only_layers can interleave dense layers; only leading dense layers
+    are expressed (num_dense_layers): mlp_only_layers 0 .. k - 1, every later layer MoE."""
     step = cfg.get("decoder_sparse_step", 1)
     if step != 1:
         raise PlannerError(f"config {path}: key 'decoder_sparse_step' {step!r} is not supported (only 1: every layer MoE)")
-    if cfg.get("mlp_only_layers"):
-        raise PlannerError(f"config {path}: key 'mlp_only_layers' {cfg['mlp_only_layers']!r} is not supported "
-                           f"(only every layer MoE)")
+    dense = cfg.get("mlp_only_layers") or []
+    if dense != list(range(len(dense))):
+        raise PlannerError(f"config {path}: key 'mlp_only_layers' {dense!r} is not supported (only leading dense "
+                           f"layers 0, 1, ...)")
+    return len(dense)
 
 
 def _llama_common(cfg: dict, path: Path, name: str) -> dict:
@@ -428,8 +430,7 @@ def _moe_fields(cfg: dict, path: Path, model_type: str) -> dict:
     common = dict(num_experts_per_token=_int_key(cfg, "num_experts_per_tok", path),
                   expert_ffn_hidden_size=_int_key(cfg, "moe_intermediate_size", path))
     if model_type in ("qwen2_moe", "qwen3_moe"):
-        _every_layer_sparse(cfg, path)
-        common.update(num_experts=_int_key(cfg, "num_experts", path),
+        common.update(num_dense_layers=_leading_dense_layers(cfg, path), num_experts=_int_key(cfg, "num_experts", path),
                       aux_loss_coeff=_float_key(cfg, "router_aux_loss_coef", path, 0.001))
         common.update(_qwen_attention(cfg, path, model_type))
         if model_type == "qwen2_moe":

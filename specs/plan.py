@@ -78,10 +78,10 @@ class Plan:
                         choices=CP_KINDS, applies=lambda plan: plan.cp > 1, needs="context parallelism (cp > 1)",
                         exports={"megatron": CUSTOM, "torchtitan": ("ring",)})  # searched with cp (planner/search.py)
     # Expert parallelism (MoE models): folded over the tp x cp x dp ranks of a stage (module docstring).
-    # Exported to Megatron-LM; torchtitan's and DeepSpeed's exporters refuse MoE models (planner/exports/).
+    # Exported to Megatron-LM and torchtitan (whole experts only); DeepSpeed's exporter refuses MoE models.
     ep: int = knob(1, help="Expert-parallel degree: each rank of an EP group holds num_experts / ep experts, "
                    "tokens dispatched and combined by all-to-all (MoE models).", minimum=1,
-                   exports={"megatron": CUSTOM})
+                   exports={"megatron": CUSTOM, "torchtitan": CUSTOM})
     etp: int = knob(1, help="Expert tensor-parallel degree: each expert's FFN split over etp ranks (MoE models; "
                     "Megatron-Core's --expert-tensor-parallel-size).", minimum=1, exports={"megatron": CUSTOM})
     virtual_stages: int = knob(1, help="Model chunks per pipeline rank (interleaved 1F1B).", minimum=1,

@@ -8,13 +8,19 @@ hpZ: the MAZ3 secondary tier), bf16/fp16, the optimizer (Adam with adam_w_mode f
 "Adam" into AdamW otherwise), AutoTP's tensor_parallel.autotp_size, activation_checkpointing, and the
 pipeline block (stages, activation checkpoint interval).
 
+An MoE model is the HF architecture of its attention (mixtral, qwen2_moe, qwen3_moe: hf_moe_type), whose MoE
+blocks DeepSpeed trains with the experts replicated over data parallelism: its expert parallelism lives in
+the model code (deepspeed.moe.layer.MoE), so ep is reset to 1 (one line).
+
 Refused (DeepSpeed would reject them): ZeRO-2/3 with pipeline parallelism ("ZeRO-2 and ZeRO-3 are
-incompatible with pipeline parallelism", runtime/pipe/engine.py). Not exported: MiCS (its keys are
+incompatible with pipeline parallelism", runtime/pipe/engine.py); MoE models no HF architecture describes
+(MLA, capacity factors, other mixes). Not exported: MiCS (its keys are
 rejected since 0.19.7), so an HSDP point becomes ZeRO-3 over all of DP.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from specs.errors import PlannerError
@@ -26,10 +32,11 @@ VERSION = "DeepSpeed 0.19.8 (PyPI, 2026-10)"
 
 
 def export_deepspeed(plan: Plan, ctx: ExportContext) -> Export:
-    if ctx.problem.model.is_moe:
-        raise Refused(f"DeepSpeed export of mixture-of-experts model {ctx.problem.model.name} is not supported: "
-                           f"DeepSpeed MoE lives in the model code (deepspeed.moe.layer.MoE with its ep_size), not in ds_config; export it to megatron")
     problem = ctx.problem
+    if problem.model.is_moe:
+        hf_moe_type(problem.model)  # refuses an MoE model no HF architecture describes
+        if plan.tp > 1:
+            _refuse_moe_tensor_parallel(plan, ctx)
     if problem.model.qk_norm and problem.model.qkv_bias:
         raise Refused(f"DeepSpeed export of {problem.model.name} is not supported: no HF architecture has both query/key "
                       f"head norms and q/k/v biases without an output bias (config.json could not describe it)")
@@ -51,8 +58,30 @@ def export_deepspeed(plan: Plan, ctx: ExportContext) -> Export:
     if expressed.tp > 1:
         notes.append(f"tensor parallelism is AutoTP training (tensor_parallel.autotp_size = {expressed.tp}): "
                      "DeepSpeed shards the HF model's linear layers itself")
+    if problem.model.is_moe:
+        notes.append(f"experts: the HF model's own MoE blocks ({hf_moe_type(problem.model)}), replicated over "
+                     "data parallelism (DeepSpeed's expert parallelism needs deepspeed.moe.layer.MoE in the model "
+                     "code); load-balancing loss from output_router_logits; under ZeRO-3 call "
+                     "deepspeed.utils.set_z3_leaf_modules(model, [<the sparse MoE block class>]) before initialize, "
+                     "or ranks whose tokens skip an expert stall its gather")
     return Export(target="deepspeed", version=VERSION, files=files, main="ds_config.json", expressed=expressed,
                   cannot_express=tuple(lines), notes=tuple(notes), settings={"ds_config": config})
+
+
+def _refuse_moe_tensor_parallel(plan: Plan, ctx: ExportContext) -> None:
+    """AutoTP has no sequence parallelism, and MoE layers under TP need it (every TP rank would route the same
+    tokens; Megatron-Core and this project refuse it): the closest plan folds TP into DP."""
+    dp = plan.dp * plan.tp
+    level = plan.zero_level if plan.zero_level is not None else 1
+    closest = plan.replace(tp=1, dp=dp, sequence_parallel=False, ep=1, etp=1, param_cache="none",
+                           **dict(zip(("param_shard", "grad_shard", "optim_shard"), zero_degrees(level, dp))))
+    if ctx.problem.job.global_batch % (dp * closest.micro_batch):
+        closest = closest.replace(micro_batch=1)
+    closest = closest.replace(num_micro_batches=ctx.problem.job.global_batch // (dp * closest.micro_batch))
+    if closest.pp > 1 and closest.grad_shard > 1:
+        closest = closest.replace(**dict(zip(("param_shard", "grad_shard", "optim_shard"), zero_degrees(1, dp))))
+    raise refuse("deepspeed", VERSION, "AutoTP has no sequence parallelism, which MoE layers under tensor "
+                 "parallelism need", express(closest, ctx.problem.model.num_layers, ctx.problem.job.precision)[0], ctx)
 
 
 def _refuse_context_parallel(plan: Plan, ctx: ExportContext) -> None:
@@ -158,10 +187,48 @@ def ds_config(plan: Plan, ctx: ExportContext) -> dict:
     return config
 
 
+def hf_moe_type(model) -> str:
+    """The HF MoE architecture of an MoE model (its attention and shared expert decide), or Refused."""
+    moe_type = ("qwen3_moe" if model.qk_norm and not model.qkv_bias and not model.shared_expert_ffn_hidden_size
+                else "qwen2_moe" if model.qkv_bias and not model.qk_norm and model.shared_expert_gate
+                else "mixtral" if not (model.qk_norm or model.qkv_bias or model.shared_expert_ffn_hidden_size
+                                       or model.num_dense_layers) else None)
+    why = ("multi-head latent attention" if model.uses_mla else
+           "a capacity factor (HF's MoE blocks are dropless)" if model.capacity_factor > 0 else
+           "no HF architecture has its mix of attention, shared expert and dense layers" if moe_type is None else "")
+    if why:
+        raise Refused(f"DeepSpeed export of mixture-of-experts model {model.name} is not supported: {why}; "
+                      f"export it to megatron")
+    return moe_type
+
+
+def _hf_moe_keys(model, config: dict) -> dict:
+    """The MoE keys of the model's HF architecture (hf_moe_type) over its dense llama/qwen config."""
+    moe_type = hf_moe_type(model)
+    arch = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+    config = dict(config, model_type=moe_type, architectures=[arch[moe_type]], num_experts_per_tok=model.num_experts_per_token,
+                  router_aux_loss_coef=model.aux_loss_coeff, output_router_logits=model.aux_loss_coeff > 0)
+    config.pop("mlp_bias", None)
+    if moe_type == "mixtral":
+        return dict(config, num_local_experts=model.num_experts, intermediate_size=model.expert_ffn_hidden_size,
+                    sliding_window=None)
+    config.update(num_experts=model.num_experts, moe_intermediate_size=model.expert_ffn_hidden_size,
+                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=list(range(model.num_dense_layers)))
+    if moe_type == "qwen2_moe":
+        config["shared_expert_intermediate_size"] = model.shared_expert_ffn_hidden_size
+    return config
+
+
 def hf_config(model) -> dict:
-    """The model as an HF transformers config.json (llama, qwen2, qwen3 or gpt2), the model definition DeepSpeed
-    scripts load: Qwen2's q/k/v biases are model_type qwen2, Qwen3's query/key head norms qwen3, each with its
-    architecture's own keys (export_deepspeed refuses both at once: no HF architecture has them)."""
+    """The model as an HF transformers config.json (llama, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe or gpt2),
+    the model definition DeepSpeed scripts load: Qwen2's q/k/v biases are model_type qwen2, Qwen3's
+    query/key head norms qwen3, each with its architecture's own keys (export_deepspeed refuses both at once:
+    no HF architecture has them); an MoE model the HF MoE architecture of its attention (hf_moe_type)."""
+    if model.is_moe:
+        return _hf_moe_keys(model, hf_config(dataclasses.replace(model, num_experts=0, num_experts_per_token=0,
+                                                                 expert_ffn_hidden_size=0,
+                                                                 shared_expert_ffn_hidden_size=0,
+                                                                 shared_expert_gate=False, num_dense_layers=0)))
     if model.arch == "llama":
         config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": model.hidden_size,
                   "intermediate_size": model.ffn_hidden_size, "num_hidden_layers": model.num_layers,

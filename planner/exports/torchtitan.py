@@ -14,13 +14,19 @@ torchtitan's public helpers with the plan's model's shape) and every plan knob t
   chunks: torchtitan's layers_per_stage counts the embedding and the head as layers, so it cannot say
   "40 layers per stage"), context_parallel_degree (torch's ring attention; FSDP shards over
   data_parallel_shard_degree x cp, as the plan shards over dp x cp, so the shard group is a multiple of cp)
-  with the "ptrr" load balancer its FlexAttention masks need, expert parallel degree 1;
+  with the "ptrr" load balancer its FlexAttention masks need, expert_parallel_degree (MoE models: EP folded
+  over dp_shard x cp x tp as torchtitan folds it; no expert TP);
 - training: local_batch_size, global_batch_size (gradient accumulation), seq_len, mixed precision,
   disable_cuda_graphs (required with pipeline parallelism);
 - activation_checkpoint: None, SelectiveAC (per-op) or FullAC; the optimizer: Adam as the job's.
 
-Refused (torchtitan would reject them): GPT-2 models (torchtitan has no such decoder), tied embeddings
-with pipeline parallelism, and 1F1B with fewer micro-batches than stages (torch's Schedule1F1B).
+The model is torchtitan's llama3 decoder for Llama models and its qwen3 decoder (an explicit head_dim,
+optional query/key head norms, per-layer dense or MoE blocks: softmax top-k routing renormalised, an
+optional ungated shared expert) for Qwen3 and MoE models (Mixtral is the qwen3 decoder without head norms).
+
+Refused (torchtitan would reject them, or has no such model): GPT-2 models, Qwen2's q/k/v biases, MLA,
+gated shared experts, capacity factors, EP that does not divide dp_shard x cp x tp, tied embeddings with
+pipeline parallelism, and 1F1B with fewer micro-batches than stages (torch's Schedule1F1B).
 """
 
 from __future__ import annotations
@@ -36,9 +42,6 @@ SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1
 
 
 def export_torchtitan(plan: Plan, ctx: ExportContext) -> Export:
-    if ctx.problem.model.is_moe:
-        raise Refused(f"torchtitan export of mixture-of-experts model {ctx.problem.model.name} is not supported: "
-                           f"its MoE models are their own flavours (deepseek_v3, qwen3, llama4) that this exporter does not write yet; export it to megatron")
     _refuse_what_torchtitan_rejects(plan, ctx)
     changes, lines = knob_table_gaps(plan, "torchtitan")
     recompute, recompute_lines = uniform_recompute(plan, "torchtitan")
@@ -57,14 +60,24 @@ def export_torchtitan(plan: Plan, ctx: ExportContext) -> Export:
         lines.append("reduce_fp32=False: torchtitan reduces gradients in float32 only (training.mixed_precision_reduce); "
                      "exported with fp32 gradient reduction")
     expressed = plan.replace(**changes)
+    _refuse_expert_layouts(expressed, ctx)
     settings = _settings(expressed, ctx)
     files = {f"{MODULE}.py": config_module(expressed, ctx, settings), "launch.sh": _launch_script(expressed, ctx)}
     notes = ["attention: FlexAttention with torchtitan's per-document (block-causal) masks; the planner's engine "
              "masks causally over the whole sequence",
              "hf_assets_path must hold a tokenizer of the model's vocabulary (torchtitan's "
              "scripts/download_hf_assets.py); the data is torchtitan's c4 loader"]
+    if ctx.problem.model.is_moe:
+        notes.append("experts: torchtitan balances them by its auxiliary-loss-free expert bias (load_balance_coeff "
+                     "1e-3), not by the model's auxiliary loss; routing as the model's (softmax, top-k, renormalised)")
     return Export(target="torchtitan", version=VERSION, files=files, main=f"{MODULE}.py", expressed=expressed,
                   cannot_express=tuple(lines), notes=tuple(notes), settings=settings)
+
+
+def family(model) -> str:
+    """The torchtitan decoder the export writes: its llama3 model, or its qwen3 model (an explicit head_dim,
+    optional query/key head norms, MoE blocks) for Qwen3 and mixture-of-experts models."""
+    return "qwen3" if model.qk_norm or model.is_moe or model.head_dim * model.num_heads != model.hidden_size else "llama3"
 
 
 def _refuse_what_torchtitan_rejects(plan: Plan, ctx: ExportContext) -> None:
@@ -72,13 +85,14 @@ def _refuse_what_torchtitan_rejects(plan: Plan, ctx: ExportContext) -> None:
     if model.arch != "llama":
         raise Refused(f"{VERSION} has no {model.arch} decoder (LayerNorm, learned positions, GELU, biases); "
                       f"export {model.name} to megatron or deepspeed")
-    qwen = [what for on, what in ((model.qk_norm, "query/key head norms"), (model.qkv_bias, "q/k/v biases"),
-                                  (model.head_dim * model.num_heads != model.hidden_size, "a head_dim other than "
-                                   "hidden / heads")) if on]
-    if qwen:
-        raise Refused(f"torchtitan export of {model.name} is not supported: its {', '.join(qwen)} (Qwen's attention) "
-                      f"are not in {VERSION}'s llama3 model, the one this exporter writes; export it to megatron or "
-                      f"deepspeed")
+    missing = [what for on, what in ((model.qkv_bias, "q/k/v biases (Qwen2's attention)"),
+                                     (model.uses_mla, "multi-head latent attention (its deepseek_v3 model is not "
+                                                      "written by this exporter)"),
+                                     (model.shared_expert_gate, "a gated shared expert (Qwen2-MoE)"),
+                                     (model.capacity_factor > 0, "a capacity factor (its routing is dropless)")) if on]
+    if missing:
+        raise Refused(f"torchtitan export of {model.name} is not supported: {', '.join(missing)} not in the "
+                      f"llama3 and qwen3 models of {VERSION}, the ones this exporter writes; export it to megatron")
     if model.tied_embeddings and plan.pp > 1:
         dp = plan.dp * plan.pp
         micro_batch = plan.micro_batch if job.global_batch % (dp * plan.micro_batch) == 0 else 1
@@ -90,6 +104,18 @@ def _refuse_what_torchtitan_rejects(plan: Plan, ctx: ExportContext) -> None:
     if plan.pp > 1 and plan.schedule == "1f1b" and plan.num_micro_batches < plan.pp:
         raise refuse("torchtitan", VERSION, f"torch's Schedule1F1B needs at least as many micro-batches as stages, "
                      f"got {plan.num_micro_batches} for {plan.pp}", plan.replace(schedule="gpipe"), ctx)
+
+
+def _refuse_expert_layouts(plan: Plan, ctx: ExportContext) -> None:
+    """torchtitan 0.3.0's EP folds over the FSDP shard x CP x TP ranks (ParallelDims: efsdp = dp_shard x cp x tp
+    / ep), never across HSDP replicas (its experts are whole: etp is reset by the knob table)."""
+    if not ctx.problem.model.is_moe:
+        return
+    fold = plan.param_shard * plan.tp  # dp_shard x cp x tp
+    if fold % plan.ep:
+        ep = max(e for e in range(1, plan.ep + 1) if fold % e == 0 and ctx.problem.model.num_experts % e == 0)
+        raise refuse("torchtitan", VERSION, f"expert parallelism folds over dp_shard x cp x tp = {fold} ranks, which "
+                     f"ep {plan.ep} does not divide", plan.replace(ep=ep), ctx)
 
 
 def _scaled_shards(plan: Plan, dp: int) -> dict:
@@ -135,7 +161,7 @@ def _settings(plan: Plan, ctx: ExportContext) -> dict:
                          "fsdp_reshard_after_forward": "never" if plan.param_cache == "device" else "always",
                          "tensor_parallel_degree": plan.tp, "enable_sequence_parallel": plan.sequence_parallel,
                          "pipeline_parallel_degree": plan.pp, "context_parallel_degree": plan.cp,
-                         "expert_parallel_degree": 1}
+                         "expert_parallel_degree": plan.ep}
     if plan.cp > 1:
         # FlexAttention's block masks are sharded only by the per-token round-robin balancer, which balances
         # the causal work as the plan's head-tail chunks do.
@@ -143,6 +169,9 @@ def _settings(plan: Plan, ctx: ExportContext) -> dict:
     training: dict = {"global_batch_size": job.global_batch, "seq_len": job.seq_len,
                       "mixed_precision_param": "float32" if job.precision == "fp32" else "bfloat16",
                       "mixed_precision_reduce": "float32"}
+    if plan.ep > 1:
+        # Its standard all-to-all dispatcher syncs with the CPU for the splits, which CUDA graphs cannot hold.
+        training["disable_cuda_graphs"] = True
     if plan.pp > 1:
         parallelism.update({"pipeline_parallel_schedule": SCHEDULES[plan.schedule],
                             "pipeline_parallel_microbatch_size": plan.micro_batch,
@@ -158,7 +187,11 @@ def _settings(plan: Plan, ctx: ExportContext) -> dict:
                       "n_kv_heads": model.num_kv_heads, "ffn_dim": model.ffn_hidden_size, "vocab_size": model.vocab_size,
                       "enable_weight_tying": model.tied_embeddings, "rope_theta": model.rope_theta,
                       "norm_eps": model.norm_eps,
-                      "rope_max_seq_len": max(model.max_seq_len, job.seq_len)},
+                      "rope_max_seq_len": max(model.max_seq_len, job.seq_len), "head_dim": model.head_dim,
+                      "qk_norm": model.qk_norm, "num_experts": model.num_experts,
+                      "top_k": model.num_experts_per_token, "expert_ffn_dim": model.expert_ffn_hidden_size,
+                      "shared_ffn_dim": model.shared_expert_ffn_hidden_size,
+                      "dense_layers": model.num_dense_layers if model.is_moe else model.num_layers},
             "world_size": ctx.problem.cluster.num_devices, "dp_ranks_per_node": dp_ranks_per_node(plan, ctx.problem)}
 
 
@@ -177,7 +210,7 @@ def module_fqns(plan: Plan, num_layers: int) -> list[list[str]]:
     return parts
 
 
-_MODULE_TEMPLATE = '''"""planner export for {version}.
+_HEADER = '''"""planner export for {version}.
 
 plan as exported: {describe}
 {model_name} on {devices} x {hardware} ({nodes} node(s) of {per_node}), global batch {global_batch} x {seq_len} tokens.
@@ -194,19 +227,23 @@ from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.distributed.pipeline_parallel import pipeline_llm
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
-from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+from torchtitan.protocols.model_spec import ModelSpec
+from torchtitan.trainer import Trainer
+'''
+
+_LLAMA3_MODEL = '''from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 from torchtitan.models.common.config_utils import get_attention_config, make_ffn_config, make_gqa_config
 from torchtitan.models.common.param_init import depth_scaled_std
 from torchtitan.models.llama3 import parallelize_llama
 from torchtitan.models.llama3.model import Llama3Model, Llama3TransformerBlock
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
-from torchtitan.protocols.model_spec import ModelSpec
-from torchtitan.trainer import Trainer
 
 # The model: {model_name} as the planner defines it (RoPE base {rope_theta:g} without scaling, RMSNorm, SwiGLU,
 # no biases).
 DIM, N_LAYERS, N_HEADS, N_KV_HEADS, FFN_DIM, VOCAB = {dim}, {n_layers}, {n_heads}, {n_kv_heads}, {ffn_dim}, {vocab}
 TIED, ROPE_THETA, ROPE_MAX_SEQ_LEN, NORM_EPS = {tied}, {rope_theta!r}, {rope_max_seq_len}, {norm_eps!r}
+SPEC = dict(name="llama3", parallelize_fn=parallelize_llama, post_optimizer_build_fn=None,
+            state_dict_adapter=Llama3StateDictAdapter)
 
 
 def _init(std: float) -> dict:
@@ -235,15 +272,86 @@ def model_config() -> Llama3Model.Config:
         lm_head=Linear.Config(in_features=DIM, out_features=VOCAB),
         layers=[_layer(i, rope) for i in range(N_LAYERS)],
     )
+'''
 
+_QWEN3_MODEL = '''from torchtitan.components.optimizer import register_moe_load_balancing_hook
+from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+from torchtitan.models.common.config_utils import (get_attention_config, make_ffn_config, make_gqa_config,
+                                                   make_moe_config, make_routed_experts_config, make_router_config)
+from torchtitan.models.common.nn_modules import RMSNorm
+from torchtitan.models.qwen3 import parallelize_qwen3
+from torchtitan.models.qwen3.model import Qwen3Model, Qwen3TransformerBlock
+from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+# The model: {model_name} as the planner defines it, on torchtitan's qwen3 decoder (RoPE base {rope_theta:g}
+# without scaling on rotated halves, RMSNorm, SwiGLU, no biases; query/key head norms: {qk_norm}). Layers from
+# DENSE_LAYERS on are mixtures of NUM_EXPERTS experts of width EXPERT_FFN_DIM, top TOP_K by softmax,
+# renormalised (a shared expert of width SHARED_FFN_DIM beside them where it is not 0).
+DIM, N_LAYERS, N_HEADS, N_KV_HEADS, HEAD_DIM, FFN_DIM, VOCAB = ({dim}, {n_layers}, {n_heads}, {n_kv_heads}, {head_dim},
+                                                             {ffn_dim}, {vocab})
+NUM_EXPERTS, TOP_K, EXPERT_FFN_DIM, SHARED_FFN_DIM, DENSE_LAYERS = ({num_experts}, {top_k}, {expert_ffn_dim},
+                                                                   {shared_ffn_dim}, {dense_layers})
+TIED, ROPE_THETA, ROPE_MAX_SEQ_LEN, NORM_EPS, QK_NORM = {tied}, {rope_theta!r}, {rope_max_seq_len}, {norm_eps!r}, {qk_norm}
+SPEC = dict(name="qwen3", parallelize_fn=parallelize_qwen3,
+            post_optimizer_build_fn=register_moe_load_balancing_hook if NUM_EXPERTS else None,
+            state_dict_adapter=Qwen3StateDictAdapter)
+
+
+def _init(std: float) -> dict:
+    return {{"weight": partial(nn.init.normal_, std=std), "bias": nn.init.zeros_}}
+
+
+def _norm(dim: int) -> RMSNorm.Config:
+    return RMSNorm.Config(normalized_shape=dim, eps=NORM_EPS, param_init={{"weight": nn.init.ones_}})
+
+
+def _moe() -> dict:
+    # torchtitan's qwen3 initialisation: std 0.02, the output projections scaled by 1 / sqrt(2 x layers).
+    out = 0.02 / (2 * N_LAYERS) ** 0.5
+    shared = (make_ffn_config(dim=DIM, hidden_dim=SHARED_FFN_DIM, w1_param_init=_init(0.02), w2w3_param_init=_init(out))
+              if SHARED_FFN_DIM else None)
+    return {{"moe": make_moe_config(
+        num_experts=NUM_EXPERTS, shared_experts=shared,
+        router=make_router_config(dim=DIM, num_experts=NUM_EXPERTS, gate_param_init=_init(0.02), top_k=TOP_K,
+                                  score_func="softmax", route_norm=True),
+        routed_experts=make_routed_experts_config(
+            dim=DIM, hidden_dim=EXPERT_FFN_DIM, num_experts=NUM_EXPERTS, top_k=TOP_K, comm_backend="standard",
+            param_init={{"w1_EFD": partial(nn.init.normal_, std=0.02), "w2_EDF": partial(nn.init.normal_, std=out),
+                        "w3_EFD": partial(nn.init.normal_, std=0.02)}}))}}
+
+
+def _layer(layer_id: int, rope: CosSinRoPE.Config) -> Qwen3TransformerBlock.Config:
+    mlp = (_moe() if layer_id >= DENSE_LAYERS else
+           {{"feed_forward": make_ffn_config(dim=DIM, hidden_dim=FFN_DIM, w1_param_init=_init(0.02),
+                                            w2w3_param_init=_init(0.02))}})
+    return Qwen3TransformerBlock.Config(
+        attention_norm=_norm(DIM), ffn_norm=_norm(DIM),
+        attention=make_gqa_config(dim=DIM, n_heads=N_HEADS, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM, fuse_qkv=True,
+                                  rope=rope, inner_attention=get_attention_config("flex"), wqkv_param_init=_init(0.02),
+                                  wo_param_init=_init(0.02 / (2 * N_LAYERS) ** 0.5 if NUM_EXPERTS else 0.02),
+                                  qk_norm=_norm(HEAD_DIM) if QK_NORM else None),
+        **mlp,
+    )
+
+
+def model_config() -> Qwen3Model.Config:
+    rope = CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len=ROPE_MAX_SEQ_LEN, theta=ROPE_THETA)
+    return Qwen3Model.Config(
+        dim=DIM, vocab_size=VOCAB, enable_weight_tying=TIED, norm=_norm(DIM),
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
+                                        param_init={{"weight": partial(nn.init.normal_, std=0.02)}}),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=_init(0.02)),
+        layers=[_layer(i, rope) for i in range(N_LAYERS)],
+    )
+'''
+
+_TRAINER = '''
 
 def {module}() -> Trainer.Config:
-    spec = ModelSpec(name="llama3", flavor={flavor!r}, model=model_config(), parallelize_fn=parallelize_llama,
-                     pipelining_fn=pipeline_llm, post_optimizer_build_fn=None,
-                     state_dict_adapter=Llama3StateDictAdapter)
+    spec = ModelSpec(flavor={flavor!r}, model=model_config(), pipelining_fn=pipeline_llm, **SPEC)
     return Trainer.Config(
         model_spec=spec,
-        hf_assets_path="./assets/hf/Llama-3.1-8B",  # a tokenizer of VOCAB tokens
+        hf_assets_path={assets!r},  # a tokenizer of VOCAB tokens
         loss=CrossEntropyLoss.Config(global_vocab_size=VOCAB),
         optimizer=OptimizersContainer.Config(param_groups=[ParamGroupConfig(
             pattern=r".*", optimizer_name="Adam",
@@ -258,6 +366,7 @@ def {module}() -> Trainer.Config:
         activation_checkpoint={activation_checkpoint},
     )
 '''
+ASSETS = {"llama3": "./assets/hf/Llama-3.1-8B", "qwen3": "./assets/hf/Qwen3-8B"}
 
 
 def _fields(values: dict, indent: int) -> str:
@@ -269,15 +378,19 @@ def config_module(plan: Plan, ctx: ExportContext, settings: dict) -> str:
     """The Python source of the config module (torchtitan loads it with --module/--config)."""
     problem, m = ctx.problem, settings["model"]
     checkpoint = settings["activation_checkpoint"]
-    return _MODULE_TEMPLATE.format(
+    kind = family(problem.model)
+    values = dict(
         version=VERSION, describe=plan.describe(), model_name=problem.model.name, devices=problem.cluster.num_devices,
         hardware=problem.cluster.hardware.name, nodes=problem.cluster.num_nodes,
         per_node=problem.cluster.devices_per_node, global_batch=problem.job.global_batch, seq_len=problem.job.seq_len,
-        module=MODULE, dim=m["dim"], n_layers=m["n_layers"], n_heads=m["n_heads"], n_kv_heads=m["n_kv_heads"],
-        ffn_dim=m["ffn_dim"], vocab=m["vocab_size"], tied=m["enable_weight_tying"], rope_theta=m["rope_theta"],
-        rope_max_seq_len=m["rope_max_seq_len"], norm_eps=m["norm_eps"], flavor=f"planner-{problem.model.name}",
-        training=_fields(settings["training"], 12), parallelism=_fields(settings["parallelism"], 12),
+        module=MODULE, vocab=m["vocab_size"], tied=m["enable_weight_tying"], flavor=f"planner-{problem.model.name}",
+        **{k: m[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta", "rope_max_seq_len",
+                             "norm_eps", "head_dim", "qk_norm", "num_experts", "top_k", "expert_ffn_dim",
+                             "shared_ffn_dim", "dense_layers")},
+        assets=ASSETS[kind], training=_fields(settings["training"], 12), parallelism=_fields(settings["parallelism"], 12),
         activation_checkpoint="None" if checkpoint is None else f"{checkpoint}.Config()")
+    model = {"llama3": _LLAMA3_MODEL, "qwen3": _QWEN3_MODEL}[kind]
+    return "".join(part.format(**values) for part in (_HEADER, model, _TRAINER))
 
 
 def _launch_script(plan: Plan, ctx: ExportContext) -> str:

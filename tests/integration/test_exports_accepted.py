@@ -97,7 +97,11 @@ def test_torchtitan_loads_and_accepts_every_export(exports):
     _require("torchtitan")
     good = list(exports["torchtitan"].values())
     interleaved, plain = exports["torchtitan"]["70b-pp4-interleaved"], exports["torchtitan"]["8b-zero1"]
+    moe = exports["torchtitan"]["qwen3-30b-a3b-ep8"]
     bad = {
+        # EP folds over dp_shard x cp x tp = 16 ranks.
+        _broken(moe, "ep3", "planner_plan.py", "expert_parallel_degree=8", "expert_parallel_degree=3"):
+            "expert_parallel_degree 3 does not divide",
         # One stage per rank is what a single-stage schedule needs; the export has two.
         _broken(interleaved, "schedule", "planner_plan.py", "'Interleaved1F1B'", "'1F1B'"):
             "Single stage schedule requires exactly 1 stage per rank",
@@ -109,6 +113,11 @@ def test_torchtitan_loads_and_accepts_every_export(exports):
     _assert_verdicts(results, good, bad)
     # The pipeline parts are the plan's chunks: embedding + 19 layers ... 19 layers + norm + head.
     assert results[str(exports["torchtitan"]["70b-pp4-unequal"])]["parts"] == [20, 21, 21, 21]
+    # The model torchtitan builds is the planner's: Llama 3, Qwen3 (head norms, head_dim 128), Mixtral and
+    # Qwen3-30B-A3B (MoE) alike, parameter for parameter.
+    cases = {case.name: case for case in CASES}
+    for name, folder in exports["torchtitan"].items():
+        assert results[str(folder)]["params"] == cases[name].problem().model.num_params(), name
 
 
 def test_deepspeed_accepts_every_export_and_its_pipeline_engine_the_zero_stage(exports):

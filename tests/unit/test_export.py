@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from planner.exports.common import short
 from planner.exports.megatron import pipeline_layout
 from planner.exports.megatron_rules import megatron_violations, parse_layout
 from specs.errors import PlannerError
+from specs.model import PRESETS as PRESETS_MODELS
 from specs.plan import Plan
 from specs.problem import make_problem
 from tests.export_cases import CASES
@@ -180,7 +182,7 @@ def test_deepspeed_config_and_refusal():
                      grad_shard=4, optim_shard=4), "deepspeed")
 
 
-def test_qwen_attention_is_the_models_in_megatron_and_deepspeed_and_refused_by_torchtitan():
+def test_qwen_attention_is_the_models_in_every_target_and_qwen2s_biases_refused_by_torchtitan():
     qwen3 = make_problem(model="qwen3-8b", hardware="h100", gpus=8, gpus_per_node=8, global_batch=16, seq_len=4096)
     qwen2 = make_problem(model="qwen2.5-7b", hardware="h100", gpus=8, gpus_per_node=8, global_batch=16, seq_len=4096)
     plan = Plan(dp=8, micro_batch=1, num_micro_batches=2)
@@ -191,8 +193,11 @@ def test_qwen_attention_is_the_models_in_megatron_and_deepspeed_and_refused_by_t
                                       (qwen2, "qwen2", {"use_sliding_window": False})):
         config = json.loads(_export(plan, "deepspeed", problem).files["config.json"])
         assert config["model_type"] == model_type and keys.items() <= config.items()
-        with pytest.raises(Refused, match="query/key head norms|q/k/v biases"):
-            _export(plan, "torchtitan", problem)
+    with pytest.raises(Refused, match="q/k/v biases"):
+        _export(plan, "torchtitan", qwen2)
+    module = _export(plan, "torchtitan", qwen3).files["planner_plan.py"]  # torchtitan's qwen3 decoder
+    assert "Qwen3Model.Config(" in module and "HEAD_DIM" in module and "QK_NORM = " in module
+    assert re.search(r"QK_NORM = .*True", module)
     both = dataclasses.replace(qwen3, model=dataclasses.replace(qwen3.model, name="qwen-both", qkv_bias=True))
     with pytest.raises(Refused, match="no HF architecture has both"):
         _export(plan, "deepspeed", both)
@@ -247,6 +252,65 @@ def test_gradient_reduction_dtype_is_expressed_as_each_target_can():
     assert any(line.startswith("reduce_fp32=True") for line in zero2.cannot_express)
 
 
+def test_torchtitan_writes_moe_models_on_its_qwen3_decoder_with_expert_parallelism():
+    problem = make_problem(model="qwen3-30b-a3b", hardware="h100", gpus=16, gpus_per_node=8, global_batch=64,
+                           seq_len=4096)
+    plan = Plan(dp=16, ep=8, etp=1, micro_batch=1, num_micro_batches=4, param_shard=16, grad_shard=16, optim_shard=16)
+    result = _export(plan, "torchtitan", problem)
+    assert result.settings["parallelism"]["expert_parallel_degree"] == 8
+    assert result.settings["training"]["disable_cuda_graphs"] is True  # its all-to-all dispatcher syncs the CPU
+    module = result.files["planner_plan.py"]
+    assert "NUM_EXPERTS, TOP_K, EXPERT_FFN_DIM, SHARED_FFN_DIM, DENSE_LAYERS = (128, 8, 768," in module
+    assert any("auxiliary-loss-free" in note for note in result.notes)
+    # Expert TP: torchtitan's experts are whole (reset to 1, said); EP folds over dp_shard x cp x tp, not
+    # across HSDP replicas (the closest plan it accepts is named).
+    etp = _export(plan.replace(tp=2, dp=8, ep=4, etp=2, sequence_parallel=True, param_shard=8, grad_shard=8,
+                               optim_shard=8, num_micro_batches=8), "torchtitan", problem)
+    assert etp.expressed.etp == 1 and any(line.startswith("etp=2") for line in etp.cannot_express)
+    with pytest.raises(Refused, match="ep 8 does not divide"):
+        _export(plan.replace(param_shard=4, grad_shard=4, optim_shard=4), "torchtitan", problem)
+    deepseek = make_problem(model="deepseek-v3", hardware="h100", gpus=16, gpus_per_node=8, global_batch=64,
+                            seq_len=4096)
+    with pytest.raises(Refused, match="multi-head latent attention"):
+        _export(Plan(dp=16, ep=8, micro_batch=1, num_micro_batches=4), "torchtitan", deepseek)
+
+
+@pytest.mark.parametrize("name,changes", [("mixtral-8x7b", {}), ("qwen3-30b-a3b", {}), ("qwen3-30b-a3b", {"num_dense_layers": 2}),
+                                          ("tiny-moe", {"shared_expert_gate": True, "qkv_bias": True})])
+def test_deepspeed_moe_config_json_is_the_model_in_transformers_and_in_the_planner(name, changes, tmp_path):
+    # DeepSpeed trains the HF model its config.json describes: transformers builds it (meta device) with the
+    # planner's parameter count, and the planner reads it back as the same model.
+    import torch
+    import transformers
+
+    from specs.model import model_from_hf_config
+
+    model = dataclasses.replace(PRESETS_MODELS[name], **changes)
+    problem = make_problem(model="tiny", hardware="h100", gpus=8, gpus_per_node=8, global_batch=16, seq_len=64)
+    problem = dataclasses.replace(problem, model=model)
+    result = _export(Plan(dp=8, ep=2, micro_batch=1, num_micro_batches=2, param_shard=8, grad_shard=8, optim_shard=8),
+                     "deepspeed", problem)
+    assert result.expressed.ep == 1 and any(line.startswith("ep=2") for line in result.cannot_express)
+    config = json.loads(result.files["config.json"])
+    path = tmp_path / "config.json"
+    path.write_text(result.files["config.json"])
+    assert dataclasses.replace(model_from_hf_config(path), name=model.name) == model
+    hf = transformers.AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        built = transformers.AutoModelForCausalLM.from_config(hf)
+    assert sum(p.numel() for p in built.parameters()) == model.num_params()
+
+
+def test_deepspeed_refuses_moe_models_no_hf_architecture_describes():
+    for name, changes, why in (("deepseek-v3", {}, "multi-head latent attention"),
+                               ("mixtral-8x7b", {"capacity_factor": 1.0}, "capacity factor"),
+                               ("tiny-moe", {}, "no HF architecture")):
+        problem = make_problem(model="tiny", hardware="h100", gpus=8, gpus_per_node=8, global_batch=16, seq_len=64)
+        problem = dataclasses.replace(problem, model=dataclasses.replace(PRESETS_MODELS[name], **changes))
+        with pytest.raises(Refused, match=why):
+            _export(Plan(dp=8, micro_batch=1, num_micro_batches=2), "deepspeed", problem)
+
+
 def test_megatron_moe_flags_are_the_models_and_the_plans():
     case = next(c for c in CASES if c.name == "deepseek-v3-ep64-pp16")
     args = _export(case.build_plan(), "megatron", case.problem()).settings["args"]
@@ -259,6 +323,4 @@ def test_megatron_moe_flags_are_the_models_and_the_plans():
     qwen = next(c for c in CASES if c.name == "qwen3-30b-a3b-ep8")
     qargs = _export(qwen.build_plan(), "megatron", qwen.problem()).settings["args"]
     assert qargs["--qk-layernorm"] and qargs["--kv-channels"] == 128 and "--moe-layer-freq" not in qargs
-    for target in ("torchtitan", "deepspeed"):
-        with pytest.raises(Refused, match="mixture-of-experts model qwen3-30b-a3b is not supported"):
-            _export(qwen.build_plan(), target, qwen.problem())
+

@@ -112,6 +112,9 @@ def test_bad_moe_values_are_one_line(tmp_path):
         model_from_hf_config(_write(tmp_path, dict(MIXTRAL, num_experts_per_tok=9)))
     with pytest.raises(PlannerError, match="'decoder_sparse_step' 2 is not supported"):
         model_from_hf_config(_write(tmp_path, dict(QWEN3, decoder_sparse_step=2)))
+    with pytest.raises(PlannerError, match=r"'mlp_only_layers' \[0, 2\] is not supported"):
+        model_from_hf_config(_write(tmp_path, dict(QWEN3, mlp_only_layers=[0, 2])))
+    assert model_from_hf_config(_write(tmp_path, dict(QWEN3, mlp_only_layers=[0, 1]))).num_dense_layers == 2
 
 
 def test_model_json_round_trips_moe_fields():

@@ -3,11 +3,11 @@ in its own process (it stubs one GPU-kernel module and imports torchtitan).
 
     python torchtitan_check.py DIR...    # each DIR: planner_plan.py and launch.sh from `planner export --to torchtitan`
 
-For each DIR, one JSON line: {"dir", "ok", "error", "parts"}. The checks are torchtitan's own, in the order
+For each DIR, one JSON line: {"dir", "ok", "error", "parts", "params"} (params: the built model's count). The checks are torchtitan's own, in the order
 its Trainer runs them, minus what needs a device: ConfigManager's --module/--config loader (unknown fields are
 errors), Trainer.Config.__post_init__, ParallelDims' world-size check, the model's update_from_config (TP
-against heads, sequence length against RoPE, weight tying against PP), _validate_cuda_graphs, building the
-model on the meta device, the loss, and for pipelines the stage metadata, the rank-to-stage mapping and
+against heads, sequence length against RoPE, weight tying against PP), _validate_cuda_graphs, EP against the
+ranks it folds over (ParallelDims.build_mesh), building the model on the meta device, the loss, and for pipelines the stage metadata, the rank-to-stage mapping and
 every named module part against the built model. Trainer.__init__'s two device-time checks (sequence length
 divisible by TP under sequence parallelism, global batch by local batch x DP) are re-encoded from its
 source (trainer.py 306-315, 414-433), as are torch's schedule constructors' micro-batch rules.
@@ -60,6 +60,9 @@ def check(folder: Path) -> dict:
     with torch.device("meta"):
         model = model_cfg.build()
     cfg.loss.build(compile_config=cfg.compile)
+    # ParallelDims.build_mesh folds EP over dp_shard x cp x tp (efsdp = dp_shard x cp x tp / ep).
+    assert (dims.dp_shard * dims.cp * dims.tp) % dims.ep == 0, \
+        f"expert_parallel_degree {dims.ep} does not divide dp_shard x cp x tp = {dims.dp_shard * dims.cp * dims.tp}"
     divisor = (dims.tp if par.enable_sequence_parallel else 1) * (2 * dims.cp if dims.cp > 1 else 1)
     assert training.seq_len % divisor == 0, f"Training sequence length ({training.seq_len}) must be divisible by {divisor}"
     batch_degree = dims.dp_replicate * dims.dp_shard
@@ -78,7 +81,7 @@ def check(folder: Path) -> dict:
         flat = [n for part in parts for n in part]
         assert len(flat) == len(set(flat)), "a module is in two model parts"
         _check_schedule(par, training.local_batch_size, len(parts))
-    return {"ok": True, "parts": [len(p) for p in parts]}
+    return {"ok": True, "parts": [len(p) for p in parts], "params": sum(p.numel() for p in model.parameters())}
 
 
 def _check_schedule(par, local_batch_size: int, num_stages: int) -> None:
