@@ -14,8 +14,10 @@ all-to-all, the group all-gathers its received rows (uneven: each rank received 
 of its ranks runs every row of the group through its slice of the experts; the partial outputs are
 reduce-scattered back to the rank that received each row (a sum over the etp slices), then return by the
 reverse all-to-all. The gather's backward is that reduce-scatter and the other way round. Both go
-through all_to_all_uneven (gloo has no uneven all-gather): the bytes on the wire are an all-gather's. Own operators rather than torch's functional collectives for the same reason
-as tensor_parallel.py: every collective goes through runners.comm (byte counters) on gloo and NCCL.
+through all_to_all_uneven (gloo has no uneven all-gather): the bytes on the wire are an all-gather's.
+
+Own operators rather than torch's functional collectives for the same reason as tensor_parallel.py: every
+collective goes through runners.comm (byte counters) on gloo and NCCL.
 """
 
 from __future__ import annotations

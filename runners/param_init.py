@@ -109,8 +109,16 @@ class ParamInit:
         return mine[start - first * cols:stop - first * cols].clone()
 
     def _values_of_box(self, draw, start: int, stop: int) -> torch.Tensor:
-        """Elements [start, stop) of a local tensor cut along several dims: their full-weight indices by
-        index arithmetic, drawn as the one contiguous span of the full weight that holds them."""
+        """Elements [start, stop) of a local tensor cut along several dims, INIT_BLOCK at a time (so the index
+        tensors of an expert shard of billions of elements stay small)."""
+        if stop - start <= INIT_BLOCK:
+            return self._values_of_run(draw, start, stop)
+        return torch.cat([self._values_of_run(draw, lo, min(stop, lo + INIT_BLOCK))
+                          for lo in range(start, stop, INIT_BLOCK)])
+
+    def _values_of_run(self, draw, start: int, stop: int) -> torch.Tensor:
+        """Their full-weight indices by index arithmetic, drawn as the one contiguous span of the full weight
+        that holds them."""
         local, full = self.local_shape, self.full_shape
         offsets = [0] * len(full)
         for dim, rank, _ in self.splits:
