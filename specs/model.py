@@ -70,6 +70,8 @@ class ModelSpec:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # RoPE base of a llama-arch model (HF's rope_theta; Llama 3's 500000, Qwen's and Mixtral's 1e6), unscaled.
+    rope_base: float = 500000.0
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -83,6 +85,8 @@ class ModelSpec:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}")
         self._check_moe()
+        if not self.rope_base > 0:
+            raise ValueError(f"rope_base must be positive, got {self.rope_base}")
         if self.kv_lora_rank and min(self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim) < 1:
             raise ValueError("MLA (kv_lora_rank > 0) needs qk_nope_head_dim, qk_rope_head_dim and v_head_dim of at least 1")
 
@@ -158,9 +162,9 @@ class ModelSpec:
 
     @property
     def rope_theta(self) -> float | None:
-        """The RoPE base of a llama model (Llama 3's, without scaling), None for learned positions; the engine
-        and every export use it."""
-        return 500000.0 if self.arch == "llama" else None
+        """The RoPE base of a llama model (`rope_base`, without scaling), None for learned positions; the
+        engine and every export use it."""
+        return self.rope_base if self.arch == "llama" else None
 
     @property
     def norm_eps(self) -> float:
@@ -285,32 +289,34 @@ MOE_PRESETS = (
          expert_ffn=32, shared_expert_ffn_hidden_size=32, num_dense_layers=1, aux_loss_coeff=0.01),
     # mistralai/Mixtral-8x7B-v0.1 config.json: hidden 4096, 32 layers, 32 heads, 8 KV heads, intermediate
     # 14336, vocab 32000, num_local_experts 8, num_experts_per_tok 2, router_aux_loss_coef 0.02,
-    # max_position_embeddings 32768. 46.7B total, 12.9B active (Mistral's announcement).
+    # max_position_embeddings 32768, rope_theta 1e6. 46.7B total, 12.9B active (Mistral's announcement).
     _moe("mixtral-8x7b", layers=32, hidden=4096, heads=32, kv=8, ffn=14336, vocab=32000, seq=32768, experts=8,
-         top_k=2, expert_ffn=14336, aux_loss_coeff=0.02),
+         top_k=2, expert_ffn=14336, aux_loss_coeff=0.02, rope_base=1e6),
     # mistralai/Mixtral-8x22B-v0.1 config.json: hidden 6144, 56 layers, 48 heads, 8 KV heads, intermediate
-    # 16384, vocab 32000, 8 experts top-2, max_position_embeddings 65536. 141B total, 39B active.
+    # 16384, vocab 32000, 8 experts top-2, max_position_embeddings 65536, rope_theta 1e6. 141B total, 39B active.
     _moe("mixtral-8x22b", layers=56, hidden=6144, heads=48, kv=8, ffn=16384, vocab=32000, seq=65536, experts=8,
-         top_k=2, expert_ffn=16384, aux_loss_coeff=0.001),
+         top_k=2, expert_ffn=16384, aux_loss_coeff=0.001, rope_base=1e6),
     # Qwen/Qwen3-30B-A3B config.json: hidden 2048, 48 layers, 32 heads of head_dim 128, 4 KV heads,
     # moe_intermediate_size 768, 128 experts, num_experts_per_tok 8, vocab 151936, untied, qk norm,
-    # router_aux_loss_coef 0.001, max_position_embeddings 40960. 30.5B total, 3.3B active (Qwen3 report).
+    # router_aux_loss_coef 0.001, max_position_embeddings 40960, rope_theta 1e6. 30.5B total, 3.3B active
+    # (Qwen3 report).
     _moe("qwen3-30b-a3b", layers=48, hidden=2048, heads=32, kv=4, ffn=6144, vocab=151936, seq=40960, experts=128,
-         top_k=8, expert_ffn=768, attention_head_dim=128, qk_norm=True, aux_loss_coeff=0.001),
+         top_k=8, expert_ffn=768, attention_head_dim=128, qk_norm=True, aux_loss_coeff=0.001, rope_base=1e6),
     # Qwen/Qwen3-235B-A22B config.json: hidden 4096, 94 layers, 64 heads of head_dim 128, 4 KV heads,
     # moe_intermediate_size 1536, 128 experts top-8, vocab 151936, untied, qk norm, max_position_embeddings
-    # 40960. 235B total, 22B active (Qwen3 report).
+    # 40960, rope_theta 1e6. 235B total, 22B active (Qwen3 report).
     _moe("qwen3-235b-a22b", layers=94, hidden=4096, heads=64, kv=4, ffn=12288, vocab=151936, seq=40960, experts=128,
-         top_k=8, expert_ffn=1536, attention_head_dim=128, qk_norm=True, aux_loss_coeff=0.001),
+         top_k=8, expert_ffn=1536, attention_head_dim=128, qk_norm=True, aux_loss_coeff=0.001, rope_base=1e6),
     # deepseek-ai/DeepSeek-V3 config.json: hidden 7168, 61 layers (first_k_dense_replace 3 dense of
     # intermediate 18432), 128 heads, MLA q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128,
     # qk_rope_head_dim 64, v_head_dim 128, 256 routed experts of moe_intermediate_size 2048, 1 shared expert,
     # num_experts_per_tok 8, vocab 129280, max_position_embeddings 163840, aux_loss_alpha 0.001 (seq_aux),
-    # topk_method noaux_tc (bias-adjusted, auxiliary-loss-free balancing). 671B total, 37B active (DeepSeek-V3 report; the 14B multi-token-prediction module is not counted).
+    # topk_method noaux_tc (bias-adjusted, auxiliary-loss-free balancing), rope_theta 10000 (YaRN-scaled
+    # there; unscaled here). 671B total, 37B active (DeepSeek-V3 report; the 14B multi-token-prediction module is not counted).
     _moe("deepseek-v3", layers=61, hidden=7168, heads=128, kv=128, ffn=18432, vocab=129280, seq=163840,
          experts=256, top_k=8, expert_ffn=2048, shared_expert_ffn_hidden_size=2048, num_dense_layers=3,
          aux_loss_coeff=0.001, load_balancing="aux_free", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-         qk_rope_head_dim=64, v_head_dim=128),
+         qk_rope_head_dim=64, v_head_dim=128, rope_base=10000.0),
 )
 
 PRESETS: dict[str, ModelSpec] = {
@@ -339,12 +345,14 @@ PRESETS: dict[str, ModelSpec] = {
         _llama("llama3.1-8b", 32, 4096, 32, 8, 14336, 128256, 131072, False),
         _llama("llama3.1-70b", 80, 8192, 64, 8, 28672, 128256, 131072, False),
         # Qwen/Qwen2.5-7B config.json: hidden 3584, 28 layers, 28 heads, 4 KV heads, intermediate 18944, vocab
-        # 152064, max_position_embeddings 131072, untied, q/k/v biases (Qwen2's attention).
-        dataclasses.replace(_llama("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064, 131072, False), qkv_bias=True),
+        # 152064, max_position_embeddings 131072, rope_theta 1e6, untied, q/k/v biases (Qwen2's attention).
+        dataclasses.replace(_llama("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064, 131072, False), qkv_bias=True,
+                            rope_base=1e6),
         # Qwen/Qwen3-8B config.json: hidden 4096, 36 layers, 32 heads of head_dim 128, 8 KV heads, intermediate
-        # 12288, vocab 151936, max_position_embeddings 40960, untied, no attention bias, query/key head norms.
+        # 12288, vocab 151936, max_position_embeddings 40960, rope_theta 1e6, untied, no attention bias,
+        # query/key head norms.
         dataclasses.replace(_llama("qwen3-8b", 36, 4096, 32, 8, 12288, 151936, 40960, False), attention_head_dim=128,
-                            qk_norm=True),
+                            qk_norm=True, rope_base=1e6),
         *MOE_PRESETS,
     )
 }
@@ -398,7 +406,8 @@ def _llama_common(cfg: dict, path: Path, name: str) -> dict:
                 hidden_size=_int_key(cfg, "hidden_size", path), num_heads=heads, num_kv_heads=kv,
                 ffn_hidden_size=_int_key(cfg, "intermediate_size", path), vocab_size=_int_key(cfg, "vocab_size", path),
                 max_seq_len=_int_key(cfg, "max_position_embeddings", path),
-                tied_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+                tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                rope_base=_float_key(cfg, "rope_theta", path, 10000.0))  # transformers' default
 
 
 def _no_sliding_window(cfg: dict, path: Path) -> None:
@@ -473,7 +482,8 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
                 ffn_hidden_size=_int_key(cfg, "intermediate_size", path),
                 vocab_size=_int_key(cfg, "vocab_size", path),
                 max_seq_len=_int_key(cfg, "max_position_embeddings", path),
-                tied_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+                tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                rope_base=_float_key(cfg, "rope_theta", path, 10000.0))  # transformers' default
         if model_type in MOE_MODEL_TYPES:
             return ModelSpec(**_llama_common(cfg, path, name), **_moe_fields(cfg, path, model_type))
         if model_type in QWEN_MODEL_TYPES:

@@ -5,8 +5,8 @@ present in core_v0.16.1 (tests/fixtures/megatron/flags_*.json); the rules are pl
 
 - Model: --num-layers, --hidden-size, --ffn-hidden-size, --num-attention-heads, --group-query-attention
   with --num-query-groups, --kv-channels, --seq-length, --max-position-embeddings; llama: rope with
-  --rotary-base 500000, RMSNorm, --swiglu, --disable-bias-linear; --norm-epsilon; dropout 0 (the engine
-  has none); --untie-embeddings-and-output-weights for untied models; the vocabulary as
+  --rotary-base (the model's RoPE base), RMSNorm, --swiglu, --disable-bias-linear; --norm-epsilon; dropout 0
+  (the engine has none); --untie-embeddings-and-output-weights for untied models; the vocabulary as
   NullTokenizer + --vocab-size over mock data, padded only as far as Megatron must (TP).
 - Plan: --tensor-model-parallel-size, --context-parallel-size with --cp-comm-type (ring p2p, all-to-all
   a2a, hierarchical a2a+p2p with --hierarchical-context-parallel-sizes "a2a ring", Megatron's inner-first

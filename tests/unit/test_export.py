@@ -195,7 +195,11 @@ def test_qwen_attention_is_the_models_in_every_target_and_qwen2s_biases_refused_
         assert config["model_type"] == model_type and keys.items() <= config.items()
     with pytest.raises(Refused, match="q/k/v biases"):
         _export(plan, "torchtitan", qwen2)
+    # Qwen's RoPE base (1e6), in every target.
+    assert args["--rotary-base"] == 1000000
+    assert json.loads(_export(plan, "deepspeed", qwen3).files["config.json"])["rope_theta"] == 1e6
     module = _export(plan, "torchtitan", qwen3).files["planner_plan.py"]  # torchtitan's qwen3 decoder
+    assert re.search(r"ROPE_THETA, ROPE_MAX_SEQ_LEN, NORM_EPS, QK_NORM = \w+, 1000000\.0,", module)
     assert "Qwen3Model.Config(" in module and "HEAD_DIM" in module and "QK_NORM = " in module
     assert re.search(r"QK_NORM = .*True", module)
     both = dataclasses.replace(qwen3, model=dataclasses.replace(qwen3.model, name="qwen-both", qkv_bias=True))

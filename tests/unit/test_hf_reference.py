@@ -30,9 +30,10 @@ LLAMA = ModelSpec(name="tiny-llama-gqa", arch="llama", num_layers=2, hidden_size
                   ffn_hidden_size=96, vocab_size=128, max_seq_len=32, tied_embeddings=False)
 GPT2 = ModelSpec(name="tiny-gpt2", arch="gpt2", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=4,
                  ffn_hidden_size=256, vocab_size=128, max_seq_len=32, tied_embeddings=False)
-# Qwen2: q/k/v biases; Qwen3: head_dim 16 on hidden 64 (a query width of 128) and per-head query/key RMSNorms.
-QWEN2 = dataclasses.replace(LLAMA, name="tiny-qwen2", qkv_bias=True)
-QWEN3 = dataclasses.replace(LLAMA, name="tiny-qwen3", attention_head_dim=16, qk_norm=True)
+# Qwen2: q/k/v biases; Qwen3: head_dim 16 on hidden 64 (a query width of 128) and per-head query/key RMSNorms;
+# each with a RoPE base other than Llama 3's (Qwen's 1e6, and 100, far enough to fail if the engine ignored it).
+QWEN2 = dataclasses.replace(LLAMA, name="tiny-qwen2", qkv_bias=True, rope_base=100.0)
+QWEN3 = dataclasses.replace(LLAMA, name="tiny-qwen3", attention_head_dim=16, qk_norm=True, rope_base=1e6)
 SPECS = {"llama-gqa-untied": LLAMA, "llama-gqa-tied": dataclasses.replace(LLAMA, tied_embeddings=True),
          "gpt2-untied": GPT2, "gpt2-tied": dataclasses.replace(GPT2, tied_embeddings=True),
          "qwen2-untied": QWEN2, "qwen3-untied": QWEN3}
@@ -105,12 +106,12 @@ def from_hf(spec: ModelSpec, hf: dict[str, torch.Tensor], names: list[str]) -> d
 
 def hf_model(spec: ModelSpec):
     """The HF model of `spec`'s architecture and shape (Qwen2 / Qwen3 for their attention variants): our epsilon
-    (1e-5), RoPE base (500000), exact GELU, no dropout, embeddings tied or not as `spec`."""
+    (1e-5), RoPE base (rope_base), exact GELU, no dropout, embeddings tied or not as `spec`."""
     if spec.qk_norm or spec.qkv_bias:
         common = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.ffn_hidden_size,
                       num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
                       num_key_value_heads=spec.num_kv_heads, max_position_embeddings=spec.max_seq_len,
-                      rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=spec.tied_embeddings,
+                      rms_norm_eps=1e-5, rope_theta=spec.rope_theta, tie_word_embeddings=spec.tied_embeddings,
                       use_sliding_window=False, attention_dropout=0.0)
         if spec.qk_norm:
             model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=spec.head_dim,
@@ -122,7 +123,7 @@ def hf_model(spec: ModelSpec):
             vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.ffn_hidden_size,
             num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
             num_key_value_heads=spec.num_kv_heads, max_position_embeddings=spec.max_seq_len, rms_norm_eps=1e-5,
-            rope_theta=500000.0, tie_word_embeddings=spec.tied_embeddings, attention_bias=False, mlp_bias=False)
+            rope_theta=spec.rope_theta, tie_word_embeddings=spec.tied_embeddings, attention_bias=False, mlp_bias=False)
         model = transformers.LlamaForCausalLM(config)
     else:
         config = transformers.GPT2Config(

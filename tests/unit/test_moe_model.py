@@ -65,11 +65,13 @@ def _write(tmp_path, cfg):
 
 MIXTRAL = {"model_type": "mixtral", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
            "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000, "max_position_embeddings": 32768,
-           "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02, "tie_word_embeddings": False}
+           "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02, "tie_word_embeddings": False,
+           "rope_theta": 1e6}
 QWEN3 = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
          "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
          "vocab_size": 151936, "max_position_embeddings": 40960, "num_experts": 128, "num_experts_per_tok": 8,
-         "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.001, "tie_word_embeddings": False}
+         "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.001, "tie_word_embeddings": False,
+         "rope_theta": 1e6}
 # Qwen/Qwen1.5-MoE-A2.7B: 14.3B total, 2.7B active (its model card).
 QWEN2 = {"model_type": "qwen2_moe", "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 16,
          "num_key_value_heads": 16, "intermediate_size": 5632, "moe_intermediate_size": 1408,
@@ -79,7 +81,8 @@ DEEPSEEK = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers
             "num_key_value_heads": 128, "intermediate_size": 18432, "moe_intermediate_size": 2048, "vocab_size": 129280,
             "max_position_embeddings": 163840, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
             "first_k_dense_replace": 3, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
-            "qk_rope_head_dim": 64, "v_head_dim": 128, "aux_loss_alpha": 0.001, "tie_word_embeddings": False}
+            "qk_rope_head_dim": 64, "v_head_dim": 128, "aux_loss_alpha": 0.001, "tie_word_embeddings": False,
+            "rope_theta": 10000}
 
 
 @pytest.mark.parametrize("cfg,preset", [(MIXTRAL, "mixtral-8x7b"), (QWEN3, "qwen3-30b-a3b"), (DEEPSEEK, "deepseek-v3")])
@@ -87,6 +90,7 @@ def test_hf_config_parses_to_the_preset(tmp_path, cfg, preset):
     spec = resolve_model(str(_write(tmp_path, cfg)))
     assert spec.num_params() == PRESETS[preset].num_params()
     assert spec.num_active_params() == PRESETS[preset].num_active_params()
+    assert spec.rope_theta == PRESETS[preset].rope_theta  # the config's rope_theta, the preset's too
 
 
 def test_qwen2_moe_config(tmp_path):
