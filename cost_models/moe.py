@@ -318,8 +318,8 @@ def fp8_quantize_times_s(model: ModelSpec, hw: Hardware, *, tokens: int, ep: int
 # regrouping and the combine's weighted index_add), each local expert's SwiGLU (its split, three GEMMs,
 # silu, mul; backward the six GEMMs, the weight slices' gradients), the shared expert and its residual add,
 # the load-balancing loss, Qwen2-MoE's shared gate, EP's receive buffers and expert TP's gather and
-# reduce-scatter buffers and sum (the all-to-alls themselves are priced as collectives). Counted by dispatching tiny-moe's layer (tests/unit/test_cost_moe.py keeps
-# them equal to the engine's).
+# reduce-scatter buffers and sum (the all-to-alls themselves are priced as collectives). Counted by
+# dispatching tiny-moe's layer (tests/unit/test_cost_moe.py keeps them equal to the engine's).
 MOE_ROUTING_OPS = (33 - 5, 22 - 10)
 MOE_EXPERT_OPS = (5, 16)
 MOE_SHARED_OPS = (6, 11)

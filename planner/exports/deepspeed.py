@@ -20,9 +20,9 @@ rejected since 0.19.7), so an HSDP point becomes ZeRO-3 over all of DP.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
+from cost_models.moe import dense_view
 from specs.errors import PlannerError
 from specs.plan import Plan, zero_degrees
 from planner.exports.common import (Export, ExportContext, Refused, cover_sharding, dp_ranks_per_node, knob_table_gaps,
@@ -73,13 +73,13 @@ def _refuse_moe_tensor_parallel(plan: Plan, ctx: ExportContext) -> None:
     tokens; Megatron-Core and this project refuse it): the closest plan folds TP into DP."""
     dp = plan.dp * plan.tp
     level = plan.zero_level if plan.zero_level is not None else 1
+    if plan.pp > 1:
+        level = min(level, 1)  # ZeRO-2/3 with pipelines is refused (export_deepspeed)
     closest = plan.replace(tp=1, dp=dp, sequence_parallel=False, ep=1, etp=1, param_cache="none",
                            **dict(zip(("param_shard", "grad_shard", "optim_shard"), zero_degrees(level, dp))))
     if ctx.problem.job.global_batch % (dp * closest.micro_batch):
         closest = closest.replace(micro_batch=1)
     closest = closest.replace(num_micro_batches=ctx.problem.job.global_batch // (dp * closest.micro_batch))
-    if closest.pp > 1 and closest.grad_shard > 1:
-        closest = closest.replace(**dict(zip(("param_shard", "grad_shard", "optim_shard"), zero_degrees(1, dp))))
     raise refuse("deepspeed", VERSION, "AutoTP has no sequence parallelism, which MoE layers under tensor "
                  "parallelism need", express(closest, ctx.problem.model.num_layers, ctx.problem.job.precision)[0], ctx)
 
@@ -225,10 +225,7 @@ def hf_config(model) -> dict:
     query/key head norms qwen3, each with its architecture's own keys (export_deepspeed refuses both at once:
     no HF architecture has them); an MoE model the HF MoE architecture of its attention (hf_moe_type)."""
     if model.is_moe:
-        return _hf_moe_keys(model, hf_config(dataclasses.replace(model, num_experts=0, num_experts_per_token=0,
-                                                                 expert_ffn_hidden_size=0,
-                                                                 shared_expert_ffn_hidden_size=0,
-                                                                 shared_expert_gate=False, num_dense_layers=0)))
+        return _hf_moe_keys(model, hf_config(dense_view(model)))
     if model.arch == "llama":
         config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": model.hidden_size,
                   "intermediate_size": model.ffn_hidden_size, "num_hidden_layers": model.num_layers,
