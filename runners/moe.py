@@ -2,8 +2,9 @@
 
 Per token: router logits (fp32, hidden -> num_experts), softmax, the top-k experts by probability with
 ties to the lower expert index (a stable sort, so every plan routes as one process does), the k weights
-renormalised to sum to one (Mixtral's, Qwen3's norm_topk_prob); the token's output is the weighted sum
-of its experts' SwiGLU outputs, plus the shared expert's.
+their probabilities renormalised to sum to one (Mixtral's, Qwen3-MoE's norm_topk_prob) or, where the
+model says norm_topk_prob false (Qwen1.5/Qwen2-MoE), as they are; the token's output is the weighted
+sum of its experts' SwiGLU outputs, plus the shared expert's.
 
 Everything that couples tokens is per sequence, so that micro-batching, DP and EP split nothing it
 sums: the capacity (capacity_factor > 0: each expert takes at most ceil(cf x seq_len x k / E) of a
@@ -101,12 +102,13 @@ class MoE(nn.Module):
                                    tp=TPContext.single()) if shared is not None and spec.shared_expert_gate else None)
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(probabilities [N, E] fp32, top-k expert ids [N, k], their renormalised weights [N, k])."""
+        """(probabilities [N, E] fp32, top-k expert ids [N, k], their weights [N, k]: renormalised where the
+        model's norm_topk_prob says so)."""
         router = sequence_parallel_param(self.router, self.tp)  # replicated over TP, tokens sharded under SP
         probs = F.linear(tokens.float(), router.float()).softmax(dim=-1)
         ids = torch.sort(probs.detach(), dim=-1, descending=True, stable=True).indices[:, :self.k]
         weights = probs.gather(1, ids)
-        return probs, ids, weights / weights.sum(dim=-1, keepdim=True)
+        return probs, ids, weights / weights.sum(dim=-1, keepdim=True) if self.spec.norm_topk_prob else weights
 
     def _sequence_counts(self, ids: torch.Tensor, batch: int) -> torch.Tensor:
         """[s_local, b, E] one-hot assignments and their per-sequence totals [b, E] (over TP under SP, over CP)."""

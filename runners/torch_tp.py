@@ -89,13 +89,13 @@ class TorchAttention(nn.Module):
 class TorchMLP(nn.Module):
     def __init__(self, mlp: MLP) -> None:
         super().__init__()
-        self.gated = mlp.gated
+        self.gated, self.gelu = mlp.gated, mlp.gelu
         self.w_in = _linear(mlp.w_in, mlp.b_in)
         self.w_gate = _linear(mlp.w_gate, None) if self.gated else None
         self.w_out = _linear(mlp.w_out, mlp.b_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = F.silu(self.w_gate(x)) * self.w_in(x) if self.gated else F.gelu(self.w_in(x))
+        hidden = F.silu(self.w_gate(x)) * self.w_in(x) if self.gated else F.gelu(self.w_in(x), approximate=self.gelu)
         return self.w_out(hidden)
 
 

@@ -166,7 +166,7 @@ class MLP(nn.Module):
         super().__init__()
         h, f = spec.hidden_size, ffn or spec.ffn_hidden_size
         out_std = INIT_STD / math.sqrt(2 * spec.num_layers)
-        self.tp, self.gated = tp, spec.gated_mlp
+        self.tp, self.gated, self.gelu = tp, spec.gated_mlp, spec.gelu_approximation
         self.w_in = _param((f, h), name=f"{name}.w_in", seed=seed, std=INIT_STD, tp=tp, split_dim=0)
         self.w_gate = _param((f, h), name=f"{name}.w_gate", seed=seed, std=INIT_STD, tp=tp, split_dim=0) if self.gated else None
         self.w_out = _param((h, f), name=f"{name}.w_out", seed=seed, std=out_std, tp=tp, split_dim=1)
@@ -181,7 +181,7 @@ class MLP(nn.Module):
         if self.gated:
             hidden = F.silu(F.linear(x, self.w_gate)) * F.linear(x, self.w_in)
         else:
-            hidden = F.gelu(F.linear(x, self.w_in, self.b_in))
+            hidden = F.gelu(F.linear(x, self.w_in, self.b_in), approximate=self.gelu)
         out = exit_tp_region(F.linear(hidden, self.w_out), self.tp)
         return out + sequence_parallel_param(self.b_out, self.tp) if self.b_out is not None else out
 

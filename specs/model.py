@@ -53,6 +53,11 @@ class ModelSpec:
     num_dense_layers: int = 0  # leading layers with a dense MLP of ffn_hidden_size (DeepSeek's first_k_dense_replace)
     capacity_factor: float = 0.0  # 0: dropless; else each expert takes ceil(cf x tokens x k / E) per sequence
     aux_loss_coeff: float = 0.0  # load-balancing loss coefficient (Switch / Megatron-Core's form)
+    # A token's k expert weights: its softmax probabilities over all experts renormalised over the chosen k
+    # (Mixtral's softmax of the top-k logits, Qwen3-MoE's norm_topk_prob true) or, False, those
+    # probabilities as they are (Qwen1.5/Qwen2-MoE's norm_topk_prob false; Megatron's --moe-router-pre-softmax).
+    # Ignored without experts (a dense view of an MoE model keeps it).
+    norm_topk_prob: bool = True
     # How the router's load is balanced, which sets the expected load imbalance the cost model prices
     # (cost_models/moe.py, expected_imbalance): "aux_loss" (a balancing loss: Switch, Mixtral, Qwen),
     # "aux_free" (DeepSeek-V3's bias-adjusted top-k, topk_method noaux_tc) or "forced" (Megatron-Core's
@@ -72,6 +77,11 @@ class ModelSpec:
     v_head_dim: int = 0
     # RoPE base of a llama-arch model (HF's rope_theta; Llama 3's 500000, Qwen's and Mixtral's 1e6), unscaled.
     rope_base: float = 500000.0
+    # The RMSNorm / LayerNorm epsilon (HF's rms_norm_eps, GPT-2's layer_norm_epsilon): Llama's and Mixtral's
+    # 1e-5, Qwen's and DeepSeek's 1e-6; the engine and every export use it.
+    norm_eps: float = 1e-5
+    # A gpt2-arch model's GELU: "none" (exact, erf) or "tanh" (the tanh approximation, HF's gelu_new, GPT-2's).
+    gelu_approximation: str = "none"
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -87,6 +97,10 @@ class ModelSpec:
         self._check_moe()
         if not self.rope_base > 0:
             raise ValueError(f"rope_base must be positive, got {self.rope_base}")
+        if not 0 < self.norm_eps < 1:
+            raise ValueError(f"norm_eps must be between 0 and 1, got {self.norm_eps}")
+        if self.gelu_approximation not in ("none", "tanh"):
+            raise ValueError(f"gelu_approximation must be none or tanh, got {self.gelu_approximation!r}")
         if self.kv_lora_rank and min(self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim) < 1:
             raise ValueError("MLA (kv_lora_rank > 0) needs qk_nope_head_dim, qk_rope_head_dim and v_head_dim of at least 1")
 
@@ -165,11 +179,6 @@ class ModelSpec:
         """The RoPE base of a llama model (`rope_base`, without scaling), None for learned positions; the
         engine and every export use it."""
         return self.rope_base if self.arch == "llama" else None
-
-    @property
-    def norm_eps(self) -> float:
-        """The RMSNorm / LayerNorm epsilon."""
-        return 1e-5
 
     # --- parameter counts ----------------------------------------------------------------------
     def attention_params(self) -> int:
@@ -298,15 +307,18 @@ MOE_PRESETS = (
          top_k=2, expert_ffn=16384, aux_loss_coeff=0.001, rope_base=1e6),
     # Qwen/Qwen3-30B-A3B config.json: hidden 2048, 48 layers, 32 heads of head_dim 128, 4 KV heads,
     # moe_intermediate_size 768, 128 experts, num_experts_per_tok 8, vocab 151936, untied, qk norm,
-    # router_aux_loss_coef 0.001, max_position_embeddings 40960, rope_theta 1e6. 30.5B total, 3.3B active
+    # router_aux_loss_coef 0.001, max_position_embeddings 40960, rope_theta 1e6, rms_norm_eps 1e-6 (as every
+    # Qwen and DeepSeek config here; Llama's and Mixtral's 1e-5). 30.5B total, 3.3B active
     # (Qwen3 report).
     _moe("qwen3-30b-a3b", layers=48, hidden=2048, heads=32, kv=4, ffn=6144, vocab=151936, seq=40960, experts=128,
-         top_k=8, expert_ffn=768, attention_head_dim=128, qk_norm=True, aux_loss_coeff=0.001, rope_base=1e6),
+         top_k=8, expert_ffn=768, attention_head_dim=128, qk_norm=True, aux_loss_coeff=0.001, rope_base=1e6,
+         norm_eps=1e-6),
     # Qwen/Qwen3-235B-A22B config.json: hidden 4096, 94 layers, 64 heads of head_dim 128, 4 KV heads,
     # moe_intermediate_size 1536, 128 experts top-8, vocab 151936, untied, qk norm, max_position_embeddings
     # 40960, rope_theta 1e6. 235B total, 22B active (Qwen3 report).
     _moe("qwen3-235b-a22b", layers=94, hidden=4096, heads=64, kv=4, ffn=12288, vocab=151936, seq=40960, experts=128,
-         top_k=8, expert_ffn=1536, attention_head_dim=128, qk_norm=True, aux_loss_coeff=0.001, rope_base=1e6),
+         top_k=8, expert_ffn=1536, attention_head_dim=128, qk_norm=True, aux_loss_coeff=0.001, rope_base=1e6,
+         norm_eps=1e-6),
     # deepseek-ai/DeepSeek-V3 config.json: hidden 7168, 61 layers (first_k_dense_replace 3 dense of
     # intermediate 18432), 128 heads, MLA q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128,
     # qk_rope_head_dim 64, v_head_dim 128, 256 routed experts of moe_intermediate_size 2048, 1 shared expert,
@@ -316,7 +328,7 @@ MOE_PRESETS = (
     _moe("deepseek-v3", layers=61, hidden=7168, heads=128, kv=128, ffn=18432, vocab=129280, seq=163840,
          experts=256, top_k=8, expert_ffn=2048, shared_expert_ffn_hidden_size=2048, num_dense_layers=3,
          aux_loss_coeff=0.001, load_balancing="aux_free", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-         qk_rope_head_dim=64, v_head_dim=128, rope_base=10000.0),
+         qk_rope_head_dim=64, v_head_dim=128, rope_base=10000.0, norm_eps=1e-6),
 )
 
 PRESETS: dict[str, ModelSpec] = {
@@ -345,14 +357,15 @@ PRESETS: dict[str, ModelSpec] = {
         _llama("llama3.1-8b", 32, 4096, 32, 8, 14336, 128256, 131072, False),
         _llama("llama3.1-70b", 80, 8192, 64, 8, 28672, 128256, 131072, False),
         # Qwen/Qwen2.5-7B config.json: hidden 3584, 28 layers, 28 heads, 4 KV heads, intermediate 18944, vocab
-        # 152064, max_position_embeddings 131072, rope_theta 1e6, untied, q/k/v biases (Qwen2's attention).
+        # 152064, max_position_embeddings 131072, rope_theta 1e6, rms_norm_eps 1e-6, untied, q/k/v biases
+        # (Qwen2's attention).
         dataclasses.replace(_llama("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064, 131072, False), qkv_bias=True,
-                            rope_base=1e6),
+                            rope_base=1e6, norm_eps=1e-6),
         # Qwen/Qwen3-8B config.json: hidden 4096, 36 layers, 32 heads of head_dim 128, 8 KV heads, intermediate
-        # 12288, vocab 151936, max_position_embeddings 40960, rope_theta 1e6, untied, no attention bias,
-        # query/key head norms.
+        # 12288, vocab 151936, max_position_embeddings 40960, rope_theta 1e6, rms_norm_eps 1e-6, untied, no
+        # attention bias, query/key head norms.
         dataclasses.replace(_llama("qwen3-8b", 36, 4096, 32, 8, 12288, 151936, 40960, False), attention_head_dim=128,
-                            qk_norm=True, rope_base=1e6),
+                            qk_norm=True, rope_base=1e6, norm_eps=1e-6),
         *MOE_PRESETS,
     )
 }
@@ -386,6 +399,27 @@ def _float_key(cfg: dict, key: str, path: Path, default: float) -> float:
     return float(value)
 
 
+# GPT-2 configs' activation_function (transformers' ACT2FN names): exact GELU, or its tanh approximation.
+GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
+
+
+def _gelu(cfg: dict, path: Path) -> str:
+    act = cfg.get("activation_function", "gelu_new")  # transformers' GPT2Config default
+    if not isinstance(act, str) or act not in GELU_APPROXIMATION:
+        raise PlannerError(f"config {path}: key 'activation_function' {act!r} is not supported (use "
+                           f"{', '.join(GELU_APPROXIMATION)})")
+    return GELU_APPROXIMATION[act]
+
+
+def _bool_key(cfg: dict, key: str, path: Path, default: bool) -> bool:
+    value = cfg.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise PlannerError(f"config {path}: key {key!r} must be true or false, got {value!r}")
+    return value
+
+
 def _leading_dense_layers(cfg: dict, path: Path) -> int:
     """Qwen-MoE's decoder_sparse_step / mlp_only_layers can interleave dense layers; only leading dense layers
     are expressed (num_dense_layers): mlp_only_layers 0 .. k - 1, every later layer MoE."""
@@ -399,7 +433,10 @@ def _leading_dense_layers(cfg: dict, path: Path) -> int:
     return len(dense)
 
 
-def _llama_common(cfg: dict, path: Path, name: str) -> dict:
+def _llama_common(cfg: dict, path: Path, name: str, eps_default: float = 1e-6) -> dict:
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise PlannerError(f"config {path}: key 'hidden_act' {act!r} is not supported (SwiGLU with silu only)")
     heads = _int_key(cfg, "num_attention_heads", path)
     kv = _int_key(cfg, "num_key_value_heads", path) if cfg.get("num_key_value_heads") is not None else heads
     return dict(name=name, arch="llama", num_layers=_int_key(cfg, "num_hidden_layers", path),
@@ -407,7 +444,8 @@ def _llama_common(cfg: dict, path: Path, name: str) -> dict:
                 ffn_hidden_size=_int_key(cfg, "intermediate_size", path), vocab_size=_int_key(cfg, "vocab_size", path),
                 max_seq_len=_int_key(cfg, "max_position_embeddings", path),
                 tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                rope_base=_float_key(cfg, "rope_theta", path, 10000.0))  # transformers' default
+                rope_base=_float_key(cfg, "rope_theta", path, 10000.0),  # transformers' defaults
+                norm_eps=_float_key(cfg, "rms_norm_eps", path, eps_default))
 
 
 def _no_sliding_window(cfg: dict, path: Path) -> None:
@@ -415,6 +453,20 @@ def _no_sliding_window(cfg: dict, path: Path) -> None:
     if cfg.get("use_sliding_window"):
         raise PlannerError(f"config {path}: key 'use_sliding_window' true is not supported (full causal attention "
                            f"only)")
+
+
+def _llama_attention(cfg: dict, path: Path) -> dict:
+    """A llama config's attention: no biases (attention_bias / mlp_bias true are refused) and its head_dim
+    where it says one other than hidden_size / heads."""
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            raise PlannerError(f"config {path}: key {key!r} true is not supported for llama (no biases)")
+    head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        return {}
+    head_dim = _int_key(cfg, "head_dim", path)
+    return {} if head_dim * _int_key(cfg, "num_attention_heads", path) == _int_key(cfg, "hidden_size", path) else dict(
+        attention_head_dim=head_dim)
 
 
 def _qwen_attention(cfg: dict, path: Path, model_type: str) -> dict:
@@ -432,6 +484,9 @@ def _qwen_attention(cfg: dict, path: Path, model_type: str) -> dict:
 def _moe_fields(cfg: dict, path: Path, model_type: str) -> dict:
     """The MoE (and attention-variant) fields of a mixtral, qwen2_moe, qwen3_moe or deepseek_v3 config."""
     if model_type == "mixtral":
+        if cfg.get("sliding_window") is not None:
+            raise PlannerError(f"config {path}: key 'sliding_window' {cfg['sliding_window']!r} is not supported (full "
+                               f"causal attention only; Mixtral's own configs say null)")
         return dict(num_experts=_int_key(cfg, "num_local_experts", path),
                     num_experts_per_token=_int_key(cfg, "num_experts_per_tok", path),
                     expert_ffn_hidden_size=_int_key(cfg, "intermediate_size", path),
@@ -440,7 +495,8 @@ def _moe_fields(cfg: dict, path: Path, model_type: str) -> dict:
                   expert_ffn_hidden_size=_int_key(cfg, "moe_intermediate_size", path))
     if model_type in ("qwen2_moe", "qwen3_moe"):
         common.update(num_dense_layers=_leading_dense_layers(cfg, path), num_experts=_int_key(cfg, "num_experts", path),
-                      aux_loss_coeff=_float_key(cfg, "router_aux_loss_coef", path, 0.001))
+                      aux_loss_coeff=_float_key(cfg, "router_aux_loss_coef", path, 0.001),
+                      norm_topk_prob=_bool_key(cfg, "norm_topk_prob", path, False))  # transformers' default
         common.update(_qwen_attention(cfg, path, model_type))
         if model_type == "qwen2_moe":
             shared = _int_key(cfg, "shared_expert_intermediate_size", path)
@@ -474,18 +530,11 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
     name = path.parent.name or path.stem
     try:
         if model_type == "llama":
-            heads = _int_key(cfg, "num_attention_heads", path)
-            kv = _int_key(cfg, "num_key_value_heads", path) if cfg.get("num_key_value_heads") is not None else heads
-            return ModelSpec(
-                name=name, arch="llama", num_layers=_int_key(cfg, "num_hidden_layers", path),
-                hidden_size=_int_key(cfg, "hidden_size", path), num_heads=heads, num_kv_heads=kv,
-                ffn_hidden_size=_int_key(cfg, "intermediate_size", path),
-                vocab_size=_int_key(cfg, "vocab_size", path),
-                max_seq_len=_int_key(cfg, "max_position_embeddings", path),
-                tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                rope_base=_float_key(cfg, "rope_theta", path, 10000.0))  # transformers' default
+            return ModelSpec(**_llama_common(cfg, path, name), **_llama_attention(cfg, path))
         if model_type in MOE_MODEL_TYPES:
-            return ModelSpec(**_llama_common(cfg, path, name), **_moe_fields(cfg, path, model_type))
+            # transformers' default rms_norm_eps: Mixtral's 1e-5, the others' 1e-6
+            eps = 1e-5 if model_type == "mixtral" else 1e-6
+            return ModelSpec(**_llama_common(cfg, path, name, eps), **_moe_fields(cfg, path, model_type))
         if model_type in QWEN_MODEL_TYPES:
             return ModelSpec(**_llama_common(cfg, path, name), **_qwen_attention(cfg, path, model_type))
         if model_type == "gpt2":
@@ -498,7 +547,8 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
                 ffn_hidden_size=inner if isinstance(inner, int) and not isinstance(inner, bool) else 4 * hidden,
                 vocab_size=_int_key(cfg, "vocab_size", path),
                 max_seq_len=_int_key(cfg, "n_positions", path),
-                tied_embeddings=bool(cfg.get("tie_word_embeddings", True)))
+                tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+                norm_eps=_float_key(cfg, "layer_norm_epsilon", path, 1e-5), gelu_approximation=_gelu(cfg, path))
     except ValueError as exc:
         if isinstance(exc, PlannerError):
             raise

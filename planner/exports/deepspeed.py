@@ -192,10 +192,11 @@ def hf_moe_type(model) -> str:
     moe_type = ("qwen3_moe" if model.qk_norm and not model.qkv_bias and not model.shared_expert_ffn_hidden_size
                 else "qwen2_moe" if model.qkv_bias and not model.qk_norm and model.shared_expert_gate
                 else "mixtral" if not (model.qk_norm or model.qkv_bias or model.shared_expert_ffn_hidden_size
-                                       or model.num_dense_layers) else None)
+                                       or model.num_dense_layers or not model.norm_topk_prob) else None)
     why = ("multi-head latent attention" if model.uses_mla else
            "a capacity factor (HF's MoE blocks are dropless)" if model.capacity_factor > 0 else
-           "no HF architecture has its mix of attention, shared expert and dense layers" if moe_type is None else "")
+           "no HF architecture has its mix of attention, shared expert, dense layers and top-k weights"
+           if moe_type is None else "")
     if why:
         raise Refused(f"DeepSpeed export of mixture-of-experts model {model.name} is not supported: {why}; "
                       f"export it to megatron")
@@ -213,7 +214,8 @@ def _hf_moe_keys(model, config: dict) -> dict:
         return dict(config, num_local_experts=model.num_experts, intermediate_size=model.expert_ffn_hidden_size,
                     sliding_window=None)
     config.update(num_experts=model.num_experts, moe_intermediate_size=model.expert_ffn_hidden_size,
-                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=list(range(model.num_dense_layers)))
+                  norm_topk_prob=model.norm_topk_prob, decoder_sparse_step=1,
+                  mlp_only_layers=list(range(model.num_dense_layers)))
     if moe_type == "qwen2_moe":
         config["shared_expert_intermediate_size"] = model.shared_expert_ffn_hidden_size
     return config
@@ -244,7 +246,7 @@ def hf_config(model) -> dict:
         return config
     return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": model.hidden_size,
             "n_layer": model.num_layers, "n_head": model.num_heads, "n_inner": model.ffn_hidden_size,
-            "n_positions": model.max_seq_len, "vocab_size": model.vocab_size, "activation_function": "gelu",
+            "n_positions": model.max_seq_len, "vocab_size": model.vocab_size, "activation_function": "gelu" if model.gelu_approximation == "none" else "gelu_new",
             "layer_norm_epsilon": model.norm_eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
             "tie_word_embeddings": model.tied_embeddings}
 

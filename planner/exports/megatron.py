@@ -61,6 +61,9 @@ def export_megatron(plan: Plan, ctx: ExportContext) -> Export:
     notes = ["data: the script trains on --mock-data with a NullTokenizer of the model's vocabulary; for real data give "
              "--data-path and --tokenizer-type HuggingFaceTokenizer --tokenizer-model <path>",
              "--train-iters and --lr are placeholders: set your schedule"]
+    if problem.model.gelu_approximation == "tanh":
+        notes.append("GELU: Megatron-Core's GPT model runs exact (erf) GELU; its --openai-gelu (the model's tanh "
+                     "approximation) reaches only the legacy model, so the export trains exact GELU")
     return Export(target="megatron", version=VERSION, files={"launch.sh": text}, main="launch.sh", expressed=expressed,
                   cannot_express=tuple(lines), notes=tuple(notes), settings={"args": args, "env": env})
 
@@ -128,6 +131,8 @@ def _moe_arguments(model) -> dict:
     args: dict = {"--num-experts": model.num_experts, "--moe-ffn-hidden-size": model.expert_ffn_hidden_size,
                   "--moe-router-topk": model.num_experts_per_token, "--moe-token-dispatcher-type": "alltoall",
                   "--moe-grouped-gemm": True, "--moe-router-dtype": "fp32"}
+    if not model.norm_topk_prob:  # softmax over all experts, the chosen k's probabilities not renormalised
+        args["--moe-router-pre-softmax"] = True
     if model.num_dense_layers:
         args["--moe-layer-freq"] = f"([0]*{model.num_dense_layers}+[1]*{model.num_moe_layers})"
     if model.shared_expert_ffn_hidden_size:

@@ -194,6 +194,9 @@ def _moe_and_cp(args: dict, *, cp: int, ep: int, out: list[str]) -> None:
         out.append("num_experts must be non None to use expert model parallelism")
     elif ep > 1 and experts % ep:
         out.append("Number of experts should be a multiple of expert model parallel_size.")
+    if (experts and _int(args, "--moe-router-topk") == 1 and "--moe-router-pre-softmax" not in args
+            and args.get("--moe-router-load-balancing-type") != "sinkhorn"):
+        out.append("Please use --moe-router-pre-softmax when topk is 1.")
     if "--moe-shared-expert-overlap" in args and args.get("--moe-token-dispatcher-type", "allgather") == "allgather":
         out.append("moe_shared_expert_overlap only works with alltoall or flex token dispatcher.")
     seq = _int(args, "--seq-length")

@@ -21,8 +21,9 @@ torchtitan's public helpers with the plan's model's shape) and every plan knob t
 - activation_checkpoint: None, SelectiveAC (per-op) or FullAC; the optimizer: Adam as the job's.
 
 The model is torchtitan's llama3 decoder for Llama models and its qwen3 decoder (an explicit head_dim,
-optional query/key head norms, per-layer dense or MoE blocks: softmax top-k routing renormalised, an
-optional ungated shared expert) for Qwen3 and MoE models (Mixtral is the qwen3 decoder without head norms).
+optional query/key head norms, per-layer dense or MoE blocks: softmax top-k routing, renormalised as the
+model's norm_topk_prob says (route_norm), an optional ungated shared expert) for Qwen3 and MoE models
+(Mixtral is the qwen3 decoder without head norms).
 
 Refused (torchtitan would reject them, or has no such model): GPT-2 models, Qwen2's q/k/v biases, MLA,
 gated shared experts, capacity factors, EP that does not divide dp_shard x cp x tp, tied embeddings with
@@ -69,7 +70,8 @@ def export_torchtitan(plan: Plan, ctx: ExportContext) -> Export:
              "scripts/download_hf_assets.py); the data is torchtitan's c4 loader"]
     if ctx.problem.model.is_moe:
         notes.append("experts: torchtitan balances them by its auxiliary-loss-free expert bias (load_balance_coeff "
-                     "1e-3), not by the model's auxiliary loss; routing as the model's (softmax, top-k, renormalised)")
+                     "1e-3), not by the model's auxiliary loss; routing as the model's (softmax, top-k, "
+                     f"{'renormalised' if ctx.problem.model.norm_topk_prob else 'not renormalised'})")
     return Export(target="torchtitan", version=VERSION, files=files, main=f"{MODULE}.py", expressed=expressed,
                   cannot_express=tuple(lines), notes=tuple(notes), settings=settings)
 
@@ -191,7 +193,8 @@ def _settings(plan: Plan, ctx: ExportContext) -> dict:
                       "qk_norm": model.qk_norm, "num_experts": model.num_experts,
                       "top_k": model.num_experts_per_token, "expert_ffn_dim": model.expert_ffn_hidden_size,
                       "shared_ffn_dim": model.shared_expert_ffn_hidden_size,
-                      "dense_layers": model.num_dense_layers if model.is_moe else model.num_layers},
+                      "dense_layers": model.num_dense_layers if model.is_moe else model.num_layers,
+                      "route_norm": model.norm_topk_prob},
             "world_size": ctx.problem.cluster.num_devices, "dp_ranks_per_node": dp_ranks_per_node(plan, ctx.problem)}
 
 
@@ -286,12 +289,13 @@ from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 # The model: {model_name} as the planner defines it, on torchtitan's qwen3 decoder (RoPE base {rope_theta:g}
 # without scaling on rotated halves, RMSNorm, SwiGLU, no biases; query/key head norms: {qk_norm}). Layers from
 # DENSE_LAYERS on are mixtures of NUM_EXPERTS experts of width EXPERT_FFN_DIM, top TOP_K by softmax,
-# renormalised (a shared expert of width SHARED_FFN_DIM beside them where it is not 0).
+# renormalised where ROUTE_NORM (a shared expert of width SHARED_FFN_DIM beside them where it is not 0).
 DIM, N_LAYERS, N_HEADS, N_KV_HEADS, HEAD_DIM, FFN_DIM, VOCAB = ({dim}, {n_layers}, {n_heads}, {n_kv_heads}, {head_dim},
                                                              {ffn_dim}, {vocab})
 NUM_EXPERTS, TOP_K, EXPERT_FFN_DIM, SHARED_FFN_DIM, DENSE_LAYERS = ({num_experts}, {top_k}, {expert_ffn_dim},
                                                                    {shared_ffn_dim}, {dense_layers})
 TIED, ROPE_THETA, ROPE_MAX_SEQ_LEN, NORM_EPS, QK_NORM = {tied}, {rope_theta!r}, {rope_max_seq_len}, {norm_eps!r}, {qk_norm}
+ROUTE_NORM = {route_norm}  # the top-k softmax probabilities renormalised to sum to one (HF's norm_topk_prob)
 SPEC = dict(name="qwen3", parallelize_fn=parallelize_qwen3,
             post_optimizer_build_fn=register_moe_load_balancing_hook if NUM_EXPERTS else None,
             state_dict_adapter=Qwen3StateDictAdapter)
@@ -313,7 +317,7 @@ def _moe() -> dict:
     return {{"moe": make_moe_config(
         num_experts=NUM_EXPERTS, shared_experts=shared,
         router=make_router_config(dim=DIM, num_experts=NUM_EXPERTS, gate_param_init=_init(0.02), top_k=TOP_K,
-                                  score_func="softmax", route_norm=True),
+                                  score_func="softmax", route_norm=ROUTE_NORM),
         routed_experts=make_routed_experts_config(
             dim=DIM, hidden_dim=EXPERT_FFN_DIM, num_experts=NUM_EXPERTS, top_k=TOP_K, comm_backend="standard",
             param_init={{"w1_EFD": partial(nn.init.normal_, std=0.02), "w2_EDF": partial(nn.init.normal_, std=out),
@@ -386,7 +390,7 @@ def config_module(plan: Plan, ctx: ExportContext, settings: dict) -> str:
         module=MODULE, vocab=m["vocab_size"], tied=m["enable_weight_tying"], flavor=f"planner-{problem.model.name}",
         **{k: m[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta", "rope_max_seq_len",
                              "norm_eps", "head_dim", "qk_norm", "num_experts", "top_k", "expert_ffn_dim",
-                             "shared_ffn_dim", "dense_layers")},
+                             "shared_ffn_dim", "dense_layers", "route_norm")},
         assets=ASSETS[kind], training=_fields(settings["training"], 12), parallelism=_fields(settings["parallelism"], 12),
         activation_checkpoint="None" if checkpoint is None else f"{checkpoint}.Config()")
     model = {"llama3": _LLAMA3_MODEL, "qwen3": _QWEN3_MODEL}[kind]

@@ -214,12 +214,38 @@ HF_LLAMA = {"model_type": "llama", "num_attention_heads": 8, "num_key_value_head
             "hidden_size": 64, "intermediate_size": 176, "vocab_size": 256, "max_position_embeddings": 128}
 
 
+HF_GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 256, "n_positions": 128}
+
+
+def test_hf_activation_and_norm_epsilon_are_the_configs_or_one_line(tmp_path):
+    """The engine runs what the config says or the reader says why not: GPT-2's GELU (transformers' default
+    gelu_new is the tanh approximation), llama's silu only, the norm epsilon as written."""
+    def read(cfg):
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps(cfg))
+        return model_from_hf_config(path)
+
+    assert read(HF_GPT2).gelu_approximation == "tanh" and read(HF_GPT2).norm_eps == 1e-5
+    assert read(dict(HF_GPT2, activation_function="gelu", layer_norm_epsilon=1e-6)).gelu_approximation == "none"
+    assert read(dict(HF_LLAMA, rms_norm_eps=1e-5)).norm_eps == 1e-5 and read(HF_LLAMA).norm_eps == 1e-6
+    # A llama config's head_dim other than hidden / heads is run as written.
+    assert read(dict(HF_LLAMA, head_dim=16)).head_dim == 16 and read(dict(HF_LLAMA, head_dim=8)).attention_head_dim == 0
+    for cfg, message in ((dict(HF_GPT2, activation_function="relu"), "'activation_function' 'relu' is not supported"),
+                         (dict(HF_LLAMA, hidden_act="gelu"), "'hidden_act' 'gelu' is not supported"),
+                         (dict(HF_LLAMA, attention_bias=True), "'attention_bias' true is not supported for llama"),
+                         (dict(HF_LLAMA, mlp_bias=True), "'mlp_bias' true is not supported for llama")):
+        with pytest.raises(PlannerError, match=message) as exc:
+            read(cfg)
+        assert "\n" not in str(exc.value)
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(key=st.sampled_from(sorted(HF_LLAMA) + ["tie_word_embeddings"]), value=JSON_VALUES,
-       whole=JSON_VALUES)
-def test_hf_config_files_give_a_model_or_planner_error(tmp_path_factory, key, value, whole):
+@given(key=st.sampled_from(sorted(HF_LLAMA) + ["tie_word_embeddings", "rms_norm_eps", "hidden_act", "head_dim",
+                                               "attention_bias"]), value=JSON_VALUES,
+       gpt_key=st.sampled_from(sorted(HF_GPT2) + ["activation_function", "layer_norm_epsilon"]), whole=JSON_VALUES)
+def test_hf_config_files_give_a_model_or_planner_error(tmp_path_factory, key, value, gpt_key, whole):
     folder = tmp_path_factory.mktemp("hf")
-    for i, data in enumerate(({**HF_LLAMA, key: value}, whole)):
+    for i, data in enumerate(({**HF_LLAMA, key: value}, {**HF_GPT2, gpt_key: value}, whole)):
         path = folder / f"config{i}.json"
         path.write_text(json.dumps(data))
         for load in (model_from_hf_config, resolve_model):

@@ -202,9 +202,24 @@ def test_qwen_attention_is_the_models_in_every_target_and_qwen2s_biases_refused_
     assert re.search(r"ROPE_THETA, ROPE_MAX_SEQ_LEN, NORM_EPS, QK_NORM = \w+, 1000000\.0,", module)
     assert "Qwen3Model.Config(" in module and "HEAD_DIM" in module and "QK_NORM = " in module
     assert re.search(r"QK_NORM = .*True", module)
+    # Qwen's norm epsilon (1e-6, Llama's 1e-5), in every target.
+    assert args["--norm-epsilon"] == 1e-6 and re.search(r"NORM_EPS, QK_NORM = .*, 1e-06, True", module)
+    assert json.loads(_export(plan, "deepspeed", qwen2).files["config.json"])["rms_norm_eps"] == 1e-6
+    assert _export(plan, "megatron", make_problem(model="llama3-8b", hardware="h100", gpus=8, gpus_per_node=8,
+                                                  global_batch=16, seq_len=4096)).settings["args"]["--norm-epsilon"] == 1e-5
     both = dataclasses.replace(qwen3, model=dataclasses.replace(qwen3.model, name="qwen-both", qkv_bias=True))
     with pytest.raises(Refused, match="no HF architecture has both"):
         _export(plan, "deepspeed", both)
+
+
+def test_gpt2_gelu_is_the_models_or_said():
+    gpt = make_problem(model="gpt3-1.7b", hardware="a100", gpus=8, gpus_per_node=8, global_batch=8, seq_len=2048)
+    tanh = dataclasses.replace(gpt, model=dataclasses.replace(gpt.model, gelu_approximation="tanh"))
+    plan = Plan(dp=8, micro_batch=1, num_micro_batches=1)
+    for problem, hf_name in ((gpt, "gelu"), (tanh, "gelu_new")):
+        assert json.loads(_export(plan, "deepspeed", problem).files["config.json"])["activation_function"] == hf_name
+    assert not any("GELU" in note for note in _export(plan, "megatron", gpt).notes)
+    assert any(note.startswith("GELU: Megatron-Core's GPT model runs exact") for note in _export(plan, "megatron", tanh).notes)
 
 
 def test_knobs_a_target_cannot_express_are_one_line_each_from_the_knob_table():
@@ -266,6 +281,9 @@ def test_torchtitan_writes_moe_models_on_its_qwen3_decoder_with_expert_paralleli
     module = result.files["planner_plan.py"]
     assert "NUM_EXPERTS, TOP_K, EXPERT_FFN_DIM, SHARED_FFN_DIM, DENSE_LAYERS = (128, 8, 768," in module
     assert any("auxiliary-loss-free" in note for note in result.notes)
+    assert "ROUTE_NORM = True" in module and "route_norm=ROUTE_NORM" in module
+    unnormalised = dataclasses.replace(problem, model=dataclasses.replace(problem.model, norm_topk_prob=False))
+    assert "ROUTE_NORM = False" in _export(plan, "torchtitan", unnormalised).files["planner_plan.py"]
     # Expert TP: torchtitan's experts are whole (reset to 1, said); EP folds over dp_shard x cp x tp, not
     # across HSDP replicas (the closest plan it accepts is named).
     etp = _export(plan.replace(tp=2, dp=8, ep=4, etp=2, sequence_parallel=True, param_shard=8, grad_shard=8,
@@ -280,7 +298,10 @@ def test_torchtitan_writes_moe_models_on_its_qwen3_decoder_with_expert_paralleli
 
 
 @pytest.mark.parametrize("name,changes", [("mixtral-8x7b", {}), ("qwen3-30b-a3b", {}), ("qwen3-30b-a3b", {"num_dense_layers": 2}),
-                                          ("tiny-moe", {"shared_expert_gate": True, "qkv_bias": True})])
+                                          ("qwen3-30b-a3b", {"norm_topk_prob": False}),
+                                          ("tiny-moe", {"shared_expert_gate": True, "qkv_bias": True}),
+                                          ("tiny-moe", {"shared_expert_gate": True, "qkv_bias": True,
+                                                        "norm_topk_prob": False})])
 def test_deepspeed_moe_config_json_is_the_model_in_transformers_and_in_the_planner(name, changes, tmp_path):
     # DeepSpeed trains the HF model its config.json describes: transformers builds it (meta device) with the
     # planner's parameter count, and the planner reads it back as the same model.
@@ -308,7 +329,9 @@ def test_deepspeed_moe_config_json_is_the_model_in_transformers_and_in_the_plann
 def test_deepspeed_refuses_moe_models_no_hf_architecture_describes():
     for name, changes, why in (("deepseek-v3", {}, "multi-head latent attention"),
                                ("mixtral-8x7b", {"capacity_factor": 1.0}, "capacity factor"),
-                               ("tiny-moe", {}, "no HF architecture")):
+                               ("tiny-moe", {}, "no HF architecture"),
+                               # Mixtral always renormalises its top-k weights
+                               ("mixtral-8x7b", {"norm_topk_prob": False}, "no HF architecture")):
         problem = make_problem(model="tiny", hardware="h100", gpus=8, gpus_per_node=8, global_batch=16, seq_len=64)
         problem = dataclasses.replace(problem, model=dataclasses.replace(PRESETS_MODELS[name], **changes))
         with pytest.raises(Refused, match=why):
@@ -327,4 +350,14 @@ def test_megatron_moe_flags_are_the_models_and_the_plans():
     qwen = next(c for c in CASES if c.name == "qwen3-30b-a3b-ep8")
     qargs = _export(qwen.build_plan(), "megatron", qwen.problem()).settings["args"]
     assert qargs["--qk-layernorm"] and qargs["--kv-channels"] == 128 and "--moe-layer-freq" not in qargs
+    # The top-k weights: renormalised is Megatron's default (softmax of the chosen logits); not renormalised is
+    # its pre-softmax routing, which it requires for top-1 (a renormalised single weight is always 1).
+    assert "--moe-router-pre-softmax" not in qargs
+    problem = qwen.problem()
+    for changes in ({"norm_topk_prob": False}, {"norm_topk_prob": False, "num_experts_per_token": 1}):
+        changed = dataclasses.replace(problem, model=dataclasses.replace(problem.model, **changes))
+        assert _export(qwen.build_plan(), "megatron", changed).settings["args"]["--moe-router-pre-softmax"] is True
+    top1 = dataclasses.replace(problem, model=dataclasses.replace(problem.model, num_experts_per_token=1))
+    with pytest.raises(PlannerError, match="Please use --moe-router-pre-softmax when topk is 1"):
+        _export(qwen.build_plan(), "megatron", top1)
 

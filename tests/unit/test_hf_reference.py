@@ -1,11 +1,13 @@
-"""Our model code against an outside implementation: Hugging Face transformers' LlamaForCausalLM and
-GPT2LMHeadModel (a test-only dependency) holding the same weights, on tiny configs built here (no hub
-download): logits, loss and the gradient of every parameter agree within 1e-5.
+"""Our model code against an outside implementation: Hugging Face transformers' Llama, GPT-2, Qwen2, Qwen3,
+Mixtral, Qwen2-MoE and Qwen3-MoE models (a test-only dependency) holding the same weights, on tiny configs
+built here (no hub download): logits, loss and the gradient of every parameter agree within 1e-5.
 
 Every other exactness check compares a parallel plan with the one-process run of *our own* model code
 (runners/reference.py builds the engine's chunks); this one checks that model code itself: RoPE's
 convention and base, GQA's head grouping, RMSNorm / LayerNorm placement and epsilon, SwiGLU's gate and
-up projections, GELU, learned positions, tied and untied embeddings, and the loss's token mean.
+up projections, GELU, learned positions, tied and untied embeddings, and the loss's token mean; for the
+mixtures of experts the router's softmax and top-k, the chosen weights renormalised or not
+(norm_topk_prob), each expert's SwiGLU, the shared expert and its sigmoid gate, leading dense layers.
 
 Weights are drawn at random for every tensor (norm weights and biases too, which the engine starts at
 1 and 0, so that a norm or bias applied in the wrong place cannot hide behind its initial value).
@@ -32,11 +34,23 @@ GPT2 = ModelSpec(name="tiny-gpt2", arch="gpt2", num_layers=2, hidden_size=64, nu
                  ffn_hidden_size=256, vocab_size=128, max_seq_len=32, tied_embeddings=False)
 # Qwen2: q/k/v biases; Qwen3: head_dim 16 on hidden 64 (a query width of 128) and per-head query/key RMSNorms;
 # each with a RoPE base other than Llama 3's (Qwen's 1e6, and 100, far enough to fail if the engine ignored it).
-QWEN2 = dataclasses.replace(LLAMA, name="tiny-qwen2", qkv_bias=True, rope_base=100.0)
-QWEN3 = dataclasses.replace(LLAMA, name="tiny-qwen3", attention_head_dim=16, qk_norm=True, rope_base=1e6)
+# Both with Qwen's norm epsilon, 1e-6 (the others 1e-5), which moves these logits by ~1e-3 if ignored.
+QWEN2 = dataclasses.replace(LLAMA, name="tiny-qwen2", qkv_bias=True, rope_base=100.0, norm_eps=1e-6)
+QWEN3 = dataclasses.replace(LLAMA, name="tiny-qwen3", attention_head_dim=16, qk_norm=True, rope_base=1e6, norm_eps=1e-6)
+# Mixtures of experts (no auxiliary loss: HF's is another formula, and off by default): Mixtral (top-k
+# renormalised), Qwen2-MoE (a sigmoid-gated shared expert, a leading dense layer, norm_topk_prob false: the
+# chosen experts' softmax probabilities as they are) and Qwen3-MoE (norm_topk_prob true).
+MOE = dict(num_experts=4, num_experts_per_token=2, expert_ffn_hidden_size=32)
+MIXTRAL = dataclasses.replace(LLAMA, name="tiny-mixtral", rope_base=1e6, **MOE)
+QWEN2_MOE = dataclasses.replace(QWEN2, name="tiny-qwen2-moe", shared_expert_ffn_hidden_size=24, shared_expert_gate=True,
+                                num_dense_layers=1, norm_topk_prob=False, **MOE)
+QWEN3_MOE = dataclasses.replace(QWEN3, name="tiny-qwen3-moe", **MOE)
 SPECS = {"llama-gqa-untied": LLAMA, "llama-gqa-tied": dataclasses.replace(LLAMA, tied_embeddings=True),
          "gpt2-untied": GPT2, "gpt2-tied": dataclasses.replace(GPT2, tied_embeddings=True),
-         "qwen2-untied": QWEN2, "qwen3-untied": QWEN3}
+         # GPT-2's own GELU, the tanh approximation (HF's gelu_new): ~1e-3 from the exact one
+         "gpt2-gelu-tanh": dataclasses.replace(GPT2, gelu_approximation="tanh", norm_eps=1e-6),
+         "qwen2-untied": QWEN2, "qwen3-untied": QWEN3, "mixtral": MIXTRAL, "qwen2-moe": QWEN2_MOE,
+         "qwen3-moe": QWEN3_MOE}
 
 
 # --- the weight mapping: our canonical names <-> the HF model's state dict ----------------------------
@@ -53,15 +67,31 @@ def _llama_names(spec: ModelSpec) -> dict[str, str]:
                            "attn.bv": "self_attn.v_proj.bias"})
     if spec.qk_norm:
         ours_to_hf.update({"attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight"})
+    moe = {"mlp.router": "mlp.gate.weight", "mlp.experts.w_out": "mlp.experts.down_proj",
+           "mlp.shared.w_gate": "mlp.shared_expert.gate_proj.weight",
+           "mlp.shared.w_in": "mlp.shared_expert.up_proj.weight",
+           "mlp.shared.w_out": "mlp.shared_expert.down_proj.weight", "mlp.shared_gate": "mlp.shared_expert_gate.weight"}
     for i in range(spec.num_layers):
-        names.update({f"layers.{i}.{k}": f"model.layers.{i}.{v}" for k, v in ours_to_hf.items()})
+        dense = {k: v for k, v in ours_to_hf.items() if not k.startswith("mlp.")}
+        layer = ours_to_hf if i < spec.num_dense_layers or not spec.is_moe else dict(dense, **moe)
+        names.update({f"layers.{i}.{k}": f"model.layers.{i}.{v}" for k, v in layer.items()})
     return names
+
+
+def _fused_experts(spec: ModelSpec) -> dict[str, tuple[str, str]]:
+    """HF (transformers 5) stores each MoE layer's gate and up projections as one [E, 2F, h] tensor, gate
+    rows first: its name and our two halves."""
+    return {f"model.layers.{i}.mlp.experts.gate_up_proj": (f"layers.{i}.mlp.experts.w_gate",
+                                                             f"layers.{i}.mlp.experts.w_in")
+            for i in range(spec.num_dense_layers, spec.num_layers)} if spec.is_moe else {}
 
 
 def to_hf(spec: ModelSpec, ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our tensors (canonical names) as the HF model's state dict entries."""
     if spec.arch == "llama":
-        return {hf: ours[name] for name, hf in _llama_names(spec).items() if name in ours}
+        out = {hf: ours[name] for name, hf in _llama_names(spec).items() if name in ours}
+        out.update({hf: torch.cat([ours[gate], ours[up]], dim=1) for hf, (gate, up) in _fused_experts(spec).items()})
+        return out
     out = {"transformer.wte.weight": ours["embed.weight"], "transformer.wpe.weight": ours["embed.pos"],
            "transformer.ln_f.weight": ours["final_norm.weight"], "transformer.ln_f.bias": ours["final_norm.bias"],
            "lm_head.weight": ours.get("lm_head.weight", ours["embed.weight"])}
@@ -83,7 +113,11 @@ def from_hf(spec: ModelSpec, hf: dict[str, torch.Tensor], names: list[str]) -> d
     """HF tensors (parameters or gradients) under our canonical `names`: to_hf's inverse."""
     if spec.arch == "llama":
         mapping = _llama_names(spec)
-        return {name: hf[mapping[name]] for name in names}
+        out = {name: hf[mapping[name]] for name in names if name in mapping}
+        for fused, (gate, up) in _fused_experts(spec).items():
+            out[gate], out[up] = hf[fused].chunk(2, dim=1)
+        assert set(out) == set(names), set(out) ^ set(names)
+        return out
     h = spec.hidden_size
     out = {"embed.weight": hf["transformer.wte.weight"], "embed.pos": hf["transformer.wpe.weight"],
            "final_norm.weight": hf["transformer.ln_f.weight"], "final_norm.bias": hf["transformer.ln_f.bias"]}
@@ -105,13 +139,15 @@ def from_hf(spec: ModelSpec, hf: dict[str, torch.Tensor], names: list[str]) -> d
 
 
 def hf_model(spec: ModelSpec):
-    """The HF model of `spec`'s architecture and shape (Qwen2 / Qwen3 for their attention variants): our epsilon
-    (1e-5), RoPE base (rope_base), exact GELU, no dropout, embeddings tied or not as `spec`."""
+    """The HF model of `spec`'s architecture and shape (Qwen2 / Qwen3 for their attention variants): its norm
+    epsilon (norm_eps), RoPE base (rope_base), its GELU (exact or tanh), no dropout, embeddings tied or not as `spec`."""
+    if spec.is_moe:
+        return _hf_moe_model(spec).float().train()
     if spec.qk_norm or spec.qkv_bias:
         common = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.ffn_hidden_size,
                       num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
                       num_key_value_heads=spec.num_kv_heads, max_position_embeddings=spec.max_seq_len,
-                      rms_norm_eps=1e-5, rope_theta=spec.rope_theta, tie_word_embeddings=spec.tied_embeddings,
+                      rms_norm_eps=spec.norm_eps, rope_theta=spec.rope_theta, tie_word_embeddings=spec.tied_embeddings,
                       use_sliding_window=False, attention_dropout=0.0)
         if spec.qk_norm:
             model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=spec.head_dim,
@@ -122,17 +158,39 @@ def hf_model(spec: ModelSpec):
         config = transformers.LlamaConfig(
             vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.ffn_hidden_size,
             num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
-            num_key_value_heads=spec.num_kv_heads, max_position_embeddings=spec.max_seq_len, rms_norm_eps=1e-5,
+            num_key_value_heads=spec.num_kv_heads, max_position_embeddings=spec.max_seq_len, rms_norm_eps=spec.norm_eps,
             rope_theta=spec.rope_theta, tie_word_embeddings=spec.tied_embeddings, attention_bias=False, mlp_bias=False)
         model = transformers.LlamaForCausalLM(config)
     else:
         config = transformers.GPT2Config(
             vocab_size=spec.vocab_size, n_embd=spec.hidden_size, n_layer=spec.num_layers, n_head=spec.num_heads,
-            n_inner=spec.ffn_hidden_size, n_positions=spec.max_seq_len, activation_function="gelu",
-            layer_norm_epsilon=1e-5, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            n_inner=spec.ffn_hidden_size, n_positions=spec.max_seq_len,
+            activation_function={"none": "gelu", "tanh": "gelu_new"}[spec.gelu_approximation],
+            layer_norm_epsilon=spec.norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
             tie_word_embeddings=spec.tied_embeddings, bos_token_id=None, eos_token_id=None)
         model = transformers.GPT2LMHeadModel(config)
     return model.float().train()
+
+
+def _hf_moe_model(spec: ModelSpec):
+    """Mixtral, Qwen2-MoE or Qwen3-MoE of `spec`'s shape, the architecture its attention names."""
+    common = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
+                  num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+                  max_position_embeddings=spec.max_seq_len, rms_norm_eps=spec.norm_eps, rope_theta=spec.rope_theta,
+                  tie_word_embeddings=spec.tied_embeddings, attention_dropout=0.0,
+                  num_experts_per_tok=spec.num_experts_per_token, output_router_logits=False)
+    if not (spec.qk_norm or spec.qkv_bias):
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **common, num_local_experts=spec.num_experts, intermediate_size=spec.expert_ffn_hidden_size,
+            sliding_window=None, router_jitter_noise=0.0))
+    qwen = dict(common, num_experts=spec.num_experts, moe_intermediate_size=spec.expert_ffn_hidden_size,
+                intermediate_size=spec.ffn_hidden_size, norm_topk_prob=spec.norm_topk_prob, decoder_sparse_step=1,
+                mlp_only_layers=list(range(spec.num_dense_layers)), use_sliding_window=False)
+    if spec.qk_norm:
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**qwen, head_dim=spec.head_dim,
+                                                                            attention_bias=False))
+    return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        **qwen, shared_expert_intermediate_size=spec.shared_expert_ffn_hidden_size))
 
 
 # --- the comparison ---------------------------------------------------------------------------------------
@@ -144,7 +202,7 @@ def _ours(spec: ModelSpec, *, seed: int):
     with torch.no_grad():
         for p in chunk.parameters():
             noise = torch.randn(p.shape, generator=gen)
-            if p.dim() == 2:
+            if p.dim() >= 2:  # matrices, and the experts' stacked ones
                 p.copy_(noise * 0.05)
             else:  # norm weights around 1, biases around 0
                 is_norm_weight = "norm" in p.canonical_name and p.canonical_name.endswith(".weight")

@@ -71,12 +71,13 @@ QWEN3 = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48
          "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
          "vocab_size": 151936, "max_position_embeddings": 40960, "num_experts": 128, "num_experts_per_tok": 8,
          "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.001, "tie_word_embeddings": False,
-         "rope_theta": 1e6}
-# Qwen/Qwen1.5-MoE-A2.7B: 14.3B total, 2.7B active (its model card).
+         "rope_theta": 1e6, "norm_topk_prob": True}
+# Qwen/Qwen1.5-MoE-A2.7B: 14.3B total, 2.7B active (its model card); its config says norm_topk_prob false.
 QWEN2 = {"model_type": "qwen2_moe", "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 16,
          "num_key_value_heads": 16, "intermediate_size": 5632, "moe_intermediate_size": 1408,
          "shared_expert_intermediate_size": 5632, "vocab_size": 151936, "max_position_embeddings": 8192,
-         "num_experts": 60, "num_experts_per_tok": 4, "decoder_sparse_step": 1, "tie_word_embeddings": False}
+         "num_experts": 60, "num_experts_per_tok": 4, "decoder_sparse_step": 1, "tie_word_embeddings": False,
+         "norm_topk_prob": False}
 DEEPSEEK = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
             "num_key_value_heads": 128, "intermediate_size": 18432, "moe_intermediate_size": 2048, "vocab_size": 129280,
             "max_position_embeddings": 163840, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
@@ -91,13 +92,35 @@ def test_hf_config_parses_to_the_preset(tmp_path, cfg, preset):
     assert spec.num_params() == PRESETS[preset].num_params()
     assert spec.num_active_params() == PRESETS[preset].num_active_params()
     assert spec.rope_theta == PRESETS[preset].rope_theta  # the config's rope_theta, the preset's too
+    assert spec.norm_topk_prob == PRESETS[preset].norm_topk_prob
+    assert spec.norm_eps == PRESETS[preset].norm_eps  # transformers' default where the config is silent
 
 
 def test_qwen2_moe_config(tmp_path):
     spec = model_from_hf_config(_write(tmp_path, QWEN2))
     assert spec.shared_expert_gate and spec.qkv_bias
+    assert not spec.norm_topk_prob  # the chosen experts' probabilities as they are
     assert spec.num_params() == pytest.approx(14.3e9, rel=0.005)
     assert spec.num_active_params() == pytest.approx(2.7e9, rel=0.02)
+
+
+def test_norm_eps_is_the_configs_with_transformers_default(tmp_path):
+    """rms_norm_eps: as written, else transformers' default (Mixtral's 1e-5, Qwen's and DeepSeek's 1e-6)."""
+    assert model_from_hf_config(_write(tmp_path, dict(QWEN3, rms_norm_eps=1e-6))).norm_eps == 1e-6
+    assert model_from_hf_config(_write(tmp_path, dict(MIXTRAL, rms_norm_eps=1e-6))).norm_eps == 1e-6
+    assert model_from_hf_config(_write(tmp_path, MIXTRAL)).norm_eps == 1e-5
+    with pytest.raises(PlannerError, match="norm_eps must be between 0 and 1, got 0.0"):
+        model_from_hf_config(_write(tmp_path, dict(QWEN2, rms_norm_eps=0)))
+
+
+def test_norm_topk_prob_is_read_with_transformers_default(tmp_path):
+    """Qwen-MoE configs say whether the top-k weights are renormalised; transformers' default is false."""
+    unsaid = {k: v for k, v in QWEN3.items() if k != "norm_topk_prob"}
+    assert not model_from_hf_config(_write(tmp_path, unsaid)).norm_topk_prob
+    assert model_from_hf_config(_write(tmp_path, dict(QWEN2, norm_topk_prob=True))).norm_topk_prob
+    with pytest.raises(PlannerError, match="'norm_topk_prob' must be true or false, got 'yes'") as exc:
+        model_from_hf_config(_write(tmp_path, dict(QWEN2, norm_topk_prob="yes")))
+    assert "\n" not in str(exc.value)
 
 
 @pytest.mark.parametrize("cfg,key", [(MIXTRAL, "num_local_experts"), (QWEN3, "moe_intermediate_size"),
@@ -114,6 +137,8 @@ def test_bad_moe_values_are_one_line(tmp_path):
         model_from_hf_config(_write(tmp_path, dict(MIXTRAL, num_experts_per_tok="2")))
     with pytest.raises(PlannerError, match="num_experts_per_token must be between 1 and num_experts 8, got 9"):
         model_from_hf_config(_write(tmp_path, dict(MIXTRAL, num_experts_per_tok=9)))
+    with pytest.raises(PlannerError, match="'sliding_window' 4096 is not supported"):
+        model_from_hf_config(_write(tmp_path, dict(MIXTRAL, sliding_window=4096)))
     with pytest.raises(PlannerError, match="'decoder_sparse_step' 2 is not supported"):
         model_from_hf_config(_write(tmp_path, dict(QWEN3, decoder_sparse_step=2)))
     with pytest.raises(PlannerError, match=r"'mlp_only_layers' \[0, 2\] is not supported"):
