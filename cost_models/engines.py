@@ -80,7 +80,9 @@ class EngineModel:
     recompute_modules: tuple[str, ...] = ("core_attn",)
     # Context parallelism in an MoE model: Megatron-Core folds CP into the attention side and the MoE layers
     # route each CP rank's tokens (parallel folding), as this project's engine does (runners/moe.py, which
-    # sums a sequence's expert counts over CP); the others are not modelled running MoE with CP.
+    # sums a sequence's expert counts over CP) and torchtitan 0.3 does (its qwen3 decoder wraps only the
+    # attention core for CP, its token dispatcher takes the seq_len / (cp x tp) tokens CP and SP leave a rank,
+    # and its EP folds over dp_shard x cp x tp); the others are not modelled running MoE with CP.
     moe_context_parallel: bool = False
     # What the engine's FSDP does to the whole unsharded gradient every micro-batch before its reduce-scatter
     # (`estimate.unsharded_grad_pass_bytes`): "fsdp1", PyTorch FSDP1 (llm-foundry's Composer): the
@@ -155,7 +157,7 @@ ENGINES: dict[str, EngineModel] = {e.name: e for e in (
     # (pytorch/torchtitan#1196, 2025-05).
     EngineModel("torchtitan", "torchtitan (FSDP2, eager, SDPA attention, fp32 gradient reduction)",
                 attention="flash2", fused_elementwise=False, tp_comm_hidden=0.0, reduce_fp32=True,
-                main_grads_fp32=False, unsharded_grad_passes="fsdp2"),
+                main_grads_fp32=False, unsharded_grad_passes="fsdp2", moe_context_parallel=True),
     EngineModel("fsdp", "PyTorch FSDP1 with FlashAttention-2 (llm-foundry / Composer), eager elementwise",
                 attention="flash2", fused_elementwise=False, tp_comm_hidden=0.0, reduce_fp32=False,
                 main_grads_fp32=False, gpt_dropout=False, context_parallel=False,

@@ -84,7 +84,7 @@ CASES = (
                dict(dp=4, tp=4, cp=4, cp_kind="hierarchical", micro_batch=1, num_micro_batches=4,
                     sequence_parallel=True, zero=3, recompute="full"), refused_by=("deepspeed",)),
     # MoE: Mixtral-8x22B EP8 over TP2 x DP16 (expert-DP 4; DeepSpeed's AutoTP has no SP); DeepSeek-V3 with MLA,
-    # its 3 dense layers and EP64 across nodes; Qwen3-30B-A3B with qk norm and EP8 inside a node.
+    # its 3 dense layers and EP64 across nodes; Qwen3-30B-A3B with qk norm and EP8 inside a node, and with CP2.
     ExportCase("mixtral-8x22b-ep8-tp2-pp8", "mixtral-8x22b", 256, 1024, 4096,
                dict(dp=16, tp=2, pp=8, ep=8, micro_batch=1, num_micro_batches=64, sequence_parallel=True, zero=1,
                     recompute="full"), refused_by=("deepspeed",)),
@@ -93,6 +93,10 @@ CASES = (
                     zero=1, recompute="full"), refused_by=("torchtitan", "deepspeed")),
     ExportCase("qwen3-30b-a3b-ep8", "qwen3-30b-a3b", 16, 64, 4096,
                dict(dp=16, ep=8, micro_batch=1, num_micro_batches=4, zero=1, recompute="selective")),
+    # Context parallelism beside the experts: each CP rank routes its own tokens, EP 8 folded over dp x cp.
+    ExportCase("qwen3-30b-a3b-32k-cp2-ep8", "qwen3-30b-a3b", 16, 16, 32768,
+               dict(dp=8, cp=2, ep=8, micro_batch=1, num_micro_batches=2, zero=1, recompute="full"),
+               refused_by=("deepspeed",)),
     # Dense Qwen attention: Qwen3-8B (head_dim 128, query/key head norms: torchtitan's qwen3 model) and
     # Qwen2.5-7B (q/k/v biases, which neither torchtitan model has).
     ExportCase("qwen3-8b-tp2-zero1", "qwen3-8b", 16, 64, 4096,

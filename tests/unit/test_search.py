@@ -324,8 +324,8 @@ def test_moe_models_get_context_parallelism_only_where_the_engine_runs_it():
     assert expert_options(problem, dp=4, cp=2, tp=1, sequence_parallel=False) == []
     # Expert TP over a divisor of the attention's TP (and of the experts' FFN width 32), etp x ep over the 8 ranks.
     assert expert_options(problem, dp=4, cp=1, tp=2, sequence_parallel=True) == [*pairs, (1, 2), (2, 2), (4, 2)]
-    assert default_cost_model("megatron").moe_context_parallel and default_cost_model("ours").moe_context_parallel
-    assert not default_cost_model("torchtitan").moe_context_parallel
+    assert all(default_cost_model(e).moe_context_parallel for e in ("megatron", "ours", "torchtitan"))
+    assert not default_cost_model("fsdp").moe_context_parallel
     # A capacity factor drops per sequence in position order: not with a sequence split over CP (or TP) ranks.
     capped = dataclasses.replace(problem, model=dataclasses.replace(problem.model, capacity_factor=1.0))
     assert expert_options(capped, dp=4, cp=2, tp=1, sequence_parallel=False, context_parallel=True) == []
