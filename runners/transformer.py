@@ -67,6 +67,25 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """The rotary frequencies of `spec`'s head_dim: base^(-2i/d), with Llama 3.1's scaling where the model
+    has it (rope_scaling "llama3", as transformers' _compute_llama3_parameters: wavelengths above
+    original / low_freq_factor slowed by the factor, below original / high_freq_factor kept, a linear mix
+    in the smooth factor between)."""
+    d = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    if spec.rope_scaling != "llama3":
+        return inv_freq
+    factor, low, high = spec.rope_scaling_factor, spec.rope_low_freq_factor, spec.rope_high_freq_factor
+    original = spec.rope_original_max_positions
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    mixed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(medium, mixed, scaled)
+
+
 class Rope(nn.Module):
     """RoPE tables for the positions a rank holds (0..s-1, or its CP chunks), computed on use and kept for
     the last shape: a table for the model's whole context (131072 positions) would cost more than the
@@ -74,10 +93,8 @@ class Rope(nn.Module):
 
     def __init__(self, spec: ModelSpec, *, cp: CPContext) -> None:
         super().__init__()
-        d = spec.head_dim
         self.cp = cp
-        self.register_buffer("inv_freq", 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)),
-                             persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(spec), persistent=False)
         self._cached: tuple | None = None
 
     def tables(self, num_local: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,7 +352,11 @@ def check_cp_heads(spec: ModelSpec, *, tp_size: int, a2a_size: int) -> None:
 
 
 def check_moe_runnable(spec: ModelSpec, plan) -> None:
-    """Raise ValueError for the MoE models and plans this engine does not run (the cost model prices them)."""
+    """Raise ValueError for the models (MoE ones, RoPE variants) and plans this engine does not run (the cost
+    model prices them)."""
+    if spec.rope_scaling not in ("none", "llama3"):
+        raise ValueError(f"the engine does not run {spec.rope_scaling} rope scaling of model {spec.name} (the cost "
+                         f"model prices it; llama3 scaling or none run)")
     if spec.is_moe:
         # TP without SP: every TP rank would route and run the same tokens, each expert's gradient summed
         # tp times over expert-DP (Megatron-Core refuses MoE with TP and no sequence parallelism too).

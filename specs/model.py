@@ -23,6 +23,8 @@ from specs.errors import PlannerError
 from specs.jsonio import dataclass_from_dict, dataclass_to_dict, read_json_file
 
 ARCHS = ("llama", "gpt2")
+# HF's rope_type values: "default" is "none" here; the engine runs "none" and "llama3".
+ROPE_SCALINGS = ("none", "llama3", "linear", "dynamic", "yarn", "longrope")
 LOAD_BALANCING = ("aux_loss", "aux_free", "forced")
 
 
@@ -75,8 +77,18 @@ class ModelSpec:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
-    # RoPE base of a llama-arch model (HF's rope_theta; Llama 3's 500000, Qwen's and Mixtral's 1e6), unscaled.
+    # RoPE base of a llama-arch model (HF's rope_theta; Llama 3's 500000, Qwen's and Mixtral's 1e6).
     rope_base: float = 500000.0
+    # Its frequencies' scaling (HF's rope_scaling / rope_parameters rope_type): "none", or "llama3" (Llama
+    # 3.1+: wavelengths over original_max_positions / low_freq_factor divided by the factor, under
+    # original_max_positions / high_freq_factor kept, a smooth mix between), which the engine and every
+    # export run; HF's other types (linear, dynamic, yarn, longrope) are recorded, priced like unscaled RoPE
+    # (the same FLOPs), and refused by the engine.
+    rope_scaling: str = "none"
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
     # The RMSNorm / LayerNorm epsilon (HF's rms_norm_eps, GPT-2's layer_norm_epsilon): Llama's and Mixtral's
     # 1e-5, Qwen's and DeepSeek's 1e-6; the engine and every export use it.
     norm_eps: float = 1e-5
@@ -97,12 +109,24 @@ class ModelSpec:
         self._check_moe()
         if not self.rope_base > 0:
             raise ValueError(f"rope_base must be positive, got {self.rope_base}")
+        self._check_rope_scaling()
         if not 0 < self.norm_eps < 1:
             raise ValueError(f"norm_eps must be between 0 and 1, got {self.norm_eps}")
         if self.gelu_approximation not in ("none", "tanh"):
             raise ValueError(f"gelu_approximation must be none or tanh, got {self.gelu_approximation!r}")
         if self.kv_lora_rank and min(self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim) < 1:
             raise ValueError("MLA (kv_lora_rank > 0) needs qk_nope_head_dim, qk_rope_head_dim and v_head_dim of at least 1")
+
+    def _check_rope_scaling(self) -> None:
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(f"rope_scaling must be one of {', '.join(ROPE_SCALINGS)}, got {self.rope_scaling!r}")
+        valid = (self.rope_scaling_factor >= 1 and self.rope_original_max_positions >= 1
+                 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor)
+        if self.rope_scaling == "llama3" and not valid:
+            raise ValueError(f"llama3 rope scaling needs factor >= 1, 0 < low_freq_factor < high_freq_factor and "
+                             f"original_max_position_embeddings >= 1, got {self.rope_scaling_factor}, "
+                             f"{self.rope_low_freq_factor}, {self.rope_high_freq_factor}, "
+                             f"{self.rope_original_max_positions}")
 
     def _check_moe(self) -> None:
         for name in ("num_experts", "num_experts_per_token", "expert_ffn_hidden_size", "shared_expert_ffn_hidden_size",
@@ -176,8 +200,8 @@ class ModelSpec:
 
     @property
     def rope_theta(self) -> float | None:
-        """The RoPE base of a llama model (`rope_base`, without scaling), None for learned positions; the
-        engine and every export use it."""
+        """The RoPE base of a llama model (`rope_base`; its scaling is `rope_scaling`), None for learned
+        positions; the engine and every export use it."""
         return self.rope_base if self.arch == "llama" else None
 
     # --- parameter counts ----------------------------------------------------------------------
@@ -284,6 +308,13 @@ def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, v
                      tied_embeddings=tied)
 
 
+def _llama3_rope(factor: float) -> dict:
+    """Llama 3.1's / 3.2's rope_scaling: rope_type llama3 with low_freq_factor 1, high_freq_factor 4 and
+    original_max_position_embeddings 8192 (their config.json files)."""
+    return dict(rope_scaling="llama3", rope_scaling_factor=factor, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                rope_original_max_positions=8192)
+
+
 def _moe(name: str, *, layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int, seq: int,
          experts: int, top_k: int, expert_ffn: int, **more) -> ModelSpec:
     return ModelSpec(name=name, arch="llama", num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv,
@@ -348,14 +379,16 @@ PRESETS: dict[str, ModelSpec] = {
         _gpt("gpt3-310b", 96, 16384, 128),
         _gpt("gpt3-530b", 105, 20480, 128),
         _gpt("gpt3-1t", 128, 25600, 160),
-        _llama("llama3.2-1b", 16, 2048, 32, 8, 8192, 128256, 8192, True),
+        # meta-llama/Llama-3.2-1B config.json: rope_scaling llama3, factor 32 (low 1, high 4, original 8192).
+        dataclasses.replace(_llama("llama3.2-1b", 16, 2048, 32, 8, 8192, 128256, 8192, True), **_llama3_rope(32.0)),
         _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192, False),
         _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, False),
-        _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192, False),
-        # Llama 3.1: Llama 3's shapes with the 131072-token context its config.json allows (rope scaling).
-        # The engine and the exports use unscaled RoPE (ModelSpec.rope_theta); the cost is the same.
-        _llama("llama3.1-8b", 32, 4096, 32, 8, 14336, 128256, 131072, False),
-        _llama("llama3.1-70b", 80, 8192, 64, 8, 28672, 128256, 131072, False),
+        # The 405B model exists as Llama 3.1 only: its config's llama3 rope scaling, factor 8.
+        dataclasses.replace(_llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192, False), **_llama3_rope(8.0)),
+        # Llama 3.1: Llama 3's shapes with the 131072-token context its config.json allows by its llama3
+        # rope scaling (factor 8, low 1, high 4, original 8192), which the engine and every export run.
+        dataclasses.replace(_llama("llama3.1-8b", 32, 4096, 32, 8, 14336, 128256, 131072, False), **_llama3_rope(8.0)),
+        dataclasses.replace(_llama("llama3.1-70b", 80, 8192, 64, 8, 28672, 128256, 131072, False), **_llama3_rope(8.0)),
         # Qwen/Qwen2.5-7B config.json: hidden 3584, 28 layers, 28 heads, 4 KV heads, intermediate 18944, vocab
         # 152064, max_position_embeddings 131072, rope_theta 1e6, rms_norm_eps 1e-6, untied, q/k/v biases
         # (Qwen2's attention).
@@ -444,8 +477,7 @@ def _llama_common(cfg: dict, path: Path, name: str, eps_default: float = 1e-6) -
                 ffn_hidden_size=_int_key(cfg, "intermediate_size", path), vocab_size=_int_key(cfg, "vocab_size", path),
                 max_seq_len=_int_key(cfg, "max_position_embeddings", path),
                 tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                rope_base=_float_key(cfg, "rope_theta", path, 10000.0),  # transformers' defaults
-                norm_eps=_float_key(cfg, "rms_norm_eps", path, eps_default))
+                norm_eps=_float_key(cfg, "rms_norm_eps", path, eps_default), **_rope_fields(cfg, path))
 
 
 def _no_sliding_window(cfg: dict, path: Path) -> None:
@@ -453,6 +485,34 @@ def _no_sliding_window(cfg: dict, path: Path) -> None:
     if cfg.get("use_sliding_window"):
         raise PlannerError(f"config {path}: key 'use_sliding_window' true is not supported (full causal attention "
                            f"only)")
+
+
+def _rope_fields(cfg: dict, path: Path) -> dict:
+    """RoPE base and scaling: transformers 5 writes both in `rope_parameters` (rope_theta, rope_type, ...),
+    earlier versions `rope_theta` and `rope_scaling` (null, or rope_type / type with its parameters)."""
+    params = cfg.get("rope_parameters")
+    key = "rope_parameters" if params is not None else "rope_scaling"
+    scaling = params if params is not None else cfg.get("rope_scaling")
+    if scaling is not None and not isinstance(scaling, dict):
+        raise PlannerError(f"config {path}: key {key!r} must be an object or null, got {scaling!r}")
+    scaling = scaling or {}
+    base = (_float_key(scaling, "rope_theta", path, 10000.0) if "rope_theta" in scaling
+            else _float_key(cfg, "rope_theta", path, 10000.0))  # transformers' default
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    kind = "none" if kind == "default" else kind
+    if kind not in ROPE_SCALINGS:
+        raise PlannerError(f"config {path}: {key} rope_type {kind!r} is not supported (use default, "
+                           f"{', '.join(ROPE_SCALINGS[1:])})")
+    if kind != "llama3":
+        return dict(rope_base=base, rope_scaling=kind)
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+               if k not in scaling]
+    if missing:
+        raise PlannerError(f"config {path}: {key} of rope_type llama3 misses {missing[0]!r}")
+    return dict(rope_base=base, rope_scaling=kind, rope_scaling_factor=_float_key(scaling, "factor", path, 1.0),
+                rope_low_freq_factor=_float_key(scaling, "low_freq_factor", path, 1.0),
+                rope_high_freq_factor=_float_key(scaling, "high_freq_factor", path, 4.0),
+                rope_original_max_positions=_int_key(scaling, "original_max_position_embeddings", path))
 
 
 def _llama_attention(cfg: dict, path: Path) -> dict:

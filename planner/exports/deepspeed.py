@@ -221,6 +221,19 @@ def _hf_moe_keys(model, config: dict) -> dict:
     return config
 
 
+def _hf_rope_scaling(model) -> dict | None:
+    """The config's rope_scaling: Llama 3.1's llama3 type with its parameters, else none (DeepSpeed's export
+    refuses the HF types whose parameters the planner does not keep)."""
+    if model.rope_scaling == "none":
+        return None
+    if model.rope_scaling != "llama3":
+        raise Refused(f"DeepSpeed export of {model.name} is not supported: its {model.rope_scaling} rope scaling's "
+                      f"parameters are not kept by the planner; export it to megatron")
+    return {"rope_type": "llama3", "factor": model.rope_scaling_factor, "low_freq_factor": model.rope_low_freq_factor,
+            "high_freq_factor": model.rope_high_freq_factor,
+            "original_max_position_embeddings": model.rope_original_max_positions}
+
+
 def hf_config(model) -> dict:
     """The model as an HF transformers config.json (llama, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe or gpt2),
     the model definition DeepSpeed scripts load: Qwen2's q/k/v biases are model_type qwen2, Qwen3's
@@ -233,7 +246,8 @@ def hf_config(model) -> dict:
                   "intermediate_size": model.ffn_hidden_size, "num_hidden_layers": model.num_layers,
                   "num_attention_heads": model.num_heads, "num_key_value_heads": model.num_kv_heads,
                   "head_dim": model.head_dim, "vocab_size": model.vocab_size,
-                  "max_position_embeddings": model.max_seq_len, "rope_theta": model.rope_theta, "rope_scaling": None,
+                  "max_position_embeddings": model.max_seq_len, "rope_theta": model.rope_theta,
+                  "rope_scaling": _hf_rope_scaling(model),
                   "rms_norm_eps": model.norm_eps, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
                   "attention_dropout": 0.0, "tie_word_embeddings": model.tied_embeddings}
         if model.qk_norm:

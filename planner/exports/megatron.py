@@ -61,6 +61,15 @@ def export_megatron(plan: Plan, ctx: ExportContext) -> Export:
     notes = ["data: the script trains on --mock-data with a NullTokenizer of the model's vocabulary; for real data give "
              "--data-path and --tokenizer-type HuggingFaceTokenizer --tokenizer-model <path>",
              "--train-iters and --lr are placeholders: set your schedule"]
+    model = problem.model
+    if model.rope_scaling == "llama3" and (model.rope_low_freq_factor, model.rope_high_freq_factor,
+                                           model.rope_original_max_positions) != (1.0, 4.0, 8192):
+        notes.append("RoPE: Megatron-Core's llama3 scaling fixes low_freq_factor 1, high_freq_factor 4 and "
+                     "original_max_position_embeddings 8192 (RotaryEmbedding._apply_scaling); the model's "
+                     f"{model.rope_low_freq_factor:g}, {model.rope_high_freq_factor:g}, "
+                     f"{model.rope_original_max_positions} are not exported")
+    elif model.rope_scaling not in ("none", "llama3"):
+        notes.append(f"RoPE: the model's {model.rope_scaling} scaling is not exported (unscaled RoPE)")
     if problem.model.gelu_approximation == "tanh":
         notes.append("GELU: Megatron-Core's GPT model runs exact (erf) GELU; its --openai-gelu (the model's tanh "
                      "approximation) reaches only the legacy model, so the export trains exact GELU")
@@ -102,6 +111,8 @@ def _model_arguments(ctx: ExportContext) -> dict:
     if model.arch == "llama":
         args.update({"--position-embedding-type": "rope", "--rotary-base": int(model.rope_theta), "--normalization": "RMSNorm",
                      "--swiglu": True, "--disable-bias-linear": True})
+    if model.rope_scaling == "llama3":  # gpt_builders.py: rope_scaling=args.use_rope_scaling, and its factor
+        args.update({"--use-rope-scaling": True, "--rope-scaling-factor": model.rope_scaling_factor})
     args.update({"--norm-epsilon": model.norm_eps, "--attention-dropout": 0.0, "--hidden-dropout": 0.0})
     if not model.tied_embeddings:
         args["--untie-embeddings-and-output-weights"] = True

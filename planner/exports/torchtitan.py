@@ -91,7 +91,9 @@ def _refuse_what_torchtitan_rejects(plan: Plan, ctx: ExportContext) -> None:
                                      (model.uses_mla, "multi-head latent attention (its deepseek_v3 model is not "
                                                       "written by this exporter)"),
                                      (model.shared_expert_gate, "a gated shared expert (Qwen2-MoE)"),
-                                     (model.capacity_factor > 0, "a capacity factor (its routing is dropless)")) if on]
+                                     (model.capacity_factor > 0, "a capacity factor (its routing is dropless)"),
+                                     (model.rope_scaling not in ("none", "llama3"),
+                                      f"{model.rope_scaling} rope scaling")) if on]
     if missing:
         raise Refused(f"torchtitan export of {model.name} is not supported: {', '.join(missing)} not in the "
                       f"llama3 and qwen3 models of {VERSION}, the ones this exporter writes; export it to megatron")
@@ -194,8 +196,17 @@ def _settings(plan: Plan, ctx: ExportContext) -> dict:
                       "top_k": model.num_experts_per_token, "expert_ffn_dim": model.expert_ffn_hidden_size,
                       "shared_ffn_dim": model.shared_expert_ffn_hidden_size,
                       "dense_layers": model.num_dense_layers if model.is_moe else model.num_layers,
-                      "route_norm": model.norm_topk_prob},
+                      "route_norm": model.norm_topk_prob, "rope_scaling": rope_scaling(model)},
             "world_size": ctx.problem.cluster.num_devices, "dp_ranks_per_node": dp_ranks_per_node(plan, ctx.problem)}
+
+
+def rope_scaling(model) -> dict:
+    """torchtitan's RoPE.Config scaling fields for the model's (its "llama" scaling is Llama 3.1's)."""
+    if model.rope_scaling != "llama3":
+        return {"scaling": "none"}
+    return {"scaling": "llama", "scaling_factor": model.rope_scaling_factor,
+            "low_freq_factor": model.rope_low_freq_factor, "high_freq_factor": model.rope_high_freq_factor,
+            "original_max_position_embeddings": model.rope_original_max_positions}
 
 
 def module_fqns(plan: Plan, num_layers: int) -> list[list[str]]:
@@ -241,10 +252,11 @@ from torchtitan.models.llama3 import parallelize_llama
 from torchtitan.models.llama3.model import Llama3Model, Llama3TransformerBlock
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
-# The model: {model_name} as the planner defines it (RoPE base {rope_theta:g} without scaling, RMSNorm, SwiGLU,
+# The model: {model_name} as the planner defines it (RoPE base {rope_theta:g} with ROPE_SCALING, RMSNorm, SwiGLU,
 # no biases).
 DIM, N_LAYERS, N_HEADS, N_KV_HEADS, FFN_DIM, VOCAB = {dim}, {n_layers}, {n_heads}, {n_kv_heads}, {ffn_dim}, {vocab}
 TIED, ROPE_THETA, ROPE_MAX_SEQ_LEN, NORM_EPS = {tied}, {rope_theta!r}, {rope_max_seq_len}, {norm_eps!r}
+ROPE_SCALING = {rope_scaling!r}
 SPEC = dict(name="llama3", parallelize_fn=parallelize_llama, post_optimizer_build_fn=None,
             state_dict_adapter=Llama3StateDictAdapter)
 
@@ -267,7 +279,7 @@ def _layer(layer_id: int, rope: ComplexRoPE.Config) -> Llama3TransformerBlock.Co
 
 
 def model_config() -> Llama3Model.Config:
-    rope = ComplexRoPE.Config(dim=DIM // N_HEADS, max_seq_len=ROPE_MAX_SEQ_LEN, theta=ROPE_THETA, scaling="none")
+    rope = ComplexRoPE.Config(dim=DIM // N_HEADS, max_seq_len=ROPE_MAX_SEQ_LEN, theta=ROPE_THETA, **ROPE_SCALING)
     return Llama3Model.Config(
         dim=DIM, vocab_size=VOCAB, enable_weight_tying=TIED,
         tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM),
@@ -287,7 +299,7 @@ from torchtitan.models.qwen3.model import Qwen3Model, Qwen3TransformerBlock
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
 # The model: {model_name} as the planner defines it, on torchtitan's qwen3 decoder (RoPE base {rope_theta:g}
-# without scaling on rotated halves, RMSNorm, SwiGLU, no biases; query/key head norms: {qk_norm}). Layers from
+# with ROPE_SCALING on rotated halves, RMSNorm, SwiGLU, no biases; query/key head norms: {qk_norm}). Layers from
 # DENSE_LAYERS on are mixtures of NUM_EXPERTS experts of width EXPERT_FFN_DIM, top TOP_K by softmax,
 # renormalised where ROUTE_NORM (a shared expert of width SHARED_FFN_DIM beside them where it is not 0).
 DIM, N_LAYERS, N_HEADS, N_KV_HEADS, HEAD_DIM, FFN_DIM, VOCAB = ({dim}, {n_layers}, {n_heads}, {n_kv_heads}, {head_dim},
@@ -296,6 +308,7 @@ NUM_EXPERTS, TOP_K, EXPERT_FFN_DIM, SHARED_FFN_DIM, DENSE_LAYERS = ({num_experts
                                                                    {shared_ffn_dim}, {dense_layers})
 TIED, ROPE_THETA, ROPE_MAX_SEQ_LEN, NORM_EPS, QK_NORM = {tied}, {rope_theta!r}, {rope_max_seq_len}, {norm_eps!r}, {qk_norm}
 ROUTE_NORM = {route_norm}  # the top-k softmax probabilities renormalised to sum to one (HF's norm_topk_prob)
+ROPE_SCALING = {rope_scaling!r}
 SPEC = dict(name="qwen3", parallelize_fn=parallelize_qwen3,
             post_optimizer_build_fn=register_moe_load_balancing_hook if NUM_EXPERTS else None,
             state_dict_adapter=Qwen3StateDictAdapter)
@@ -339,7 +352,7 @@ def _layer(layer_id: int, rope: CosSinRoPE.Config) -> Qwen3TransformerBlock.Conf
 
 
 def model_config() -> Qwen3Model.Config:
-    rope = CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len=ROPE_MAX_SEQ_LEN, theta=ROPE_THETA)
+    rope = CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len=ROPE_MAX_SEQ_LEN, theta=ROPE_THETA, **ROPE_SCALING)
     return Qwen3Model.Config(
         dim=DIM, vocab_size=VOCAB, enable_weight_tying=TIED, norm=_norm(DIM),
         tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
@@ -390,7 +403,7 @@ def config_module(plan: Plan, ctx: ExportContext, settings: dict) -> str:
         module=MODULE, vocab=m["vocab_size"], tied=m["enable_weight_tying"], flavor=f"planner-{problem.model.name}",
         **{k: m[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "rope_theta", "rope_max_seq_len",
                              "norm_eps", "head_dim", "qk_norm", "num_experts", "top_k", "expert_ffn_dim",
-                             "shared_ffn_dim", "dense_layers", "route_norm")},
+                             "shared_ffn_dim", "dense_layers", "route_norm", "rope_scaling")},
         assets=ASSETS[kind], training=_fields(settings["training"], 12), parallelism=_fields(settings["parallelism"], 12),
         activation_checkpoint="None" if checkpoint is None else f"{checkpoint}.Config()")
     model = {"llama3": _LLAMA3_MODEL, "qwen3": _QWEN3_MODEL}[kind]

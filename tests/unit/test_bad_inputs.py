@@ -239,9 +239,48 @@ def test_hf_activation_and_norm_epsilon_are_the_configs_or_one_line(tmp_path):
         assert "\n" not in str(exc.value)
 
 
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+
+
+def test_hf_rope_base_and_scaling_in_either_transformers_layout(tmp_path):
+    """transformers < 5 writes rope_theta and rope_scaling, transformers 5 both inside rope_parameters; Llama
+    3.1's llama3 scaling is run, HF's other types are kept by name (the engine refuses them), others refused."""
+    def read(cfg):
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps(cfg))
+        return model_from_hf_config(path)
+
+    old = read(dict(HF_LLAMA, rope_theta=500000.0, rope_scaling=LLAMA31_ROPE))
+    new = read(dict(HF_LLAMA, rope_parameters=dict(LLAMA31_ROPE, rope_theta=500000.0)))
+    assert old == new and (new.rope_base, new.rope_scaling, new.rope_scaling_factor) == (500000.0, "llama3", 8.0)
+    plain = read(dict(HF_LLAMA, rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+    assert (plain.rope_base, plain.rope_scaling) == (1e6, "none")
+    assert read(dict(HF_LLAMA, rope_scaling={"type": "yarn", "factor": 4.0})).rope_scaling == "yarn"
+    for scaling, message in (({"rope_type": "su"}, "rope_type 'su' is not supported"),
+                             ({"rope_type": "llama3", "factor": 8.0}, "misses 'low_freq_factor'"),
+                             (dict(LLAMA31_ROPE, low_freq_factor=4.0), "llama3 rope scaling needs factor >= 1"),
+                             ("llama3", "must be an object or null")):
+        with pytest.raises(PlannerError, match=message) as exc:
+            read(dict(HF_LLAMA, rope_scaling=scaling))
+        assert "\n" not in str(exc.value)
+
+
+def test_the_engine_refuses_rope_scalings_it_does_not_run():
+    import dataclasses
+
+    from runners.transformer import check_moe_runnable
+    from specs.model import PRESETS
+    from specs.plan import Plan
+
+    check_moe_runnable(PRESETS["llama3.1-8b"], Plan(dp=2))  # llama3 scaling runs
+    with pytest.raises(ValueError, match="the engine does not run yarn rope scaling of model tiny"):
+        check_moe_runnable(dataclasses.replace(PRESETS["tiny"], rope_scaling="yarn"), Plan(dp=2))
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(key=st.sampled_from(sorted(HF_LLAMA) + ["tie_word_embeddings", "rms_norm_eps", "hidden_act", "head_dim",
-                                               "attention_bias"]), value=JSON_VALUES,
+                                               "attention_bias", "rope_scaling", "rope_parameters"]), value=JSON_VALUES,
        gpt_key=st.sampled_from(sorted(HF_GPT2) + ["activation_function", "layer_norm_epsilon"]), whole=JSON_VALUES)
 def test_hf_config_files_give_a_model_or_planner_error(tmp_path_factory, key, value, gpt_key, whole):
     folder = tmp_path_factory.mktemp("hf")

@@ -212,6 +212,30 @@ def test_qwen_attention_is_the_models_in_every_target_and_qwen2s_biases_refused_
         _export(plan, "deepspeed", both)
 
 
+def test_llama31_rope_scaling_is_the_models_in_every_target():
+    problem = make_problem(model="llama3.1-8b", hardware="h100", gpus=8, gpus_per_node=8, global_batch=16, seq_len=8192)
+    plan = Plan(dp=8, micro_batch=1, num_micro_batches=2, param_shard=8, grad_shard=8, optim_shard=8)
+    args = _export(plan, "megatron", problem).settings["args"]
+    assert args["--use-rope-scaling"] is True and args["--rope-scaling-factor"] == 8.0
+    module = _export(plan, "torchtitan", problem).files["planner_plan.py"]
+    assert ("ROPE_SCALING = {'scaling': 'llama', 'scaling_factor': 8.0, 'low_freq_factor': 1.0, 'high_freq_factor': "
+            "4.0, 'original_max_position_embeddings': 8192}") in module
+    assert "theta=ROPE_THETA, **ROPE_SCALING)" in module
+    config = json.loads(_export(plan, "deepspeed", problem).files["config.json"])
+    assert config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    unscaled = make_problem(model="llama3-8b", hardware="h100", gpus=8, gpus_per_node=8, global_batch=16, seq_len=8192)
+    assert "--use-rope-scaling" not in _export(plan, "megatron", unscaled).settings["args"]
+    assert "ROPE_SCALING = {'scaling': 'none'}" in _export(plan, "torchtitan", unscaled).files["planner_plan.py"]
+    # HF's other scalings are kept by name only: refused where a config must carry their parameters, said otherwise.
+    yarn = dataclasses.replace(problem, model=dataclasses.replace(problem.model, rope_scaling="yarn"))
+    for target, message in (("deepspeed", "yarn rope scaling's parameters are not kept"),
+                            ("torchtitan", "yarn rope scaling")):
+        with pytest.raises(Refused, match=message):
+            _export(plan, target, yarn)
+    assert any("yarn scaling is not exported" in note for note in _export(plan, "megatron", yarn).notes)
+
+
 def test_gpt2_gelu_is_the_models_or_said():
     gpt = make_problem(model="gpt3-1.7b", hardware="a100", gpus=8, gpus_per_node=8, global_batch=8, seq_len=2048)
     tanh = dataclasses.replace(gpt, model=dataclasses.replace(gpt.model, gelu_approximation="tanh"))

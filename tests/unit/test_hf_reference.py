@@ -45,7 +45,12 @@ MIXTRAL = dataclasses.replace(LLAMA, name="tiny-mixtral", rope_base=1e6, **MOE)
 QWEN2_MOE = dataclasses.replace(QWEN2, name="tiny-qwen2-moe", shared_expert_ffn_hidden_size=24, shared_expert_gate=True,
                                 num_dense_layers=1, norm_topk_prob=False, **MOE)
 QWEN3_MOE = dataclasses.replace(QWEN3, name="tiny-qwen3-moe", **MOE)
+# Llama 3.1's RoPE scaling (factor 8, low 1, high 4, original 8192): on head_dim 8 at base 500000 one frequency
+# is divided by 8 and one mixed, which moves these logits by ~1e-4 if the engine ran unscaled RoPE.
+LLAMA31 = dataclasses.replace(LLAMA, name="tiny-llama3.1", rope_scaling="llama3", rope_scaling_factor=8.0,
+                              rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_positions=8192)
 SPECS = {"llama-gqa-untied": LLAMA, "llama-gqa-tied": dataclasses.replace(LLAMA, tied_embeddings=True),
+         "llama3.1-rope-scaling": LLAMA31,
          "gpt2-untied": GPT2, "gpt2-tied": dataclasses.replace(GPT2, tied_embeddings=True),
          # GPT-2's own GELU, the tanh approximation (HF's gelu_new): ~1e-3 from the exact one
          "gpt2-gelu-tanh": dataclasses.replace(GPT2, gelu_approximation="tanh", norm_eps=1e-6),
@@ -159,7 +164,11 @@ def hf_model(spec: ModelSpec):
             vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.ffn_hidden_size,
             num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
             num_key_value_heads=spec.num_kv_heads, max_position_embeddings=spec.max_seq_len, rms_norm_eps=spec.norm_eps,
-            rope_theta=spec.rope_theta, tie_word_embeddings=spec.tied_embeddings, attention_bias=False, mlp_bias=False)
+            rope_theta=spec.rope_theta, tie_word_embeddings=spec.tied_embeddings, attention_bias=False, mlp_bias=False,
+            rope_scaling=None if spec.rope_scaling == "none" else {
+                "rope_type": "llama3", "factor": spec.rope_scaling_factor, "low_freq_factor": spec.rope_low_freq_factor,
+                "high_freq_factor": spec.rope_high_freq_factor,
+                "original_max_position_embeddings": spec.rope_original_max_positions})
         model = transformers.LlamaForCausalLM(config)
     else:
         config = transformers.GPT2Config(
