@@ -494,7 +494,8 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
     tokens = plan.micro_batch * job.seq_len // plan.cp // (plan.tp if plan.sequence_parallel else 1)
     # max / mean rows of the busiest EP rank: measured (a calibration's moe_imbalance) or expected from
     # how the model balances its router (cost_models/moe.py)
-    imbalance = hw.calibration.get("moe_imbalance", moe_cost.expected_imbalance(model, tokens=tokens, ep=plan.ep))
+    imbalance = hw.calibration.get("moe_imbalance", moe_cost.expected_imbalance(model, tokens=tokens, ep=plan.ep,
+                                                                                seq_len=job.seq_len))
     eng = engine_model(engine)
     times = _moe_mlp_times(model, hw, plan=plan, precision=job.precision, eng=eng, tokens=tokens, imbalance=imbalance)
     buffer = tokens * model.num_experts_per_token * model.hidden_size * p

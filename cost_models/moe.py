@@ -86,19 +86,31 @@ def rows_per_expert(model: ModelSpec, *, tokens: float, ep: int, etp: int = 1, i
 # drawn per token (moe_utils.RandomSTE), so each token's top-k is a uniform draw and the loads keep
 # their sampling spread.
 MAX_LOAD_VIOLATION = {"aux_loss": 0.52, "aux_free": 0.04, "forced": 0.0}
+# A trained router's preference within one sequence (a document routes unlike the corpus): each sequence's
+# expert shares drawn as Dirichlet(alpha / E, ...), so a rank's g experts hold a share q = g / E with
+# variance q (1 - q) / (alpha + 1) for one sequence, / n over n independent sequences. Sized from FEPLB (Qi,
+# Liu, Zhao 2026, arXiv:2604.19654): GLM-5's MoE layers (128 experts, no auxiliary loss, EP 8, H100) lose
+# 18.6% of their GPU time to the busiest rank, max / mean = 1 / (1 - 0.186) = 1.229 per micro-batch; with
+# its standing and sampling spreads negligible (loss-free balancing, thousands of tokens a rank) and one
+# sequence a rank (its micro-batch is not stated: 1 assumed, no TP or CP), 0.229 = sqrt(2 ln 8) x
+# sqrt((7/8) / ((1/8) x 8 x (alpha + 1))), so alpha + 1 = 69.7. Forced routing has none.
+SEQUENCE_ROUTING_DRAWS = {"aux_loss": 68.7, "aux_free": 68.7, "forced": math.inf}
 
 
-def expected_imbalance(model: ModelSpec, *, tokens: float, ep: int) -> float:
+def expected_imbalance(model: ModelSpec, *, tokens: float, ep: int, seq_len: int) -> float:
     """Expected busiest-EP-rank load over the mean in one micro-batch (max / mean rows), the wait every EP
     rank pays at the combine. A rank holds g = E / ep experts and receives, on average, tokens x k of the
-    ep x tokens x k assignments of its group. Two spreads add in quadrature, as relative standard deviations
-    of a rank's load:
+    ep x tokens x k assignments of its group. Three spreads add in quadrature, as relative standard
+    deviations of a rank's load:
     - sampling: a token puts a hypergeometric number of its k distinct experts on the rank, variance
       k (g/E)(1 - g/E)(E - k)/(E - 1), summed over the ep x tokens tokens (uniform routing's floor, all
       that "forced" routing's random logits leave);
-    - the trained router's standing preference for some experts: a measured maximum excess MaxVio over E
-      experts is ~ sqrt(2 ln E) standard deviations of one expert's share, sigma_e = MaxVio / sqrt(2 ln E),
-      and a rank's g experts average theirs, sigma_e / sqrt(g).
+    - the trained router's standing preference for some experts over the whole corpus: a measured maximum
+      excess MaxVio over E experts is ~ sqrt(2 ln E) standard deviations of one expert's share, sigma_e =
+      MaxVio / sqrt(2 ln E), and a rank's g experts average theirs, sigma_e / sqrt(g);
+    - its preference within each sequence (SEQUENCE_ROUTING_DRAWS): the group's tokens come from
+      n = ep x tokens / seq_len sequences (fewer than one where CP and SP split a sequence over the group's
+      ranks, then the one sequence they share), so sqrt((1 - q) / (q (alpha + 1) n)) with q = 1 / ep.
     The expected maximum of ep such loads is about mean + sqrt(2 ln ep) sigma (Gaussian maximum). A capacity
     factor caps it (tokens over capacity are dropped); ep 1 has no rank to wait for."""
     violation = MAX_LOAD_VIOLATION[model.load_balancing]
@@ -108,8 +120,10 @@ def expected_imbalance(model: ModelSpec, *, tokens: float, ep: int) -> float:
     share = 1.0 / ep  # g / E
     per_token_var = k * share * (1 - share) * (e - k) / max(1, e - 1)
     sampling = math.sqrt(ep * tokens * per_token_var) / (tokens * k)
-    preference = violation / math.sqrt(2 * math.log(e)) / math.sqrt(e / ep)
-    imbalance = 1.0 + math.sqrt(2 * math.log(ep)) * math.hypot(sampling, preference)
+    standing = violation / math.sqrt(2 * math.log(e)) / math.sqrt(e / ep)
+    sequences = max(1.0, ep * tokens / seq_len)
+    within = math.sqrt((1 - share) / (share * (SEQUENCE_ROUTING_DRAWS[model.load_balancing] + 1) * sequences))
+    imbalance = 1.0 + math.sqrt(2 * math.log(ep)) * math.sqrt(sampling ** 2 + standing ** 2 + within ** 2)
     return min(imbalance, model.capacity_factor) if model.capacity_factor > 0 else imbalance
 
 

@@ -26,31 +26,42 @@ def test_rows_per_expert():
 def test_expected_imbalance_by_hand():
     qwen = PRESETS["qwen3-235b-a22b"]  # 128 experts, top-8, a balancing loss
     # ep 8, 4096 tokens a rank: 16 experts a rank. Sampling: 8 x (1/8)(7/8)(120/127) = 0.82677 per token,
-    # sqrt(8 x 4096 x 0.82677) / (4096 x 8) = 0.0050231. Preference: 0.52 / sqrt(2 ln 128) / sqrt(16)
-    # = 0.041733. Busiest of 8: 1 + sqrt(2 ln 8) x hypot(0.0050231, 0.041733) = 1 + 2.03933 x 0.042034.
-    assert expected_imbalance(qwen, tokens=4096, ep=8) == pytest.approx(1.085721, abs=2e-6)
-    # Mixtral-8x7B at ep 8 holds one expert a rank: the busiest rank is the busiest expert, so the
-    # preference term alone is the measured MaxVio, 0.52 (plus sampling: sqrt(8 x 4096 x 0.1875) / 8192).
+    # sqrt(8 x 4096 x 0.82677) / (4096 x 8) = 0.0050231. Standing preference: 0.52 / sqrt(2 ln 128) /
+    # sqrt(16) = 0.041733. Within sequences: 4096-token sequences, 8 of them in the group:
+    # sqrt((7/8) / ((1/8) x 69.7 x 8)) = 0.112044. Busiest of 8: 1 + sqrt(2 ln 8) x 0.119668.
+    assert expected_imbalance(qwen, tokens=4096, ep=8, seq_len=4096) == pytest.approx(1.244045, abs=2e-6)
+    # 16384-token sequences split 4 ways by SP: the 8 ranks hold 2 sequences, sqrt(7 / (69.7 x 2)) = 0.224088.
+    assert expected_imbalance(qwen, tokens=4096, ep=8, seq_len=16384) == pytest.approx(1.464960, abs=2e-6)
+    # ... and one shared sequence at most: its CP and SP pieces on the group's ranks route alike.
+    assert (expected_imbalance(qwen, tokens=1024, ep=8, seq_len=65536)
+            > expected_imbalance(qwen, tokens=4096, ep=8, seq_len=32768) > 1.6)
+    # Mixtral-8x7B at ep 8 holds one expert a rank: the busiest rank is the busiest expert, so the standing
+    # term alone is the measured MaxVio, 0.52 (plus sampling: sqrt(8 x 4096 x 0.1875) / 8192, and within).
     sampling = math.sqrt(8 * 4096 * 2 * (1 / 8) * (7 / 8) * (6 / 7)) / 8192
-    expected = 1 + math.sqrt(2 * math.log(8)) * math.hypot(sampling, 0.52 / math.sqrt(2 * math.log(8)))
-    assert expected_imbalance(MIXTRAL, tokens=4096, ep=8) == pytest.approx(expected) == pytest.approx(1.52037, abs=1e-5)
+    within = math.sqrt(7 / (69.7 * 8))
+    expected = 1 + math.sqrt(2 * math.log(8)) * math.sqrt(sampling ** 2 + (0.52 / math.sqrt(2 * math.log(8))) ** 2
+                                                           + within ** 2)
+    assert expected_imbalance(MIXTRAL, tokens=4096, ep=8, seq_len=4096) == pytest.approx(expected)
 
 
 def test_expected_imbalance_limits():
     qwen = PRESETS["qwen3-235b-a22b"]
-    assert expected_imbalance(qwen, tokens=4096, ep=1) == 1.0  # no other rank to wait for
+    assert expected_imbalance(qwen, tokens=4096, ep=1, seq_len=4096) == 1.0  # no other rank to wait for
     # Forced balancing routes on random logits (Megatron-Core's RandomSTE): no preference, the sampling
     # floor stays, 1 + sqrt(2 ln 8) x 0.0050231; at 1024 tokens a rank (tp4 under SP) twice that spread.
     forced = dataclasses.replace(qwen, load_balancing="forced")
-    assert expected_imbalance(forced, tokens=4096, ep=8) == pytest.approx(1.010244, abs=2e-6)
-    assert expected_imbalance(forced, tokens=1024, ep=8) == pytest.approx(1.020488, abs=4e-6)
-    # DeepSeek-V3's bias-adjusted routing: MaxVio 0.04, 4 experts a rank at ep 64.
-    free = expected_imbalance(PRESETS["deepseek-v3"], tokens=4096, ep=64)
-    assert 1.0 < free < 1.03
+    assert expected_imbalance(forced, tokens=4096, ep=8, seq_len=4096) == pytest.approx(1.010244, abs=2e-6)
+    assert expected_imbalance(forced, tokens=1024, ep=8, seq_len=4096) == pytest.approx(1.020488, abs=4e-6)
+    # DeepSeek-V3's bias-adjusted routing: a standing MaxVio of 0.04 only, but each sequence still routes
+    # its own way: 4 experts a rank at ep 64, 64 sequences, sqrt((63/64) / ((1/64) x 69.7 x 64)) = 0.118843.
+    free = expected_imbalance(PRESETS["deepseek-v3"], tokens=4096, ep=64, seq_len=4096)
+    assert free == pytest.approx(1.34, abs=0.01)
     # A capacity factor drops what exceeds it, so it caps the busiest rank.
-    assert expected_imbalance(dataclasses.replace(MIXTRAL, capacity_factor=1.25), tokens=4096, ep=8) == 1.25
-    # More experts a rank average out their preferences: ep 32 (4 a rank) waits longer than ep 8 (16).
-    assert expected_imbalance(qwen, tokens=4096, ep=32) > expected_imbalance(qwen, tokens=4096, ep=8)
+    capped = dataclasses.replace(MIXTRAL, capacity_factor=1.25)
+    assert expected_imbalance(capped, tokens=4096, ep=8, seq_len=4096) == 1.25
+    # More ranks to wait for, fewer experts a rank to average: ep 32 (4 a rank) waits longer than ep 8 (16).
+    assert expected_imbalance(qwen, tokens=4096, ep=32, seq_len=4096) > expected_imbalance(qwen, tokens=4096, ep=8,
+                                                                                             seq_len=4096)
 
 
 def test_expert_gemms_at_their_real_shapes():
@@ -340,7 +351,7 @@ def test_moe_recompute_reruns_the_moe_layer_with_its_dispatch():
     _, _, moe = _named_recompute_costs(("moe",))
     hw = problem.cluster.hardware
     # The MoE layer's forward on one rank: 4096 tokens a rank, ep 8, forced (random) routing's busiest rank.
-    imbalance = expected_imbalance(qwen, tokens=4096, ep=8)
+    imbalance = expected_imbalance(qwen, tokens=4096, ep=8, seq_len=4096)
     forward_s = (moe_compute_times(qwen, hw, tokens=4096, ep=8, dtype="bf16", imbalance=imbalance,
                                    expert_streams=4).forward_s  # Transformer Engine's 4 GEMM streams
                  + permutation_times_s(qwen, hw, tokens=4096, ep=8, precision="bf16", imbalance=imbalance).forward_s)
@@ -358,7 +369,7 @@ def test_moe_act_recompute_reruns_the_swiglu():
     _, _, act = _named_recompute_costs(("moe_act",))
     # 4096 x 8 rows of width 768 on the rank's 16 experts (times the busiest rank's share under random
     # routing): two read and one written, bf16.
-    rows, width = 4096 * 8 * expected_imbalance(qwen, tokens=4096, ep=8), 768
+    rows, width = 4096 * 8 * expected_imbalance(qwen, tokens=4096, ep=8, seq_len=4096), 768
     assert act.recompute_time_s["selective"] == pytest.approx(
         memory_time_s(problem.cluster.hardware, 3 * 2 * rows * width, num_kernels=1), rel=1e-9)
     assert default.activation_bytes["none"] - act.activation_bytes["selective"] == pytest.approx(2 * rows * width)
