@@ -260,7 +260,8 @@ def hf_config(model) -> dict:
         return config
     return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": model.hidden_size,
             "n_layer": model.num_layers, "n_head": model.num_heads, "n_inner": model.ffn_hidden_size,
-            "n_positions": model.max_seq_len, "vocab_size": model.vocab_size, "activation_function": "gelu" if model.gelu_approximation == "none" else "gelu_new",
+            "n_positions": model.max_seq_len, "vocab_size": model.vocab_size,
+            "activation_function": "gelu" if model.gelu_approximation == "none" else "gelu_new",
             "layer_norm_epsilon": model.norm_eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
             "tie_word_embeddings": model.tied_embeddings}
 

@@ -70,7 +70,7 @@ def export_megatron(plan: Plan, ctx: ExportContext) -> Export:
                      f"{model.rope_original_max_positions} are not exported")
     elif model.rope_scaling not in ("none", "llama3"):
         notes.append(f"RoPE: the model's {model.rope_scaling} scaling is not exported (unscaled RoPE)")
-    if problem.model.gelu_approximation == "tanh":
+    if model.gelu_approximation == "tanh":
         notes.append("GELU: Megatron-Core's GPT model runs exact (erf) GELU; its --openai-gelu (the model's tanh "
                      "approximation) reaches only the legacy model, so the export trains exact GELU")
     return Export(target="megatron", version=VERSION, files={"launch.sh": text}, main="launch.sh", expressed=expressed,

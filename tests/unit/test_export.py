@@ -205,8 +205,8 @@ def test_qwen_attention_is_the_models_in_every_target_and_qwen2s_biases_refused_
     # Qwen's norm epsilon (1e-6, Llama's 1e-5), in every target.
     assert args["--norm-epsilon"] == 1e-6 and re.search(r"NORM_EPS, QK_NORM = .*, 1e-06, True", module)
     assert json.loads(_export(plan, "deepspeed", qwen2).files["config.json"])["rms_norm_eps"] == 1e-6
-    assert _export(plan, "megatron", make_problem(model="llama3-8b", hardware="h100", gpus=8, gpus_per_node=8,
-                                                  global_batch=16, seq_len=4096)).settings["args"]["--norm-epsilon"] == 1e-5
+    llama = make_problem(model="llama3-8b", hardware="h100", gpus=8, gpus_per_node=8, global_batch=16, seq_len=4096)
+    assert _export(plan, "megatron", llama).settings["args"]["--norm-epsilon"] == 1e-5
     both = dataclasses.replace(qwen3, model=dataclasses.replace(qwen3.model, name="qwen-both", qkv_bias=True))
     with pytest.raises(Refused, match="no HF architecture has both"):
         _export(plan, "deepspeed", both)
@@ -243,7 +243,8 @@ def test_gpt2_gelu_is_the_models_or_said():
     for problem, hf_name in ((gpt, "gelu"), (tanh, "gelu_new")):
         assert json.loads(_export(plan, "deepspeed", problem).files["config.json"])["activation_function"] == hf_name
     assert not any("GELU" in note for note in _export(plan, "megatron", gpt).notes)
-    assert any(note.startswith("GELU: Megatron-Core's GPT model runs exact") for note in _export(plan, "megatron", tanh).notes)
+    notes = _export(plan, "megatron", tanh).notes
+    assert any(note.startswith("GELU: Megatron-Core's GPT model runs exact") for note in notes)
 
 
 def test_knobs_a_target_cannot_express_are_one_line_each_from_the_knob_table():

@@ -145,7 +145,8 @@ def from_hf(spec: ModelSpec, hf: dict[str, torch.Tensor], names: list[str]) -> d
 
 def hf_model(spec: ModelSpec):
     """The HF model of `spec`'s architecture and shape (Qwen2 / Qwen3 for their attention variants): its norm
-    epsilon (norm_eps), RoPE base (rope_base), its GELU (exact or tanh), no dropout, embeddings tied or not as `spec`."""
+    epsilon (norm_eps), RoPE base (rope_base), its GELU (exact or tanh), no dropout, embeddings tied or not as
+    `spec`."""
     if spec.is_moe:
         return _hf_moe_model(spec).float().train()
     if spec.qk_norm or spec.qkv_bias:
