@@ -351,7 +351,7 @@ def check_cp_heads(spec: ModelSpec, *, tp_size: int, a2a_size: int) -> None:
                              f"{value // tp_size} {name} per TP rank; use cp_kind ring")
 
 
-def check_moe_runnable(spec: ModelSpec, plan) -> None:
+def check_model_runnable(spec: ModelSpec, plan) -> None:
     """Raise ValueError for the models (MoE ones, RoPE variants) and plans this engine does not run (the cost
     model prices them)."""
     if spec.rope_scaling not in ("none", "llama3"):
@@ -385,7 +385,7 @@ def build_local_chunks(cfg, *, pp_rank: int, tp: TPContext, device: torch.device
     chunk also holds the embedding uses its very Parameter (build_chunk)."""
     plan, spec = cfg.plan, cfg.model
     check_tp_shapes(spec, plan.tp)
-    check_moe_runnable(spec, plan)
+    check_model_runnable(spec, plan)
     if cp is not None and cp.a2a_size > 1:
         check_cp_heads(spec, tp_size=plan.tp, a2a_size=cp.a2a_size)
     ranges = plan.chunk_layer_ranges(spec.num_layers)

@@ -269,13 +269,13 @@ def test_hf_rope_base_and_scaling_in_either_transformers_layout(tmp_path):
 def test_the_engine_refuses_rope_scalings_it_does_not_run():
     import dataclasses
 
-    from runners.transformer import check_moe_runnable
+    from runners.transformer import check_model_runnable
     from specs.model import PRESETS
     from specs.plan import Plan
 
-    check_moe_runnable(PRESETS["llama3.1-8b"], Plan(dp=2))  # llama3 scaling runs
+    check_model_runnable(PRESETS["llama3.1-8b"], Plan(dp=2))  # llama3 scaling runs
     with pytest.raises(ValueError, match="the engine does not run yarn rope scaling of model tiny"):
-        check_moe_runnable(dataclasses.replace(PRESETS["tiny"], rope_scaling="yarn"), Plan(dp=2))
+        check_model_runnable(dataclasses.replace(PRESETS["tiny"], rope_scaling="yarn"), Plan(dp=2))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))

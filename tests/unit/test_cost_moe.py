@@ -146,7 +146,7 @@ def test_estimate_holds_experts_split_over_ep_and_sharded_over_expert_dp():
 
 def test_search_enumerates_ep_and_proposes_only_what_the_engine_runs():
     from planner.search import SearchOptions, search
-    from runners.transformer import check_moe_runnable
+    from runners.transformer import check_model_runnable
     from specs.plan import check_plan
 
     problem = _problem(TINY, devices=4, global_batch=8, seq_len=64)
@@ -155,7 +155,7 @@ def test_search_enumerates_ep_and_proposes_only_what_the_engine_runs():
     assert {p.ep for p in plans} == {1, 2, 4}
     for plan in plans:
         check_plan(plan, model=TINY, num_devices=4, job=problem.job)
-        check_moe_runnable(TINY, plan)
+        check_model_runnable(TINY, plan)
         assert plan.tp == 1 or plan.sequence_parallel
     assert {p.etp for p in plans if p.tp == 2} == {1, 2}  # expert TP where the attention has TP
 
@@ -167,11 +167,11 @@ def test_search_enumerates_ep_and_proposes_only_what_the_engine_runs():
 def test_the_engine_refuses_moe_plans_it_would_run_wrong(plan, what):
     # TP without SP: both TP ranks would route the same tokens and each expert's gradient would be summed
     # twice over expert-DP (Adam hides the factor; the first-step gradient check in test_gradients.py does not).
-    from runners.transformer import check_moe_runnable
+    from runners.transformer import check_model_runnable
 
     with pytest.raises(ValueError, match=what):
-        check_moe_runnable(TINY, plan)
-    check_moe_runnable(TINY, plan.replace(sequence_parallel=True))
+        check_model_runnable(TINY, plan)
+    check_model_runnable(TINY, plan.replace(sequence_parallel=True))
 
 
 def test_a_sequences_expert_counts_are_summed_over_tp_and_cp_every_forward():
