@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -31,10 +30,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from planner.calibrate import calibrate, ok_rows  # noqa: E402
+from planner.reports import Agreement, ValidationReport  # noqa: E402
 from specs.jsonio import read_json_file, write_json_atomic  # noqa: E402
-from planner.validate import (Measurement, PlanEntry, ValidateSettings, agreement, build_report, measure,  # noqa: E402
-                              measure_step_times_batched, repredict, validate, write_scatter_png)
-from specs.plan import Plan  # noqa: E402
+from planner.validate import (Measurement, PlanEntry, ValidateSettings, build_report, measure,  # noqa: E402
+                              measure_step_times_batched, plan_key, repredict, validate, write_scatter_png)
 from specs.hardware import with_calibration  # noqa: E402
 
 TARGETS = {"num_plans": 24, "held_out_mape": 0.10, "held_out_kendall_tau": 0.8, "regret": 0.05, "dp_zero_max_error": 0.20}
@@ -44,21 +43,24 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def retime(report: dict, settings: ValidateSettings) -> dict:
+def agreement(rows) -> dict:
+    return Agreement.of(list(rows)).to_dict()
+
+
+def retime(report: ValidationReport, settings: ValidateSettings) -> ValidationReport:
     """The report with its plans that ran timed again in one batched interleaved run."""
 
-    ok = [r for r in report["plans"] if r["status"] == "ok"]
-    entries = [PlanEntry(r["label"], r["source"], Plan.from_dict(r["plan"])) for r in ok]
+    ok = [r for r in report.plans if r.ok]
+    entries = [PlanEntry(r.label, r.source, r.plan) for r in ok]
     log(f"batched timing of {len(entries)} plans: {settings.timing_rounds} rounds of {settings.timing_steps} steps")
     times = measure_step_times_batched(entries, settings, rounds=settings.timing_rounds,
                                        steps_per_round=settings.timing_steps,
                                        progress=lambda d, n, label: log(f"  {d}/{n}: {label}") if d % 10 == 0 else None)
     measurements = []
-    for r in report["plans"]:
-        m = Measurement(PlanEntry(r["label"], r["source"], Plan.from_dict(r["plan"])), error=r["error"],
-                        step_times_s=list(r["rounds_step_time_s"]),
-                        peak_memory_bytes=[r["measured_peak_memory_bytes"]] if r["measured_peak_memory_bytes"] else [])
-        if r["status"] == "ok":
+    for r in report.plans:
+        m = Measurement(PlanEntry(r.label, r.source, r.plan), error=r.error, step_times_s=list(r.rounds_step_time_s),
+                        peak_memory_bytes=[r.measured_peak_memory_bytes] if r.measured_peak_memory_bytes else [])
+        if r.ok:
             m.batched_step_times_s = list(times[ok.index(r)])
         measurements.append(m)
     return build_report(measurements, settings)
@@ -96,17 +98,17 @@ def main() -> int:
                                 steps=args.steps, rounds=args.rounds, top_k=args.top,
                                 timing_rounds=args.timing_rounds, timing_steps=args.timing_steps)
     if args.measurements:
-        report = read_json_file(args.measurements, what="measurements")
-        if args.timing_rounds and not any(r.get("batched_step_times_s") for r in report["plans"]):
+        report = ValidationReport.from_dict(read_json_file(args.measurements, what="measurements"))
+        if args.timing_rounds and not any(r.batched_step_times_s for r in report.plans):
             report = retime(report, settings)
-            write_json_atomic(out / "measured.json", report)
+            write_json_atomic(out / "measured.json", report.to_dict())
     else:
         log(f"measuring plans: {args.rounds} interleaved rounds of {args.steps} steps")
         report = validate(settings, progress=lambda d, n, label: log(f"  run {d}/{n}: {label}"))
-        write_json_atomic(out / "measured.json", report)
+        write_json_atomic(out / "measured.json", report.to_dict())
     problem = settings.problem()
-    rows = repredict(report["plans"], problem)
-    datasheet = repredict(report["plans"], dataclasses.replace(settings, hardware="cpu").problem())
+    rows = repredict(list(report.plans), problem)
+    datasheet = repredict(list(report.plans), dataclasses.replace(settings, hardware="cpu").problem())
     log(f"{len(rows)} plans, {len(ok_rows(rows))} ran")
 
     result = calibrate(rows, problem)
@@ -120,23 +122,23 @@ def main() -> int:
     from planner.search import SearchOptions, search
 
     winner = search(calibrated.problem(), options=SearchOptions(top_k=3)).winner.plan
-    measured = {json.dumps(r["plan"], sort_keys=True): r for r in after}
-    key = json.dumps(winner.to_dict(), sort_keys=True)
-    if key not in measured or measured[key]["status"] != "ok":
+    measured = {plan_key(r.plan.to_dict()): r for r in after}
+    key = plan_key(winner.to_dict())
+    if key not in measured or not measured[key].ok:
         log(f"measuring the calibrated search's winner {winner.describe()}")
         new = measure([PlanEntry("calibrated search #1", "search", winner)], calibrated)
-        extra = build_report(new, calibrated)["plans"]
+        extra = list(build_report(new, calibrated).plans)
         after += extra
         measured[key] = extra[0]
     top = measured[key]
-    best = min(ok_rows(after), key=lambda r: r["measured_step_time_s"])
-    first_regret = (top["measured_step_time_s"] / best["measured_step_time_s"] - 1.0) if top["status"] == "ok" else None
+    best = min(ok_rows(after), key=lambda r: r.measured_step_time_s)
+    first_regret = (top.measured_step_time_s / best.measured_step_time_s - 1.0) if top.ok else None
     # Confirmation: the pick and the fastest measured plans, timed again side by side in one batched
     # interleaved run of --confirm-rounds rounds. The first pass samples 28 plans a few steps each, so
     # the ranking of plans within a few percent of each other is noise; regret compares the contenders.
     regret, confirmed = first_regret, {}
-    if top["status"] == "ok" and args.confirm_rounds:
-        contenders = [winner] + [Plan.from_dict(r["plan"]) for r in sorted(ok_rows(after), key=lambda r: r["measured_step_time_s"])]
+    if top.ok and args.confirm_rounds:
+        contenders = [winner] + [r.plan for r in sorted(ok_rows(after), key=lambda r: r.measured_step_time_s)]
         unique = list(dict.fromkeys(contenders))[:1 + args.confirm_plans]
         log(f"confirming: {len(unique)} plans, {args.confirm_rounds} interleaved rounds")
         times = measure_step_times_batched([PlanEntry(p.describe(), "confirm", p) for p in unique], calibrated,
@@ -147,52 +149,56 @@ def main() -> int:
             log(f"  {name:<44} {t * 1e3:8.1f} ms{'   <- calibrated pick' if name == winner.describe() else ''}")
 
     # Issue 4's check is about the profile alone; the calibrated figure is reported beside it.
-    dp_zero_profile = [r for r in ok_rows(rows) if r["plan"]["tp"] == 1 and r["plan"]["pp"] == 1]
-    dp_zero_within = sum(abs(r["step_time_error"]) <= TARGETS["dp_zero_max_error"] for r in dp_zero_profile)
-    dp_zero = [r for r in ok_rows(after) if r["plan"]["tp"] == 1 and r["plan"]["pp"] == 1]
-    dp_zero_max = max((abs(r["step_time_error"]) for r in dp_zero), default=None)
+    dp_zero_profile = [r for r in ok_rows(rows) if r.plan.tp == 1 and r.plan.pp == 1]
+    dp_zero_within = sum(abs(r.step_time_error) <= TARGETS["dp_zero_max_error"] for r in dp_zero_profile)
+    dp_zero = [r for r in ok_rows(after) if r.plan.tp == 1 and r.plan.pp == 1]
+    dp_zero_max = max((abs(r.step_time_error) for r in dp_zero), default=None)
 
     summary = {
-        "num_plans": report["num_plans"], "num_failed": report["num_failed"],
-        "failed": {r["label"]: r["error"] for r in rows if r["status"] != "ok"},
+        "num_plans": len(report.plans), "num_failed": report.num_failed,
+        "failed": {r.label: r.error for r in rows if not r.ok},
         "datasheet_cpu_all": agreement(datasheet), "profile_all": agreement(rows),
         "calibration": result.calibration, "fit_labels": result.fit_labels, "held_out_labels": result.held_out_labels,
-        "held_out_before": result.held_out_before, "held_out_after": result.held_out_after,
-        "fit_after": result.fit_after, "calibrated_all": agreement(after),
-        "calibrated_search_winner": winner.describe(), "winner_measured_step_time_s": top["measured_step_time_s"],
-        "best_measured": best["label"], "best_measured_step_time_s": best["measured_step_time_s"],
+        "held_out_before": result.held_out_before.to_dict(), "held_out_after": result.held_out_after.to_dict(),
+        "fit_after": result.fit_after.to_dict(), "calibrated_all": agreement(after),
+        "calibrated_search_winner": winner.describe(), "winner_measured_step_time_s": top.measured_step_time_s,
+        "best_measured": best.label, "best_measured_step_time_s": best.measured_step_time_s,
         "first_pass_regret": first_regret, "confirmed_step_times_s": confirmed, "regret": regret,
-        "dp_zero_errors": {r["label"]: r["step_time_error"] for r in dp_zero}, "dp_zero_max_error": dp_zero_max,
-        "dp_zero_profile_errors": {r["label"]: r["step_time_error"] for r in dp_zero_profile},
+        "dp_zero_errors": {r.label: r.step_time_error for r in dp_zero}, "dp_zero_max_error": dp_zero_max,
+        "dp_zero_profile_errors": {r.label: r.step_time_error for r in dp_zero_profile},
         "dp_zero_profile_within": dp_zero_within,
     }
     write_json_atomic(out / "summary.json", summary)
-    write_json_atomic(out / "calibrated.json", {**report, **agreement(after), "plans": after})
-    write_scatter_png({**report, **agreement(rows), "plans": rows}, str(out / "scatter-profile.png"),
+    # Fitted to these very runs, the calibrated profile is at their speed: no host-speed scaling on it.
+    calibrated_report = dataclasses.replace(report, plans=tuple(after), hardware=str(calibrated_path),
+                                            hardware_name="calibrated profile", host_speed_factor=None,
+                                            host_speed_plans=0, host_speed_ratios=())
+    write_json_atomic(out / "calibrated.json", calibrated_report.to_dict())
+    write_scatter_png(dataclasses.replace(report, plans=tuple(rows)), str(out / "scatter-profile.png"),
                       title="uncalibrated quick profile")
-    write_scatter_png({**report, **agreement(after), "plans": after, "hardware_name": "calibrated profile"},
-                      str(out / "scatter-calibrated.png"), title="calibrated profile (all plans; see summary for held-out)")
+    write_scatter_png(calibrated_report, str(out / "scatter-calibrated.png"),
+                      title="calibrated profile (all plans; see summary for held-out)")
 
     def pct(v):
         return "n/a" if v is None else f"{v:.1%}"
 
     for name, stats in (("datasheet cpu preset, all plans", summary["datasheet_cpu_all"]),
                         ("quick profile, all plans", summary["profile_all"]),
-                        ("held out, before calibration", result.held_out_before),
-                        ("held out, after calibration", result.held_out_after),
+                        ("held out, before calibration", summary["held_out_before"]),
+                        ("held out, after calibration", summary["held_out_after"]),
                         ("calibrated, all plans", summary["calibrated_all"])):
         tau = stats["kendall_tau"]
         log(f"{name:<34} n={stats['num_ok']:<3} MAPE {pct(stats['mape']):>7}  max {pct(stats['max_error']):>7}  "
             f"tau {'n/a' if tau is None else f'{tau:.3f}'}  memory MAPE {pct(stats['memory_mape'])}")
     log("calibration: " + ", ".join(f"{k}={v:.4g}" for k, v in result.calibration.items()))
     checks = [
-        ("plans measured", report["num_plans"], f">= {TARGETS['num_plans']}", report["num_plans"] >= TARGETS["num_plans"]),
-        ("held-out MAPE", pct(result.held_out_after["mape"]), "<= 10%",
-         result.held_out_after["mape"] is not None and result.held_out_after["mape"] <= TARGETS["held_out_mape"]),
-        ("held-out Kendall tau", result.held_out_after["kendall_tau"], ">= 0.8",
-         (result.held_out_after["kendall_tau"] or -1) >= TARGETS["held_out_kendall_tau"]),
+        ("plans measured", len(report.plans), f">= {TARGETS['num_plans']}", len(report.plans) >= TARGETS["num_plans"]),
+        ("held-out MAPE", pct(result.held_out_after.mape), "<= 10%",
+         result.held_out_after.mape is not None and result.held_out_after.mape <= TARGETS["held_out_mape"]),
+        ("held-out Kendall tau", result.held_out_after.kendall_tau, ">= 0.8",
+         (result.held_out_after.kendall_tau or -1) >= TARGETS["held_out_kendall_tau"]),
         ("regret of the calibrated search's pick (confirmed)",
-         f"{pct(regret)} ({winner.describe()}; first pass {pct(first_regret)} vs {best['label']})", "<= 5%",
+         f"{pct(regret)} ({winner.describe()}; first pass {pct(first_regret)} vs {best.label})", "<= 5%",
          regret is not None and regret <= TARGETS["regret"]),
         ("DP/ZeRO plans within 20% with the profile alone (issue 4)", f"{dp_zero_within} of {len(dp_zero_profile)} "
          f"(calibrated: max |error| {pct(dp_zero_max)})", "all", dp_zero_within == len(dp_zero_profile)),
