@@ -273,7 +273,7 @@ def problem_from_report(report: ValidationReport, *, hardware: str | None = None
 
 def calibration_runs(rows, *, model: str, global_batch: int, seq_len: int, precision: str, processes: int) -> tuple:
     """The rows that ran, as the profile's record of what its calibration timed (Hardware.calibration_runs,
-    the reference planner/validate.host_speed compares later runs with)."""
+    the reference planner/validate.host_speed_ratios compares later runs with)."""
     from specs.hardware import CalibrationRun
 
     return tuple(CalibrationRun(model=model, plan=r.plan.to_dict(), global_batch=global_batch, seq_len=seq_len,

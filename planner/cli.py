@@ -737,17 +737,19 @@ HOST_SPEED_WARN = 0.1
 
 
 def _print_validate_report(report, *, where: str, out: str, png: str) -> None:
-    table = Table(title=f"Measured against predicted ({report.hardware_name}, {where})")
+    speed = "at the host's speed now" if report.at_host_speed else "at the profile's speed"
+    table = Table(title=f"Measured against predicted ({report.hardware_name}, {where}; predictions {speed})")
     for col in ("plan", "", "predicted", "measured", "IQR", "error", "memory error"):
         table.add_column(col, justify="left" if col in ("plan", "") else "right")
     for r in report.plans:
+        predicted = r.predicted_step_time_s * report.host_speed_for(r)
         if not r.ok:
-            table.add_row(r.label, r.describe, f"{r.predicted_step_time_s * 1e3:.1f} ms", "failed", "", r.error or "", "")
+            table.add_row(r.label, r.describe, f"{predicted * 1e3:.1f} ms", "failed", "", r.error or "", "")
             continue
         quartiles = r.measured_quartiles_s
         iqr = f"{quartiles[0] * 1e3:.1f}-{quartiles[1] * 1e3:.1f}" if quartiles else "-"
-        table.add_row(r.label, r.describe, f"{r.predicted_step_time_s * 1e3:.1f} ms",
-                      f"{r.measured_step_time_s * 1e3:.1f} ms", iqr, f"{r.step_time_error:+.1%}", f"{r.memory_error:+.1%}")
+        table.add_row(r.label, r.describe, f"{predicted * 1e3:.1f} ms", f"{r.measured_step_time_s * 1e3:.1f} ms", iqr,
+                      f"{predicted / r.measured_step_time_s - 1:+.1%}", f"{r.memory_error:+.1%}")
     console.print(table)
     agree = report.agreement
     console.print(_agreement_table("Agreement", {"all plans": agree}))
@@ -755,15 +757,27 @@ def _print_validate_report(report, *, where: str, out: str, png: str) -> None:
              if agree.top_pick_within_noise else "")
     console.print(f"top pick {agree.top_pick}, best measured {agree.best_measured}{noise}; {report.timing_rounds} "
                   f"interleaved timing rounds; report {out}, scatter {png}", highlight=False)
+    _print_host_speed(report)
+
+
+def _print_host_speed(report) -> None:
+    """The host's speed line: what the predictions were scaled by and the MAPE at the profile's speed."""
     factor = report.host_speed_factor
-    if factor is not None:
-        pace, times = ("slower", factor) if factor >= 1 else ("faster", 1 / factor)
-        console.print(f"host speed: {report.host_speed_plans} plan(s) the calibration also timed ran {times:.2f}x "
-                      f"{pace} now; at the calibration's speed MAPE {_pct(report.mape_at_calibration_speed)}", highlight=False)
-        if abs(factor - 1) > HOST_SPEED_WARN:
-            err_console.print(f"warning: this host runs {times:.2f}x {pace} than when its profile was "
-                              "calibrated (other load, another clock): predictions assume the calibration's speed; "
-                              "`planner tune --recalibrate` fits the profile again", highlight=False)
+    if factor is None:
+        console.print("host speed: no plan the profile's calibration timed ran here (an uncalibrated profile, "
+                      "or another process count): predictions at the profile's speed", highlight=False)
+        return
+    pace, times = ("slower", factor) if factor >= 1 else ("faster", 1 / factor)
+    ratios = ", ".join(f"{ratio:.2f}" for _, ratio in report.host_speed_ratios)
+    raw = report.agreement_at_profile_speed
+    taken = ("predictions above are taken at that speed, each reference's from the others'" if report.at_host_speed
+             else "too few to take the predictions at that speed")
+    console.print(f"host speed: {report.host_speed_plans} calibration plan(s) timed in the same run ran {times:.2f}x "
+                  f"{pace} than during the calibration ({ratios}); {taken}; at the profile's speed MAPE "
+                  f"{_pct(raw.mape)}, max {_pct(raw.max_error)}", highlight=False)
+    if abs(factor - 1) > HOST_SPEED_WARN:
+        err_console.print(f"warning: this host runs {times:.2f}x {pace} than when its profile was calibrated (other "
+                          "load, another clock); `planner tune --recalibrate` fits the profile again", highlight=False)
 
 
 def _validate_published(path: str, *, loso: bool, fmt: OutputFormat) -> None:

@@ -9,6 +9,7 @@ import dataclasses
 import math
 import statistics
 from dataclasses import dataclass, field
+from typing import Callable
 
 from runners.config import RunSummary
 from specs.errors import PlannerError
@@ -18,6 +19,11 @@ from specs.plan import Plan
 
 # Step-time samples a row needs before its spread (interquartile range) is taken as the noise.
 MIN_SAMPLES_FOR_SPREAD = 4
+# Reference plans (timed now and in the profile's calibration) a validation needs before it takes its
+# predictions at the host's speed now: with two, each reference's own prediction still has the other's.
+MIN_HOST_REFERENCES = 2
+# A validation report row's prediction at the host's speed now (derived, not read back).
+HOST_SPEED_PREDICTION = "predicted_at_host_speed_s"
 
 
 def _relative_error(predicted: float, measured: float | None) -> float | None:
@@ -139,11 +145,14 @@ class Agreement:
     top_pick_within_noise: bool | None = None
 
     @classmethod
-    def of(cls, rows: list[ValidationRow]) -> "Agreement":
+    def of(cls, rows: list[ValidationRow], *, speed: "Callable[[ValidationRow], float] | None" = None) -> "Agreement":
+        """`speed(row)` scales each row's prediction for the errors (ValidationReport.host_speed_for); the
+        ranking (tau, the top pick, regret) is the cost model's own, which one speed for all does not move."""
         ok = [r for r in rows if r.ok]
         if not ok:
             return cls()
-        errors = [abs(r.step_time_error) for r in ok]
+        errors = [abs(r.predicted_step_time_s * (speed(r) if speed else 1.0) / r.measured_step_time_s - 1)
+                  for r in ok]
         memory = [abs(r.memory_error) for r in ok if r.memory_error is not None]
         top = min(ok, key=lambda r: r.predicted_step_time_s)
         best = min(ok, key=lambda r: r.measured_step_time_s)
@@ -178,25 +187,33 @@ class ValidationReport:
     rounds: int
     timing_rounds: int
     plans: tuple[ValidationRow, ...]
-    # The host's speed now against when the profile was calibrated: the median over the plans timed both
-    # times (the profile's calibration_runs at this model, batch, sequence, precision and process count) of
-    # measured now / measured then; None where no plan matched (planner/validate.host_speed).
+    # The host's speed now against when the profile was calibrated (planner/validate.host_speed_ratios):
+    # per reference plan, timed now in the same interleaved run as the validated plans and then in the
+    # calibration, (label, measured now / measured then); the factor is their median (above 1: slower now).
     host_speed_factor: float | None = None
     host_speed_plans: int = 0
+    host_speed_ratios: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def at_host_speed(self) -> bool:
+        """Whether the predictions are taken at the host's speed now (MIN_HOST_REFERENCES references or more)."""
+        return len(self.host_speed_ratios) >= MIN_HOST_REFERENCES
+
+    def host_speed_for(self, row: ValidationRow) -> float:
+        """The factor `row`'s prediction is scaled by: the median of the other references' now / then (a
+        reference's own time never enters its own prediction); 1 (the profile's speed) with too few."""
+        others = [ratio for label, ratio in self.host_speed_ratios if label != row.label]
+        return statistics.median(others) if self.at_host_speed and others else 1.0
 
     @property
     def agreement(self) -> Agreement:
-        return Agreement.of(list(self.plans))
+        """At the host's speed now where it was measured (the headline), else at the profile's."""
+        return Agreement.of(list(self.plans), speed=self.host_speed_for)
 
     @property
-    def mape_at_calibration_speed(self) -> float | None:
-        """MAPE with every prediction scaled by host_speed_factor: how far the cost model is off on this
-        host as fast as it was when the profile was fitted (None without a factor)."""
-        ok = [r for r in self.plans if r.ok]
-        if self.host_speed_factor is None or not ok:
-            return None
-        return statistics.fmean(abs(r.predicted_step_time_s * self.host_speed_factor / r.measured_step_time_s - 1)
-                                for r in ok)
+    def agreement_at_profile_speed(self) -> Agreement:
+        """Every prediction as the profile prices it, whatever the host's speed since its calibration."""
+        return Agreement.of(list(self.plans))
 
     @property
     def num_failed(self) -> int:
@@ -204,18 +221,26 @@ class ValidationReport:
 
     def to_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plans"}
+        raw = self.agreement_at_profile_speed
         out.update(num_plans=len(self.plans), num_failed=self.num_failed, **self.agreement.to_dict(),
-                   mape_at_calibration_speed=self.mape_at_calibration_speed, plans=[r.to_dict() for r in self.plans])
+                   predictions_at_host_speed=self.at_host_speed, mape_at_profile_speed=raw.mape,
+                   max_error_at_profile_speed=raw.max_error,
+                   plans=[{**r.to_dict(), HOST_SPEED_PREDICTION: r.predicted_step_time_s * self.host_speed_for(r)}
+                          for r in self.plans])
         return out
 
     @classmethod
     def from_dict(cls, data: object, *, what: str = "measurements") -> "ValidationReport":
         if not isinstance(data, dict) or "plans" not in data:
             raise PlannerError(f"{what}: expected a `planner validate --out` report")
-        derived = {"num_plans", "num_failed", "mape_at_calibration_speed", *(f.name for f in dataclasses.fields(Agreement))}
+        # Derived keys, and those of older reports (mape_at_calibration_speed), are not read back.
+        derived = {"num_plans", "num_failed", "mape_at_calibration_speed", "predictions_at_host_speed",
+                   "mape_at_profile_speed", "max_error_at_profile_speed",
+                   *(f.name for f in dataclasses.fields(Agreement))}
         fields = {k: v for k, v in data.items() if k not in derived}
         if isinstance(fields["plans"], list):  # each row's derived keys too (what `planner validate --out` writes)
-            fields["plans"] = [{k: v for k, v in row.items() if k not in ValidationRow.DERIVED}
+            skip = (*ValidationRow.DERIVED, HOST_SPEED_PREDICTION)
+            fields["plans"] = [{k: v for k, v in row.items() if k not in skip}
                                if isinstance(row, dict) else row for row in fields["plans"]]
         return dataclass_from_dict(cls, fields, what=what)
 
@@ -283,12 +308,20 @@ class TuneReport:
 
     @property
     def step_time_ratio(self) -> float:
+        """The headline: measured / predicted at the host's speed now where the host check measured it
+        (step_time_ratio_at_host_speed), else the run's own at the profile's speed."""
+        at_host = self.step_time_ratio_at_host_speed
+        return self.step_time_ratio_at_profile_speed if at_host is None else at_host
+
+    @property
+    def step_time_ratio_at_profile_speed(self) -> float:
+        """The run's own median step over the prediction as the profile prices it."""
         return self.measured.median_step_time_s / self.predicted["step_time_s"]
 
     @property
     def step_time_ratio_quartiles(self) -> tuple[float, float] | None:
-        """The first and third quartiles of measured / predicted over the run's steps (its spread), or None
-        with fewer than MIN_SAMPLES_FOR_SPREAD steps."""
+        """The first and third quartiles of measured / predicted (at the profile's speed) over the run's steps
+        (its spread), or None with fewer than MIN_SAMPLES_FOR_SPREAD steps."""
         if len(self.step_times_s) < MIN_SAMPLES_FOR_SPREAD:
             return None
         q1, _, q3 = statistics.quantiles(self.step_times_s, n=4)
@@ -309,5 +342,6 @@ class TuneReport:
         out = dataclasses.asdict(self)
         out.update(plan=self.plan.to_dict(), describe=self.plan.describe(), step_time_ratio=self.step_time_ratio,
                    step_time_ratio_quartiles=self.step_time_ratio_quartiles, memory_ratio=self.memory_ratio,
-                   step_time_ratio_at_host_speed=self.step_time_ratio_at_host_speed)
+                   step_time_ratio_at_host_speed=self.step_time_ratio_at_host_speed,
+                   step_time_ratio_at_profile_speed=self.step_time_ratio_at_profile_speed)
         return out

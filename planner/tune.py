@@ -26,9 +26,10 @@ The host check: a shared host's speed drifts. On the 2-core development VM the s
 minute after: measured / predicted 0.78 with the prediction fitted to the slower window. So after the run,
 tune times the winner again in one batched, interleaved run (runners/timing.py) beside HOST_CHECK_PLANS of
 the plans the calibration timed at these settings (the closest in step time), whose measured now / measured
-then is the host's speed against the calibration's (planner/validate.host_speed's factor, here from plans
-other than the winner, so it does not take the winner's own error out). The report gives measured /
-predicted both as measured and at that speed (`--no-host-check` skips it).
+then is the host's speed against the calibration's (as in planner/validate.host_speed_ratios, here from plans
+other than the winner, so it does not take the winner's own error out). The report's measured / predicted is
+the winner's step in that window over its prediction at that speed, with the run's own step over the
+prediction at the profile's speed beside it (`--no-host-check` skips the check and leaves only the latter).
 """
 
 from __future__ import annotations
@@ -290,17 +291,23 @@ def host_check(winner, predicted: float, profile: str, settings: TuneSettings, *
 
 
 def host_lines(report: TuneReport) -> list[str]:
-    """The host check's line (none without one)."""
-    check = report.host_check
+    """The step-time lines: at the host's speed now (the host check) and as the run measured it against the
+    profile's speed."""
+    check, p, m = report.host_check, report.predicted, report.measured
+    spread = report.step_time_ratio_quartiles
+    own = (f"its own run measured {m.median_step_time_s * 1e3:.1f} ms against {p['step_time_s'] * 1e3:.1f} ms "
+           f"predicted at the profile's speed (measured / predicted {report.step_time_ratio_at_profile_speed:.2f}"
+           + (f", its steps' interquartile range {spread[0]:.2f}-{spread[1]:.2f})" if spread else ")"))
     if report.host_check_error is not None:
-        return [f"host check failed (the run above stands; measured / predicted raw only): {report.host_check_error}"]
+        return [f"step time: {own}", f"host check failed (the run above stands; measured / predicted at the "
+                                     f"profile's speed only): {report.host_check_error}"]
     if check is None:
-        return []
-    at_speed = report.predicted["step_time_s"] * check.factor
-    return [f"host check: {len(check.references)} calibration plan(s) re-timed beside the winner ran "
-            f"{check.factor:.2f}x their calibration time ({', '.join(f'{r:.2f}' for r in check.reference_ratios)}); "
-            f"at that speed the winner measured {check.winner_step_time_s * 1e3:.1f} ms against "
-            f"{at_speed * 1e3:.1f} ms predicted (measured / predicted {report.step_time_ratio_at_host_speed:.2f})"]
+        return [f"step time: {own}"]
+    at_speed = p["step_time_s"] * check.factor
+    return [f"step time: measured {check.winner_step_time_s * 1e3:.1f} ms beside {len(check.references)} calibration "
+            f"plan(s) that ran {check.factor:.2f}x their calibration time "
+            f"({', '.join(f'{r:.2f}' for r in check.reference_ratios)}), predicted {at_speed * 1e3:.1f} ms at that "
+            f"speed (measured / predicted {report.step_time_ratio_at_host_speed:.2f})", f"  {own}"]
 
 
 def report_lines(report: TuneReport) -> list[str]:
@@ -314,9 +321,6 @@ def report_lines(report: TuneReport) -> list[str]:
         f"best plan: {report.plan.describe()} (searched in {times['search']:.1f} s)",
         f"trained {len(report.losses)} steps in {times['run']:.1f} s: loss {report.losses[0]:.4f} -> "
         f"{report.losses[-1]:.4f}",
-        f"step time: measured {m.median_step_time_s * 1e3:.1f} ms, predicted {p['step_time_s'] * 1e3:.1f} ms "
-        f"(measured / predicted {report.step_time_ratio:.2f}"
-        + (f", its steps' interquartile range {spread[0]:.2f}-{spread[1]:.2f})" if spread else ")"),
         *host_lines(report),
         f"peak memory per rank: measured {m.peak_memory_bytes / 2**20:.1f} MiB, predicted "
         f"{p['peak_memory_bytes'] / 2**20:.1f} MiB (measured / predicted {report.memory_ratio:.2f})",
@@ -338,7 +342,7 @@ def report_lines(report: TuneReport) -> list[str]:
                      f"plans' time went into per-op and per-step costs, so this profile will predict a larger "
                      f"model or sequence too fast; calibrate it on runs of that size (`planner validate --model "
                      f"... --hardware {report.profile} --out v.json`, then `planner calibrate`)")
-    if not fitted and abs(report.step_time_ratio - 1) > 0.2:
+    if not fitted and abs(report.step_time_ratio_at_profile_speed - 1) > 0.2:
         lines.append("the profile was never fitted to training runs; run `planner tune --recalibrate`, or "
                      f"`planner validate --hardware {report.profile} --out v.json` then `planner calibrate`")
     return lines

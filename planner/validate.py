@@ -17,8 +17,17 @@ every plan that ran keeps its trainer in one set of processes and the plans take
 each, R times over, so every plan is sampled across the whole window; the measured step time is then
 the median of those steps (memory still comes from the per-plan runs).
 
+The host's speed: a shared host runs the same plan 0.7-1.5x as fast from one minute to the next, and a
+profile's calibration is fitted at the speed of its minutes. So the batched run also times up to
+HOST_REFERENCE_PLANS of the plans the calibration timed (the validated plans it also timed, then its others,
+each at its own model and batch): their measured now / measured then, side by side with the validated plans
+in one window, is the host's speed against the profile's, and each prediction is taken at that speed (the
+median over the references, a reference's own time left out of its own). With fewer than two references
+(an uncalibrated profile, another process count) the predictions stay at the profile's speed. The report
+gives the MAPE both ways (mape_at_profile_speed); the ranking metrics are the cost model's own.
+
 Agreement metrics (all over the plans that ran):
-  mape          mean of |predicted - measured| / measured
+  mape          mean of |predicted - measured| / measured (predicted at the host's speed, above)
   max_error     the largest of those
   kendall_tau   Kendall's tau-b between predicted and measured step times (1: the model orders the
                 plans exactly as reality does; Kendall 1938, with Knight's tie correction)
@@ -157,8 +166,10 @@ class ValidateSettings:
 @dataclass(frozen=True)
 class PlanEntry:
     label: str
-    source: str  # "search" or "spread"
+    source: str  # "search", "spread" or "reference" (timed for the host's speed only, not a row)
     plan: Plan
+    problem: Problem | None = None  # its own model and job (a reference's); None: the validation's
+    reference: object | None = None  # a reference's specs.hardware.CalibrationRun
 
 
 def candidate_plans(problem: Problem, *, top_k: int, spread: bool = True, max_plans: int | None = None) -> list[PlanEntry]:
@@ -209,9 +220,11 @@ Progress = Callable[[int, int, str], None]
 
 
 def measure(entries: list[PlanEntry], settings: ValidateSettings, *, progress: Progress | None = None,
-            runner: Callable | None = None, timer: Callable | None = None) -> list[Measurement]:
+            runner: Callable | None = None, timer: Callable | None = None,
+            references: list[PlanEntry] = ()) -> list[Measurement]:
     """Run every plan `settings.rounds` times, interleaved; a failed plan is not retried; then time the
-    plans that ran in the batched timing run (`settings.timing_rounds`).
+    plans that ran in the batched timing run (`settings.timing_rounds`), the `references` beside them
+    (their measurements follow the entries' in the result; they have no runs of their own).
 
     `runner(cfg, where=...) -> RunMetrics` defaults to runners.launch.launch, and `timer(entries, settings,
     rounds=, steps_per_round=, progress=)` to measure_step_times_batched (tests may pass others)."""
@@ -242,16 +255,17 @@ def measure(entries: list[PlanEntry], settings: ValidateSettings, *, progress: P
                 continue
             m.step_times_s.append(float(metrics.summary.median_step_time_s))
             m.peak_memory_bytes.append(int(metrics.summary.peak_memory_bytes))
+    refs = [Measurement(e) for e in references]
     ok = [m for m in results if m.error is None]
     timer = timer or measure_step_times_batched
     if settings.timing_rounds is None and len(ok) > 1:
-        time_until_separable(ok, settings, progress=progress, timer=timer)
+        time_until_separable(ok + refs, settings, progress=progress, timer=timer)
     elif settings.timing_rounds and ok:
-        times = timer([m.entry for m in ok], settings, rounds=settings.timing_rounds,
+        times = timer([m.entry for m in ok + refs], settings, rounds=settings.timing_rounds,
                       steps_per_round=settings.timing_steps, progress=progress)
-        for m, samples in zip(ok, times):
+        for m, samples in zip(ok + refs, times):
             m.batched_step_times_s = list(samples)
-    return results
+    return results + [m for m in refs if m.batched_step_times_s]
 
 
 # The adaptive batched timing: rounds per launch, and the most rounds in all.
@@ -264,13 +278,15 @@ def time_until_separable(ok: list[Measurement], settings: ValidateSettings, *, p
     """Time the plans in batched, interleaved launches of TIMING_ROUNDS_PER_LAUNCH rounds, adding launches
     until the cost model's top pick and the fastest measured plan are the same plan or separable (their
     interquartile ranges apart; planner.reports.ValidationRow.separable_from), or MAX_TIMING_ROUNDS are
-    done; every step lands in the measurements' batched_step_times_s. Returns the rounds run."""
+    done; every step lands in the measurements' batched_step_times_s (references' too, never compared).
+    Returns the rounds run."""
     from cost_models.estimate import estimate
 
     problem = settings.problem()
-    predicted = [estimate(m.entry.plan, model=problem.model, cluster=problem.cluster, job=problem.job).step_time_s
-                 for m in ok]
-    top = min(range(len(ok)), key=predicted.__getitem__)
+    compared = [i for i, m in enumerate(ok) if m.entry.source != "reference"]
+    predicted = {i: estimate(ok[i].entry.plan, model=problem.model, cluster=problem.cluster,
+                             job=problem.job).step_time_s for i in compared}
+    top = min(compared, key=predicted.__getitem__)
     rounds = 0
     while rounds < MAX_TIMING_ROUNDS:
         batch = min(TIMING_ROUNDS_PER_LAUNCH, MAX_TIMING_ROUNDS - rounds)
@@ -280,7 +296,7 @@ def time_until_separable(ok: list[Measurement], settings: ValidateSettings, *, p
             m.batched_step_times_s.extend(samples)
         rounds += batch
         rows = [_timing_row(m) for m in ok]
-        best = min(range(len(ok)), key=lambda i: rows[i].measured_step_time_s)
+        best = min(compared, key=lambda i: rows[i].measured_step_time_s)
         if best == top or rows[top].separable_from(rows[best]):
             break
     return rounds
@@ -304,8 +320,9 @@ def measure_step_times_batched(entries: list[PlanEntry], settings: ValidateSetti
 
     problem = settings.problem()
     _, per_node = settings.topology()
-    configs = tuple(RunConfig(plan=e.plan, model=problem.model, job=problem.job, steps=1, seed=settings.seed,
-                              ranks_per_node=per_node, timeout_s=settings.timeout_s) for e in entries)
+    configs = tuple(RunConfig(plan=e.plan, model=(e.problem or problem).model, job=(e.problem or problem).job,
+                              steps=1, seed=settings.seed, ranks_per_node=per_node, timeout_s=settings.timeout_s)
+                    for e in entries)
     spec = TimingSpec(configs=configs, labels=tuple(e.label for e in entries), rounds=rounds,
                       steps_per_round=steps_per_round)
 
@@ -358,24 +375,63 @@ def calibration_step_times(hardware, *, model: str, global_batch: int, seq_len: 
                 model, global_batch, seq_len, precision, processes) and run.step_time_s > 0}
 
 
-def host_speed(rows: list[ValidationRow], hardware, *, model: str, global_batch: int, seq_len: int, precision: str,
-               processes: int) -> tuple[float | None, int]:
-    """(factor, plans): the median over the rows that ran a plan the profile's calibration also timed at the
-    same model, global batch, sequence length, precision and process count of measured now / measured then,
-    and how many such rows; (None, 0) where none did. Above 1 the host runs slower than when the profile
-    was fitted (other load, a slower clock), and every prediction is optimistic by about that factor."""
-    then = calibration_step_times(hardware, model=model, global_batch=global_batch, seq_len=seq_len,
-                                  precision=precision, processes=processes)
-    ratios = [r.measured_step_time_s / then[key] for r in rows if r.ok
-              for key in [plan_key(r.plan.to_dict())] if key in then]
-    return (statistics.median(ratios), len(ratios)) if ratios else (None, 0)
+# The host's speed reference (planner/reports.ValidationReport.host_speed_ratios): the profile's calibration
+# plans timed again beside the validated plans, in the same interleaved run, at most this many (those the
+# validation times anyway first, then the calibration's other plans at this process count, its own batch).
+HOST_REFERENCE_PLANS = 6
+
+
+def reference_entries(entries: list[PlanEntry], settings: ValidateSettings) -> list[PlanEntry]:
+    """The calibration plans to time beside `entries` as the host's speed reference, beyond those `entries`
+    hold at the validation's own settings (module constant HOST_REFERENCE_PLANS). A run whose model or plan
+    no longer resolves is skipped."""
+    world, per_node = settings.topology()
+    here = (settings.model, settings.global_batch, settings.seq_len, settings.precision, world)
+    validated = {plan_key(e.plan.to_dict()) for e in entries}
+    runs = [r for r in settings.problem().cluster.hardware.calibration_runs
+            if r.processes == world and r.step_time_s > 0]
+    matched = [r for r in runs if (r.model, r.global_batch, r.seq_len, r.precision, r.processes) == here
+               and plan_key(r.plan) in validated]
+    others = sorted((r for r in runs if r not in matched),
+                    key=lambda r: (r.model != settings.model, r.seq_len != settings.seq_len,
+                                   r.precision != settings.precision))
+    out: list[PlanEntry] = []
+    for run in others[:max(0, HOST_REFERENCE_PLANS - len(matched))]:
+        try:
+            problem = make_problem(model=run.model, hardware=settings.hardware, gpus=world, gpus_per_node=per_node,
+                                   global_batch=run.global_batch, seq_len=run.seq_len, precision=run.precision)
+            plan = Plan.from_dict(run.plan)
+        except (PlannerError, ValueError, TypeError, KeyError):
+            continue
+        out.append(PlanEntry(f"reference {len(out) + 1} ({run.model}, batch {run.global_batch})", "reference", plan,
+                             problem=problem, reference=run))
+    return out
+
+
+def host_speed_ratios(measurements: list[Measurement], settings: ValidateSettings) -> tuple[tuple[str, float], ...]:
+    """(label, measured now / measured then) of every measurement that ran a plan the profile's calibration
+    timed: a reference at its own settings, a validated plan at the validation's. Above 1 the host runs
+    slower than when the profile was fitted (other load, a slower clock)."""
+    world = settings.topology()[0]
+    then = calibration_step_times(settings.problem().cluster.hardware, model=settings.model,
+                                  global_batch=settings.global_batch, seq_len=settings.seq_len,
+                                  precision=settings.precision, processes=world)
+    out = []
+    for m in measurements:
+        samples = m.batched_step_times_s or m.step_times_s
+        if m.error is not None or not samples:
+            continue
+        if m.entry.reference is not None:
+            out.append((m.entry.label, statistics.median(samples) / m.entry.reference.step_time_s))
+        elif plan_key(m.entry.plan.to_dict()) in then:
+            out.append((m.entry.label, statistics.median(samples) / then[plan_key(m.entry.plan.to_dict())]))
+    return tuple(out)
 
 
 def build_report(measurements: list[Measurement], settings: ValidateSettings) -> ValidationReport:
     problem = settings.problem()
-    rows = [plan_row(m, problem) for m in measurements]
-    factor, matched = host_speed(rows, problem.cluster.hardware, model=settings.model, global_batch=settings.global_batch,
-                                 seq_len=settings.seq_len, precision=settings.precision, processes=settings.topology()[0])
+    rows = [plan_row(m, problem) for m in measurements if m.entry.source != "reference"]
+    ratios = host_speed_ratios(measurements, settings)
     return ValidationReport(
         model=settings.model, hardware=settings.hardware, hardware_name=problem.cluster.hardware.name,
         calibration=dict(problem.cluster.hardware.calibration), nproc=settings.topology()[0], cluster=settings.cluster,
@@ -383,7 +439,8 @@ def build_report(measurements: list[Measurement], settings: ValidateSettings) ->
         steps=settings.steps, rounds=settings.rounds,
         # The rounds the batched timing ran (adaptive by default): each round times timing_steps steps.
         timing_rounds=max((len(m.batched_step_times_s) for m in measurements), default=0) // settings.timing_steps,
-        plans=tuple(rows), host_speed_factor=factor, host_speed_plans=matched)
+        plans=tuple(rows), host_speed_factor=statistics.median(r for _, r in ratios) if ratios else None,
+        host_speed_plans=len(ratios), host_speed_ratios=ratios)
 
 
 def validate(settings: ValidateSettings, *, progress: Progress | None = None,
@@ -391,7 +448,9 @@ def validate(settings: ValidateSettings, *, progress: Progress | None = None,
     """Pick the plans, run them, and return the report (see the module docstring)."""
     entries = candidate_plans(settings.problem(), top_k=settings.top_k, spread=settings.spread,
                               max_plans=settings.max_plans)
-    return build_report(measure(entries, settings, progress=progress, runner=runner, timer=timer), settings)
+    references = reference_entries(entries, settings) if settings.timing_rounds != 0 else []
+    return build_report(measure(entries, settings, progress=progress, runner=runner, timer=timer,
+                                references=references), settings)
 
 
 # --- the picture ----------------------------------------------------------------------------------
@@ -404,11 +463,12 @@ def write_scatter_png(report: ValidationReport, path: str, *, title: str | None 
     import matplotlib.pyplot as plt
 
     ok = [r for r in report.plans if r.ok]
+    speed = getattr(report, "host_speed_for", lambda row: 1.0)  # step times at the host's speed now, where measured
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 6))
     panels = ((ax_t, "step_time_s", 1e3, "step time (ms)"), (ax_m, "peak_memory_bytes", 2.0**-20, "peak memory (MiB)"))
     for ax, key, scale, name in panels:
         xs = [getattr(r, f"measured_{key}") * scale for r in ok]
-        ys = [getattr(r, f"predicted_{key}") * scale for r in ok]
+        ys = [getattr(r, f"predicted_{key}") * scale * (speed(r) if key == "step_time_s" else 1.0) for r in ok]
         colors = ["tab:red" if r.source == "search" else "tab:blue" for r in ok]
         ax.scatter(xs, ys, c=colors, s=28, zorder=3)
         for r, x, y in zip(ok, xs, ys):

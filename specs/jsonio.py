@@ -79,8 +79,12 @@ def _coerce(value: Any, annotation: Any, *, where: str) -> Any:
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise PlannerError(f"{where}: expected a list, got {value!r}")
-        item_type = args[0] if args else Any
-        return tuple(_coerce(v, item_type, where=f"{where}[{i}]") for i, v in enumerate(value))
+        if not args or (len(args) == 2 and args[1] is Ellipsis):  # tuple[X, ...]
+            item_type = args[0] if args else Any
+            return tuple(_coerce(v, item_type, where=f"{where}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):  # a fixed shape, e.g. tuple[str, float]
+            raise PlannerError(f"{where}: expected {len(args)} items, got {value!r}")
+        return tuple(_coerce(v, t, where=f"{where}[{i}]") for i, (v, t) in enumerate(zip(value, args)))
     if origin is dict or annotation is dict:
         if not isinstance(value, dict):
             raise PlannerError(f"{where}: expected an object, got {value!r}")

@@ -68,7 +68,7 @@ def test_tune_profiles_searches_runs_and_reuses_the_cache(tmp_path, monkeypatch)
     hardware = resolve_hardware(str(cached))
     assert hardware.calibrated_from_runs == calibration["num_plans"]
     assert all(hardware.calibration[k] == v for k, v in calibration["parameters"].items())
-    # The timed plans are kept as the host's speed reference (planner/validate.host_speed).
+    # The timed plans are kept as the host's speed reference (planner/validate.host_speed_ratios).
     assert len(hardware.calibration_runs) == calibration["num_plans"]
     assert {r.global_batch for r in hardware.calibration_runs} == {settings.global_batch, 2 * settings.global_batch}
     # After the run the winner was timed again beside calibration plans at this batch (the host check).
@@ -77,6 +77,10 @@ def test_tune_profiles_searches_runs_and_reuses_the_cache(tmp_path, monkeypatch)
     assert check["factor"] > 0 and check["winner_step_time_s"] > 0
     assert report["step_time_ratio_at_host_speed"] == pytest.approx(
         check["winner_step_time_s"] / (report["predicted"]["step_time_s"] * check["factor"]))
+    # That is the headline ratio; the run's own, at the profile's speed, is beside it.
+    assert report["step_time_ratio"] == report["step_time_ratio_at_host_speed"]
+    assert report["step_time_ratio_at_profile_speed"] == pytest.approx(
+        report["measured"]["median_step_time_s"] / report["predicted"]["step_time_s"])
     # The next tune finds the profile in the cache instead of measuring again, and so does every command
     # that defaults to this machine's profile for the same process count.
     path, reused = ensure_profile(TuneSettings())

@@ -60,11 +60,14 @@ def test_validate_then_calibrate_then_explain(tmp_path):
     # (against these very rows the host is exactly as fast).
     assert sorted(r.step_time_s for r in hw.calibration_runs) == sorted(r["measured_step_time_s"] for r in ok)
     from planner.reports import ValidationReport
-    from planner.validate import host_speed
+    from planner.validate import Measurement, PlanEntry, ValidateSettings, host_speed_ratios
 
     rows = ValidationReport.from_dict(report).plans
-    assert host_speed(list(rows), hw, model="tiny", global_batch=4, seq_len=report["seq_len"],
-                      precision=report["precision"], processes=2) == (pytest.approx(1.0), 2)
+    again = [Measurement(PlanEntry(r.label, r.source, r.plan), step_times_s=[r.measured_step_time_s])
+             for r in rows if r.ok]
+    settings = ValidateSettings(model="tiny", hardware=str(calibrated), nproc=2, global_batch=4,
+                                seq_len=report["seq_len"], precision=report["precision"])
+    assert [ratio for _, ratio in host_speed_ratios(again, settings)] == pytest.approx([1.0] * len(ok))
 
     # A preset cannot be overwritten in place.
     result = runner.invoke(app, ["calibrate", "--measurements", str(report_path), "--hardware", "cpu"])

@@ -80,16 +80,27 @@ def _report(**changes) -> TuneReport:
 
 
 def test_the_report_gives_measured_over_predicted_at_the_host_speed_and_says_so():
+    """The headline ratio is at the host's speed now where the host check measured it (the winner beside
+    calibration plans in one window), with the run's own ratio at the profile's speed beside it."""
     plain = _report()
     assert plain.step_time_ratio == pytest.approx(0.8) and plain.step_time_ratio_at_host_speed is None
-    assert not any(line.startswith("host check") for line in report_lines(plain))
+    assert plain.step_time_ratio_at_profile_speed == pytest.approx(0.8)
+    assert [line for line in report_lines(plain) if line.startswith("step time")] == [
+        "step time: its own run measured 80.0 ms against 100.0 ms predicted at the profile's speed "
+        "(measured / predicted 0.80)"]
     checked = _report(host_check=HostCheck(factor=0.75, winner_step_time_s=0.078, references=("a", "b"),
                                            reference_ratios=(0.7, 0.8)))
     # Predicted 100 ms at calibration speed is 75 ms at the host's speed now; measured 78 ms beside it.
     assert checked.step_time_ratio_at_host_speed == pytest.approx(0.078 / 0.075)
-    assert checked.to_dict()["step_time_ratio_at_host_speed"] == pytest.approx(1.04)
-    line = next(line for line in report_lines(checked) if line.startswith("host check"))
-    assert "0.75x" in line and "78.0 ms against 75.0 ms" in line and "1.04" in line
+    assert checked.step_time_ratio == pytest.approx(1.04)
+    assert checked.step_time_ratio_at_profile_speed == pytest.approx(0.8)
+    data = checked.to_dict()
+    assert data["step_time_ratio"] == pytest.approx(1.04)
+    assert data["step_time_ratio_at_profile_speed"] == pytest.approx(0.8)
+    lines = report_lines(checked)
+    line = next(line for line in lines if line.startswith("step time"))
+    assert "0.75x" in line and "measured 78.0 ms" in line and "predicted 75.0 ms" in line and "1.04" in line
+    assert any("own run measured 80.0 ms" in line and "0.80" in line for line in lines)
 
 
 def test_the_report_warns_when_the_fit_priced_compute_at_almost_nothing():

@@ -14,8 +14,16 @@ from cost_models.estimate import estimate
 from planner.reports import Agreement, ValidationReport, ValidationRow, kendall_tau
 from planner.validate import (MAX_TIMING_ROUNDS, TIMING_ROUNDS_PER_LAUNCH, ValidateSettings, build_report,
                              candidate_plans, measure, write_scatter_png)
+from specs.hardware import PRESETS
 from specs.plan import Plan
 from runners.launch import RunFailed
+
+
+def _saved(hardware, directory) -> str:
+    """`hardware` written as a profile file in `directory`, for settings that name one."""
+    path = str(directory / "profile.json")
+    hardware.save(path)
+    return path
 
 
 def _brute_tau_b(x, y):
@@ -191,13 +199,14 @@ def test_the_batched_timing_freezes_what_is_alive_after_a_trainers_first_step():
         gc.unfreeze()
 
 
-def test_host_speed_compares_the_plans_the_calibration_timed_and_rescales_the_mape():
-    """planner/validate.host_speed: the median of now / then over the plans a profile's calibration timed at
-    the same model, batch, sequence, precision and process count; other runs do not match."""
+def test_host_speed_compares_the_plans_the_calibration_timed_and_rescales_the_mape(tmp_path):
+    """planner/validate.host_speed_ratios: measured now / then of every validated plan the profile's calibration
+    timed at the same model, batch, sequence, precision and process count (other runs do not match) and of
+    every reference timed beside them; the headline MAPE takes each prediction at the others' median."""
     import dataclasses
 
-    from planner.validate import host_speed
-    from specs.hardware import PRESETS, CalibrationRun
+    from planner.validate import Measurement, PlanEntry, ValidateSettings, host_speed_ratios
+    from specs.hardware import CalibrationRun
 
     a, b, c = Plan(micro_batch=1, num_micro_batches=8), Plan(micro_batch=2, num_micro_batches=4), Plan(micro_batch=4, num_micro_batches=2)
 
@@ -206,22 +215,105 @@ def test_host_speed_compares_the_plans_the_calibration_timed_and_rescales_the_ma
                       step_time_s=seconds)
         return CalibrationRun(**{**fields, **changes})
 
-    hw = dataclasses.replace(PRESETS["cpu"], calibration_runs=(
+    profile = dataclasses.replace(PRESETS["cpu"], calibration_runs=(
         run(a, 0.10), run(b, 0.20), run(c, 0.05, global_batch=16), run(c, 0.05, processes=4), run(c, 0.05, model="gpt2")))
-    hw = type(hw).from_dict(json.loads(json.dumps(hw.to_dict())))  # the runs survive the profile's JSON
+    profile = type(profile).from_dict(json.loads(json.dumps(profile.to_dict())))  # the runs survive the JSON
+    settings = ValidateSettings(model="tiny", hardware="cpu", nproc=2, global_batch=8, seq_len=64, precision="fp32")
+    settings = dataclasses.replace(settings, hardware=_saved(profile, tmp_path))
+    reference = PlanEntry("reference 1 (tiny, batch 16)", "reference", c, reference=profile.calibration_runs[2])
+    measured = [Measurement(PlanEntry("a", "spread", a), step_times_s=[0.12]),
+                Measurement(PlanEntry("b", "spread", b), step_times_s=[0.30], batched_step_times_s=[0.26]),
+                Measurement(PlanEntry("c", "spread", c), step_times_s=[0.09]),  # the batch-16 run is not c's here
+                Measurement(PlanEntry("x", "spread", a), error="died"),
+                Measurement(reference, batched_step_times_s=[0.07, 0.08, 0.07])]
+    ratios = host_speed_ratios(measured, settings)
+    assert dict(ratios) == pytest.approx({"a": 1.2, "b": 1.3, "reference 1 (tiny, batch 16)": 1.4})
     rows = [dataclasses.replace(_row("a", 0.10, 0.12), plan=a), dataclasses.replace(_row("b", 0.20, 0.26), plan=b),
             dataclasses.replace(_row("c", 0.05, 0.09), plan=c), dataclasses.replace(_row("x", 0.1, None, status="failed"), plan=a)]
-    where = dict(model="tiny", global_batch=8, seq_len=64, precision="fp32", processes=2)
-    factor, matched = host_speed(rows, hw, **where)
-    assert matched == 2 and factor == pytest.approx((1.2 + 1.3) / 2)
-    assert host_speed(rows, hw, **{**where, "precision": "bf16"}) == (None, 0)
-    assert host_speed(rows, PRESETS["cpu"], **where) == (None, 0)
     report = ValidationReport(model="tiny", hardware="p.json", hardware_name="cpu", calibration={}, nproc=2, cluster=None,
                               global_batch=8, seq_len=64, precision="fp32", steps=8, rounds=1, timing_rounds=4,
-                              plans=tuple(rows), host_speed_factor=factor, host_speed_plans=matched)
-    expected = (abs(0.10 * 1.25 / 0.12 - 1) + abs(0.20 * 1.25 / 0.26 - 1) + abs(0.05 * 1.25 / 0.09 - 1)) / 3
-    assert report.mape_at_calibration_speed == pytest.approx(expected)
+                              plans=tuple(rows), host_speed_factor=1.3, host_speed_plans=3, host_speed_ratios=ratios)
+    # a's prediction at the median of b and the reference (1.35), b's at a and the reference's (1.3), c's at all (1.3).
+    assert [report.host_speed_for(r) for r in rows[:3]] == pytest.approx([1.35, 1.3, 1.3])
+    expected = (abs(0.10 * 1.35 / 0.12 - 1) + abs(0.20 * 1.3 / 0.26 - 1) + abs(0.05 * 1.3 / 0.09 - 1)) / 3
+    raw = (abs(0.10 / 0.12 - 1) + abs(0.20 / 0.26 - 1) + abs(0.05 / 0.09 - 1)) / 3
+    assert report.agreement.mape == pytest.approx(expected)
+    assert report.agreement_at_profile_speed.mape == pytest.approx(raw)
+    # The ranking is the cost model's own, whatever the speed.
+    assert report.agreement.kendall_tau == report.agreement_at_profile_speed.kendall_tau
+    assert report.agreement.top_pick == report.agreement_at_profile_speed.top_pick == "c"
     data = report.to_dict()
-    assert data["mape_at_calibration_speed"] == pytest.approx(expected) and data["host_speed_plans"] == 2
+    assert data["mape"] == pytest.approx(expected) and data["mape_at_profile_speed"] == pytest.approx(raw)
+    assert data["predictions_at_host_speed"] and data["plans"][0]["predicted_at_host_speed_s"] == pytest.approx(0.135)
     assert ValidationReport.from_dict(json.loads(json.dumps(data))) == report
-    assert dataclasses.replace(report, host_speed_factor=None).mape_at_calibration_speed is None
+    # One reference is too few: a reference's own prediction would have no other to take its speed from.
+    one = dataclasses.replace(report, host_speed_ratios=ratios[:1], host_speed_plans=1)
+    assert not one.at_host_speed and one.agreement.mape == pytest.approx(raw)
+    assert host_speed_ratios(measured, dataclasses.replace(settings, precision="bf16")) == (
+        ("reference 1 (tiny, batch 16)", pytest.approx(1.4)),)
+
+
+def test_validate_times_the_calibrations_other_plans_as_references_beside_the_validated_ones(tmp_path):
+    """planner/validate.reference_entries: the calibration's plans at this process count that the validation
+    does not time at its own settings, each at its own model and batch, up to HOST_REFERENCE_PLANS in all."""
+    import dataclasses
+
+    from planner import validate as validate_module
+    from planner.validate import PlanEntry, ValidateSettings, reference_entries
+    from specs.hardware import CalibrationRun
+
+    a, b, c = (Plan(micro_batch=1, num_micro_batches=8), Plan(micro_batch=2, num_micro_batches=4),
+               Plan(micro_batch=4, num_micro_batches=2))
+
+    def run(plan, batch, processes=2, model="tiny"):
+        return CalibrationRun(model=model, plan=plan.to_dict(), global_batch=batch, seq_len=64, precision="fp32",
+                              processes=processes, step_time_s=0.1)
+
+    runs = (run(a, 8), run(b, 8), run(c, 16), run(c, 8, processes=4), run(a, 8, model="no-such-model"))
+    profile = _saved(dataclasses.replace(PRESETS["cpu"], calibration_runs=runs), tmp_path)
+    settings = ValidateSettings(model="tiny", hardware=profile, nproc=2, global_batch=8, seq_len=64, precision="fp32")
+    refs = reference_entries([PlanEntry("a", "spread", a)], settings)
+    assert [(e.plan, e.problem.job.global_batch, e.reference) for e in refs] == [(b, 8, runs[1]), (c, 16, runs[2])]
+    assert all(e.source == "reference" for e in refs) and refs[1].label == "reference 2 (tiny, batch 16)"
+    original = validate_module.HOST_REFERENCE_PLANS
+    try:
+        validate_module.HOST_REFERENCE_PLANS = 2  # a (validated) and one more
+        assert [e.plan for e in reference_entries([PlanEntry("a", "spread", a)], settings)] == [b]
+    finally:
+        validate_module.HOST_REFERENCE_PLANS = original
+
+
+def test_validate_takes_its_predictions_at_the_host_speed_its_references_measured_beside_the_plans(tmp_path):
+    """validate() times the calibration's other plans in the same batched run as the validated ones (they
+    are not rows), and the headline MAPE takes the predictions at the host's speed they measured: here the
+    host runs every plan 1.5x slower than the profile prices it, which the MAPE at the profile's speed shows
+    and the headline does not."""
+    import dataclasses
+
+    from planner.validate import validate
+    from specs.hardware import CalibrationRun
+
+    base = ValidateSettings(nproc=2, steps=3, top_k=0, max_plans=2, timing_rounds=2, global_batch=8, seq_len=64,
+                            precision="fp32", hardware="cpu")
+    problem = base.problem()
+    others = [Plan(dp=2, micro_batch=2, num_micro_batches=1), Plan(dp=2, micro_batch=1, num_micro_batches=2)]
+
+    def price(plan, job):
+        return estimate(plan, model=problem.model, cluster=problem.cluster, job=job).step_time_s
+
+    then = [CalibrationRun(model="tiny", plan=p.to_dict(), global_batch=4, seq_len=64, precision="fp32", processes=2,
+                           step_time_s=price(p, dataclasses.replace(problem.job, global_batch=4))) for p in others]
+    settings = dataclasses.replace(base, hardware=_saved(dataclasses.replace(problem.cluster.hardware,
+                                                                             calibration_runs=tuple(then)), tmp_path))
+    timed = []
+
+    def slow_host(batch, settings, *, rounds, steps_per_round, progress):
+        timed.append([(e.label, e.source) for e in batch])
+        return [[1.5 * price(e.plan, (e.problem or problem).job)] * (rounds * steps_per_round) for e in batch]
+
+    report = validate(settings, runner=_fake_runner, timer=slow_host)
+    assert [source for _, source in timed[0]] == ["spread", "spread", "reference", "reference"]
+    assert [r.label for r in report.plans] == ["dp mb1", "tp2"] and report.at_host_speed
+    assert report.host_speed_factor == pytest.approx(1.5) and report.host_speed_plans == 2
+    assert report.agreement.mape == pytest.approx(0.0, abs=1e-9)
+    assert report.agreement_at_profile_speed.mape == pytest.approx(1 / 3)
