@@ -728,7 +728,7 @@ def validate_command(
     if fmt is OutputFormat.json:
         print_json(report.to_dict())
         return
-    where = f"emulated cluster {cluster_prefix}, {report.nproc} processes" if cluster else f"{nproc} processes"
+    where = f"emulated cluster {cluster_prefix}, {report.nproc} processes" if cluster else f"{report.nproc} processes"
     _print_validate_report(report, where=where, out=out, png=png)
 
 

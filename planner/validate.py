@@ -255,17 +255,35 @@ def measure(entries: list[PlanEntry], settings: ValidateSettings, *, progress: P
                 continue
             m.step_times_s.append(float(metrics.summary.median_step_time_s))
             m.peak_memory_bytes.append(int(metrics.summary.peak_memory_bytes))
-    refs = [Measurement(e) for e in references]
     ok = [m for m in results if m.error is None]
-    timer = timer or measure_step_times_batched
-    if settings.timing_rounds is None and len(ok) > 1:
-        time_until_separable(ok + refs, settings, progress=progress, timer=timer)
-    elif settings.timing_rounds and ok:
-        times = timer([m.entry for m in ok + refs], settings, rounds=settings.timing_rounds,
-                      steps_per_round=settings.timing_steps, progress=progress)
-        for m, samples in zip(ok + refs, times):
-            m.batched_step_times_s = list(samples)
+    refs = [Measurement(e) for e in references]
+    try:
+        _time_batched(ok + refs, settings, progress=progress, timer=timer or measure_step_times_batched)
+    except RunFailed:
+        if not refs:
+            raise
+        # A reference is there for the host's speed only: one that no longer runs (a profile from an older
+        # version) must not cost the validation, which is timed again without them.
+        warnings.warn("the batched timing failed with the calibration's reference plans beside the validated "
+                      "ones; timed without them (predictions at the profile's speed)", stacklevel=2)
+        for m in ok:
+            m.batched_step_times_s = []
+        refs = []
+        _time_batched(ok, settings, progress=progress, timer=timer or measure_step_times_batched)
     return results + [m for m in refs if m.batched_step_times_s]
+
+
+def _time_batched(ok: list[Measurement], settings: ValidateSettings, *, progress: Progress | None,
+                  timer: Callable) -> None:
+    """The batched timing of `ok` (validated plans, then references): adaptive or a fixed number of rounds."""
+    compared = [m for m in ok if m.entry.source != "reference"]
+    if settings.timing_rounds is None and len(compared) > 1:
+        time_until_separable(ok, settings, progress=progress, timer=timer)
+    elif settings.timing_rounds and compared:
+        times = timer([m.entry for m in ok], settings, rounds=settings.timing_rounds,
+                      steps_per_round=settings.timing_steps, progress=progress)
+        for m, samples in zip(ok, times):
+            m.batched_step_times_s = list(samples)
 
 
 # The adaptive batched timing: rounds per launch, and the most rounds in all.

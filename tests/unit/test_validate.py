@@ -317,3 +317,33 @@ def test_validate_takes_its_predictions_at_the_host_speed_its_references_measure
     assert report.host_speed_factor == pytest.approx(1.5) and report.host_speed_plans == 2
     assert report.agreement.mape == pytest.approx(0.0, abs=1e-9)
     assert report.agreement_at_profile_speed.mape == pytest.approx(1 / 3)
+
+
+def test_a_reference_that_no_longer_runs_does_not_cost_the_validation(tmp_path):
+    """A batched timing that fails with the calibration's references beside the plans is run again without
+    them: the plans are measured, the predictions stay at the profile's speed, and a warning says why."""
+    import dataclasses
+
+    from planner.validate import validate
+    from specs.hardware import CalibrationRun
+
+    base = ValidateSettings(nproc=2, steps=3, top_k=0, max_plans=2, timing_rounds=2, global_batch=8, seq_len=64,
+                            precision="fp32", hardware="cpu")
+    runs = tuple(CalibrationRun(model="tiny", plan=Plan(dp=2, micro_batch=m, num_micro_batches=4 // (2 * m)).to_dict(),
+                                global_batch=4, seq_len=64, precision="fp32", processes=2, step_time_s=0.1)
+                 for m in (1, 2))
+    settings = dataclasses.replace(base, hardware=_saved(dataclasses.replace(PRESETS["cpu"], calibration_runs=runs),
+                                                         tmp_path))
+    launches = []
+
+    def timer(batch, settings, *, rounds, steps_per_round, progress):
+        launches.append([e.source for e in batch])
+        if any(e.source == "reference" for e in batch):
+            raise RunFailed("rank 0 failed: a plan this version no longer runs")
+        return [[0.1] * (rounds * steps_per_round) for _ in batch]
+
+    with pytest.warns(UserWarning, match="timed without them"):
+        report = validate(settings, runner=_fake_runner, timer=timer)
+    assert launches == [["spread", "spread", "reference", "reference"], ["spread", "spread"]]
+    assert report.agreement.num_ok == 2 and not report.at_host_speed and report.host_speed_plans == 0
+    assert all(len(r.batched_step_times_s) == 6 for r in report.plans)
