@@ -314,7 +314,6 @@ def report_lines(report: TuneReport) -> list[str]:
     """The terminal summary of a tune report."""
     p, m, times = report.predicted, report.measured, report.times_s
     fitted = report.calibrated_from_runs
-    spread = report.step_time_ratio_quartiles
     lines = [
         f"profile: {report.profile} ({'reused' if report.profile_reused else 'measured now'}"
         f"{f', calibrated on {fitted} timed plans' if fitted else ', probes only'}) in {times['profile']:.1f} s",
