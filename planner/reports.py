@@ -274,6 +274,10 @@ class TuneCalibration:
     at_bounds: tuple[str, ...] = ()  # parameters the fit left at a bound (planner.calibrate.parameters_at_bounds)
     # The fitted compute_time_scale over the one the profile's layer probe fitted (None: no probe value).
     compute_scale_of_probe: float | None = None
+    # What the fit minimises: the root mean square of (predicted - measured) / measured over the timed plans,
+    # before and after (the mean |error| above can rise while this falls).
+    rms_before: float | None = None
+    rms_after: float | None = None
 
 
 @dataclass(frozen=True)

