@@ -257,8 +257,9 @@ def measure(entries: list[PlanEntry], settings: ValidateSettings, *, progress: P
             m.peak_memory_bytes.append(int(metrics.summary.peak_memory_bytes))
     ok = [m for m in results if m.error is None]
     refs = [Measurement(e) for e in references]
+    timer = timer or measure_step_times_batched
     try:
-        _time_batched(ok + refs, settings, progress=progress, timer=timer or measure_step_times_batched)
+        _time_batched(ok + refs, settings, progress=progress, timer=timer)
     except RunFailed:
         if not refs:
             raise
@@ -269,7 +270,7 @@ def measure(entries: list[PlanEntry], settings: ValidateSettings, *, progress: P
         for m in ok:
             m.batched_step_times_s = []
         refs = []
-        _time_batched(ok, settings, progress=progress, timer=timer or measure_step_times_batched)
+        _time_batched(ok, settings, progress=progress, timer=timer)
     return results + [m for m in refs if m.batched_step_times_s]
 
 
@@ -439,10 +440,10 @@ def host_speed_ratios(measurements: list[Measurement], settings: ValidateSetting
         samples = m.batched_step_times_s or m.step_times_s
         if m.error is not None or not samples:
             continue
-        if m.entry.reference is not None:
-            out.append((m.entry.label, statistics.median(samples) / m.entry.reference.step_time_s))
-        elif plan_key(m.entry.plan.to_dict()) in then:
-            out.append((m.entry.label, statistics.median(samples) / then[plan_key(m.entry.plan.to_dict())]))
+        reference = (m.entry.reference.step_time_s if m.entry.reference is not None
+                     else then.get(plan_key(m.entry.plan.to_dict())))
+        if reference is not None:
+            out.append((m.entry.label, statistics.median(samples) / reference))
     return tuple(out)
 
 
