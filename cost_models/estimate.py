@@ -28,7 +28,9 @@ of its latency-bandwidth time per exchange of its algorithm, `sync_rounds`: gloo
 partner process under a busy host), comm_overlap_efficiency (the fraction of per-micro-batch DP/ZeRO
 communication the separate stream hides, default 1; see `_overlap`), recompute_overhead_s and selective_recompute_overhead_s
 (seconds per checkpointed layer / attention core and micro-batch, see `_policy_times`) and step_overhead_s (seconds per
-optimizer step outside any op: the step loop's bookkeeping). On small models on CPUs these dominate the
+optimizer step outside any op: the step loop's bookkeeping). Measured by the CPU profile, not fitted:
+shard_grad_unit_s and shard_param_unit_s (the sharding engine's own seconds per unit and micro-batch,
+`sharding_bookkeeping_s`). On small models on CPUs these dominate the
 step; on GPUs they are hidden behind the kernel queue and stay 0.
 """
 
@@ -322,6 +324,46 @@ def _with_op_overhead(model, times, ends, *, op_overhead_s: float, cp_split: tup
     return times, ends
 
 
+def sharding_bookkeeping_s(hw, *, shards: tuple[int, int, int], eng) -> tuple[float, float]:
+    """(forward, backward) seconds our sharding engine's own bookkeeping adds to each unit (a layer, the
+    embedding, the final norm, the head; an MoE layer's experts are one more) and micro-batch at Lins
+    degrees `shards` (s_p, s_g, s_o): under s_g > 1 each parameter's gradient copied into its bucket's send
+    buffer and the bucket's reduce-scatter bookkeeping (backward); under s_p > 1 the gather and free around
+    each forward and backward use and the backward pre-hook's autograd nodes (half in each pass). The
+    calibration keys shard_grad_unit_s and shard_param_unit_s come measured from the CPU profile's sharding
+    probe (runners/probe.measure_sharding; 0 elsewhere: on a GPU the kernel queue hides them as it hides
+    op_overhead_s). The collectives' own time is priced from their curves (comm.py), not here."""
+    if eng.name != "ours":
+        return 0.0, 0.0
+    param_s = hw.calibration.get("shard_param_unit_s", 0.0) if shards[0] > 1 else 0.0
+    grad_s = hw.calibration.get("shard_grad_unit_s", 0.0) if shards[1] > 1 else 0.0
+    return param_s / 2, param_s / 2 + grad_s
+
+
+def _with_host_costs(model, times, ends, *, hw, plan, eng, cp_split: tuple[int, int]):
+    """Layer and end compute times plus what the eager engine's host adds: per-op dispatch
+    (`_with_op_overhead`) and the sharding engine's bookkeeping (`_with_bookkeeping`)."""
+    times, ends = _with_op_overhead(model, times, ends, op_overhead_s=hw.calibration.get("op_overhead_s", 0.0),
+                                    cp_split=cp_split)
+    return _with_bookkeeping(model, times, ends, hw=hw, plan=plan, eng=eng)
+
+
+def _with_bookkeeping(model, times, ends, *, hw, plan, eng):
+    """Layer and end compute times plus the sharding engine's bookkeeping (`sharding_bookkeeping_s`):
+    one unit a layer, the embedding (and learned positions) at the first end, the final norm and the head
+    at the last."""
+    f, b = sharding_bookkeeping_s(hw, shards=(plan.param_shard, plan.grad_shard, plan.optim_shard), eng=eng)
+    if f <= 0 and b <= 0:
+        return times, ends
+    first_units = 1 + int(model.learned_positions)
+    times = dataclasses.replace(times, forward_s=times.forward_s + f, backward_s=times.backward_s + b)
+    ends = dataclasses.replace(
+        ends, embed_forward_s=ends.embed_forward_s + first_units * f,
+        embed_backward_s=ends.embed_backward_s + first_units * b,
+        head_forward_s=ends.head_forward_s + 2 * f, head_backward_s=ends.head_backward_s + 2 * b)
+    return times, ends
+
+
 def _tp_collectives_s(cluster, *, act_bytes: float, tp: int) -> tuple[float, float, float]:
     """(all-gather, reduce-scatter, all-reduce) seconds of one b x s x h activation over the TP group.
     Megatron: two all-reduces per layer forward, two backward; under sequence parallelism each becomes an
@@ -386,7 +428,7 @@ def layer_costs(plan, *, model, cluster, job, engine: str = "ours") -> LayerCost
     slow = layer_compute_times(model, contended(hw), **whole)
     share_f, share_b = times.forward_s / slow.forward_s, times.backward_s / slow.backward_s
     core_fwd_s = times.attention_core_forward_s
-    times, ends = _with_op_overhead(model, times, ends, op_overhead_s=hw.calibration.get("op_overhead_s", 0.0), cp_split=(a2a, ring))
+    times, ends = _with_host_costs(model, times, ends, hw=hw, plan=plan, eng=eng, cp_split=(a2a, ring))
     # The share the engine hides behind its GEMMs (Transformer Engine's TP overlap) leaves the path, but
     # slows those GEMMs for the SMs it holds (see _overlap).
     exposed = 1.0 - eng.tp_comm_hidden * 0.5 * (share_f + share_b)
@@ -613,6 +655,8 @@ def _moe_mlp_times(model, hw, *, plan, precision: str, eng, tokens: int, imbalan
     if op_s > 0:
         ops_f, ops_b = moe_cost.moe_extra_ops(model, ep=plan.ep, etp=plan.etp)
         parts.append(moe_cost.MoETimes(forward_s=ops_f * op_s, backward_s=ops_b * op_s))
+    # The experts are a unit of their own engine, at the expert sharding (runners/train.py).
+    parts.append(moe_cost.MoETimes(*sharding_bookkeeping_s(hw, shards=plan.expert_shard_degrees, eng=eng)))
     return moe_cost.MoETimes(forward_s=sum(t.forward_s for t in parts), backward_s=sum(t.backward_s for t in parts))
 
 

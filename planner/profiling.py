@@ -18,7 +18,9 @@ selective recomputation give torch.utils.checkpoint's own cost per region (`reco
 `selective_recompute_overhead_s`, the attention core): what the layer's forward+backward takes beyond the
 plain one's and the recomputed forward's. They differ (its saved-tensor hooks and re-entry scale with the
 region: one process, tiny, 3.1 ms a layer, 1.5 a core), so one price for both put the 4-process selective
-plan of `planner validate` 50% over its measured time. The overlap probe gives comm_overlap_efficiency.
+plan of `planner validate` 50% over its measured time. The overlap probe gives comm_overlap_efficiency,
+and on CPU the sharding probe the engine's own seconds per unit and micro-batch with sharded gradients and
+parameters (shard_grad_unit_s, shard_param_unit_s: taken as measured, not fitted).
 
 On CUDA the kernel queue hides per-op dispatch behind the kernels of earlier ops (the probe runs the
 shapes training steps run, where kernels set the time), so o stays 0 and only c is fitted: how much
@@ -53,7 +55,14 @@ def with_layer_probe(hardware: Hardware, *, model: ModelSpec) -> Hardware:
     calibration = fit_overheads(model, hardware, points, op_overhead=hardware.device_type == "cpu") if points else {}
     if overlap:
         calibration["comm_overlap_efficiency"] = overlap["efficiency"]
+    if hardware.device_type == "cpu":  # measured seconds, as the probe took them
+        calibration.update({key: hardware.sharding_probe[probe] for key, probe in SHARDING_KEYS.items()
+                            if probe in hardware.sharding_probe})
     return with_calibration(hardware, calibration)
+
+
+# Calibration key (cost_models/estimate.py) <- the sharding probe's figure (runners/probe.measure_sharding).
+SHARDING_KEYS = {"shard_grad_unit_s": "grad_unit_s", "shard_param_unit_s": "param_unit_s"}
 
 
 _PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}

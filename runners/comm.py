@@ -103,6 +103,20 @@ class Comm:
     def _group_ranks(group) -> tuple[int, ...]:
         return tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
 
+    # The c10d calls underneath the data-parallel collectives; the layer probe's stand-in (runners/probe.py,
+    # measure_sharding) replaces them with local copies to time the engine's own bookkeeping around them.
+    @staticmethod
+    def _c10d_all_reduce(tensor: torch.Tensor, *, op, group, async_op: bool):
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    @staticmethod
+    def _c10d_all_gather(output: torch.Tensor, shard: torch.Tensor, *, group, async_op: bool):
+        return all_gather_single(output, shard, group=group, async_op=async_op)
+
+    @staticmethod
+    def _c10d_reduce_scatter(output: torch.Tensor, full: torch.Tensor, *, group, async_op: bool):
+        return reduce_scatter_single(output, full, group=group, async_op=async_op)
+
     # --- collectives ---------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, group, *, async_op: bool = False, op=dist.ReduceOp.SUM):
         ranks = self._group_ranks(group)
@@ -110,7 +124,7 @@ class Comm:
         if n == 1:
             return None
         self._count("all_reduce", 2 * (n - 1) / n * tensor.numel() * tensor.element_size(), ranks)
-        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        return self._c10d_all_reduce(tensor, op=op, group=group, async_op=async_op)
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, group, *, async_op: bool = False):
         """Gather `shard` from every group rank into `output` (group-rank order)."""
@@ -120,7 +134,7 @@ class Comm:
             output.copy_(shard)
             return None
         self._count("all_gather", (n - 1) / n * output.numel() * output.element_size(), ranks)
-        return all_gather_single(output, shard, group=group, async_op=async_op)
+        return self._c10d_all_gather(output, shard, group=group, async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, group, *, async_op: bool = False):
         """Sum `full` over the group and leave chunk i (group-rank order) in group rank i's `output`."""
@@ -131,7 +145,7 @@ class Comm:
             return None
         gloo = dist.get_backend(group) == "gloo"  # an all-reduce underneath (module docstring)
         self._count("reduce_scatter", (n - 1) / n * full.numel() * full.element_size(), ranks, wire_factor=2 if gloo else 1)
-        return reduce_scatter_single(output, full, group=group, async_op=async_op)
+        return self._c10d_reduce_scatter(output, full, group=group, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, *, src: int, group, async_op: bool = False):
         ranks = self._group_ranks(group)

@@ -10,7 +10,9 @@ autograd bookkeeping per op, and processes sharing cores (4 ranks on 2 cores eac
 which a single-process GEMM sweep never sees). Two more points run the middle shape under full and under
 selective recomputation (torch.utils.checkpoint's own cost, which differs by region: 3.1 ms per tiny layer
 under full, 1.5 under selective, in one process). The overlap probe then times a chunk's micro-step
-with each unit's parameter all-gather blocking, and prefetched one unit ahead the way ZeRO-3 does.
+with each unit's parameter all-gather blocking, and prefetched one unit ahead the way ZeRO-3 does. On CPU
+the sharding probe then times the sharding engine's own bookkeeping (hooks, buffers, gradient copies) per
+unit and micro-batch, its collectives replaced by local copies (`measure_sharding`).
 
 What the points mean for the cost model (the fit of op_overhead_s, compute_time_scale,
 recompute_overhead_s and comm_overlap_efficiency) is the application's business: planner/profiling.py.
@@ -20,11 +22,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from runners.comm import Comm
 from specs.hardware import LayerProbePoint
 from specs.jsonio import dataclass_from_dict
 from specs.model import ModelSpec
@@ -65,9 +68,11 @@ class ProbeSpec:
 class ProbeResult:
     points: tuple[LayerProbePoint, ...]
     overlap: dict[str, float]  # compute_s, comm_s, both_s, efficiency ({} on one rank)
+    sharding: dict[str, float] = field(default_factory=dict)  # measure_sharding's ({} on one rank or a GPU)
 
     def to_dict(self) -> dict:
-        return {"points": [asdict(p) for p in self.points], "overlap": dict(self.overlap)}
+        return {"points": [asdict(p) for p in self.points], "overlap": dict(self.overlap),
+                "sharding": dict(self.sharding)}
 
     @classmethod
     def from_dict(cls, data: object, *, what: str = "probe result") -> "ProbeResult":
@@ -249,6 +254,92 @@ def measure_overlap(model: ModelSpec, *, device: torch.device, dtype: torch.dtyp
     return _overlap_result({m: statistics.median(v) for m, v in samples.items()}, num_units=len(units))
 
 
+# The sharding probe (measure_sharding): steps of SHARDING_MICRO_BATCHES micro-batches of one sequence of
+# SHARDING_SEQ tokens (dispatch-bound, as the layer probe's first point), through a model of PROBE_LAYERS layers.
+SHARDING_MICRO_BATCHES = 4
+SHARDING_SEQ = 8
+SHARDING_ROUNDS = 7
+
+
+class LocalComm(Comm):
+    """runners.comm.Comm whose data-parallel collectives stay on the rank: an all-gather fills the output
+    with copies of the shard, a reduce-scatter keeps the input's first chunk, an all-reduce leaves its
+    tensor. Everything the engine does around them (its hooks, buffers, copies, this class's counting)
+    runs as in training; what the collectives themselves cost is the collective curves' business."""
+
+    @staticmethod
+    def _c10d_all_reduce(tensor: torch.Tensor, *, op, group, async_op: bool):
+        return None
+
+    @staticmethod
+    def _c10d_all_gather(output: torch.Tensor, shard: torch.Tensor, *, group, async_op: bool):
+        output.view(-1, shard.numel()).copy_(shard.reshape(1, -1).expand(output.numel() // shard.numel(), -1))
+        return None
+
+    @staticmethod
+    def _c10d_reduce_scatter(output: torch.Tensor, full: torch.Tensor, *, group, async_op: bool):
+        output.copy_(full.view(-1, output.numel())[0].view_as(output))
+        return None
+
+
+def measure_sharding(model: ModelSpec, *, device: torch.device, repeats: int,
+                     rounds: int = SHARDING_ROUNDS) -> dict[str, float]:
+    """The sharding engine's own seconds per unit and micro-batch (runners/sharding/): with gradients
+    sharded (`grad_unit_s`: each parameter's gradient copied into its bucket's send buffer, the bucket's
+    reduce-scatter and shard update) and, on top, with parameters sharded (`param_unit_s`: the gather and
+    free around each use, the backward pre-hook's autograd nodes). Every rank trains data-parallel over the
+    whole world at once (so the processes share the host's cores as in training) with LocalComm: three
+    plans (nothing sharded but the optimizer; gradients too; parameters too), `repeats` steps each,
+    interleaved in `rounds` rounds; medians of the slowest rank's mean step; the differences per unit
+    (embedding, layers, final norm, head) and micro-batch, floored at 0. On a 2-core host with 2 ranks
+    the ZeRO-3 plan's steps ran ~0.9 ms a unit and micro-batch beyond ZeRO-1's, which no collective's
+    measured time holds."""
+    import dataclasses
+
+    from runners.config import RunConfig
+    from runners.train import Trainer
+    from specs.job import Job
+    from specs.plan import Plan
+
+    world = dist.get_world_size()
+    small = dataclasses.replace(model, num_layers=min(PROBE_LAYERS, model.num_layers))
+    seq, m = min(SHARDING_SEQ, model.max_seq_len), SHARDING_MICRO_BATCHES
+    job = Job(global_batch=world * m, seq_len=seq, precision="fp32" if device.type == "cpu" else "bf16")
+    trainers = {}
+    for name, shards in (("replicated", (1, 1)), ("grads", (1, world)), ("params", (world, world))):
+        plan = Plan(dp=world, micro_batch=1, num_micro_batches=m, param_shard=shards[0], grad_shard=shards[1],
+                    optim_shard=world)
+        trainers[name] = Trainer(RunConfig(plan=plan, model=small, job=job), device=device,
+                                 comm=LocalComm(ranks_per_node=world, device=device))
+    g = torch.Generator().manual_seed(0)
+    batch = [tuple(torch.randint(0, model.vocab_size, (1, seq), generator=g).to(device) for _ in range(2))
+             for _ in range(m)]
+
+    def timed(trainer) -> float:
+        dist.barrier()
+        _synchronize(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            trainer.step(batch)
+        _synchronize(device)
+        elapsed = torch.tensor([(time.perf_counter() - start) / repeats], dtype=torch.float64, device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return float(elapsed.item())
+
+    for trainer in trainers.values():
+        trainer.step(batch)  # warm-up
+    samples: dict[str, list[float]] = {name: [] for name in trainers}
+    names = list(trainers)
+    for r in range(rounds):
+        for name in names[r % 3:] + names[:r % 3]:  # rotate the order so drift lands on all
+            samples[name].append(timed(trainers[name]))
+    med = {name: statistics.median(v) for name, v in samples.items()}
+    per = m * len(trainers["params"].engine.units)
+    return {"step_s": med["replicated"], "units": float(len(trainers["params"].engine.units)),
+            "micro_batches": float(m), "grad_unit_s": max(0.0, med["grads"] - med["replicated"]) / per,
+            "param_unit_s": max(0.0, med["params"] - med["grads"]) / per}
+
+
 def _overlap_result(med: dict[str, float], *, num_units: int) -> dict[str, float]:
     """measure_overlap's figures from the median seconds of each micro-step mode."""
     compute_s, forward_s = med["compute"], min(med["forward"], med["compute"])
@@ -273,20 +364,26 @@ def run_task(spec_dict: dict) -> ProbeResult | None:
     rank = dist.get_rank()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if rank == 0:
-        emit_event("progress", done=0, total=2, label="layer probe")
+        emit_event("progress", done=0, total=3, label="layer probe")
     points = measure_layer(spec.model, device=device, dtype=dtype, budget_s=spec.budget_s, barrier=dist.barrier)
     times = torch.tensor([[p.forward_s, p.forward_backward_s] for p in points], dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     slowest = tuple(LayerProbePoint(**{**asdict(p), "forward_s": float(f), "forward_backward_s": float(fb)})
                     for p, (f, fb) in zip(points, times.tolist()))
     overlap: dict[str, float] = {}
+    sharding: dict[str, float] = {}
     if dist.get_world_size() > 1:
         if rank == 0:
-            emit_event("progress", done=1, total=2, label="overlap probe")
+            emit_event("progress", done=1, total=3, label="overlap probe")
         overlap = measure_overlap(spec.model, device=device, dtype=dtype, group=dist.group.WORLD,
                                   repeats=spec.overlap_repeats)
+        # On a GPU the kernel queue hides the host's bookkeeping as it hides per-op dispatch (planner/profiling.py).
+        if device.type == "cpu":
+            if rank == 0:
+                emit_event("progress", done=2, total=3, label="sharding probe")
+            sharding = measure_sharding(spec.model, device=device, repeats=spec.overlap_repeats)
     dist.destroy_process_group()
-    return ProbeResult(points=slowest, overlap=overlap) if rank == 0 else None
+    return ProbeResult(points=slowest, overlap=overlap, sharding=sharding) if rank == 0 else None
 
 
 if __name__ == "__main__":

@@ -70,7 +70,9 @@ def peak_memory_bytes(device: torch.device) -> int:
 class Trainer:
     """Our engine: mesh, chunks, sharding engine, pipeline executor."""
 
-    def __init__(self, cfg: RunConfig, *, device: torch.device) -> None:
+    def __init__(self, cfg: RunConfig, *, device: torch.device, comm=None) -> None:
+        """`comm`: the runners.comm.Comm every part communicates through (default a new one; the layer
+        probe passes a stand-in, runners/probe.measure_sharding)."""
         from runners import mutations
         from runners.comm import Comm
         from runners.context_parallel import CPContext
@@ -82,7 +84,7 @@ class Trainer:
 
         self.cfg, self.plan, self.device = cfg, cfg.plan, device
         ranks_per_node = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        self.comm = Comm(ranks_per_node=ranks_per_node, device=device)
+        self.comm = comm or Comm(ranks_per_node=ranks_per_node, device=device)
         moe = cfg.model.is_moe
         self.mesh = build_mesh(self.plan, ranks_per_node=ranks_per_node,
                                timeout=datetime.timedelta(seconds=cfg.timeout_s), moe=moe)

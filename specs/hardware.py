@@ -166,6 +166,9 @@ class Hardware:
     # The overlap probe (runners/probe.measure_overlap): compute_s, forward_s, comm_s, serial_s, both_s
     # (the prefetched micro-step), efficiency.
     overlap_probe: dict[str, float] = field(default_factory=dict)
+    # The sharding probe (runners/probe.measure_sharding; CPU): grad_unit_s and param_unit_s, the sharding
+    # engine's own seconds per unit and micro-batch with gradients and with parameters sharded.
+    sharding_probe: dict[str, float] = field(default_factory=dict)
     # Measured training runs the calibration was last fitted to (`planner calibrate`, `planner tune`);
     # 0: only the profile's own probes.
     calibrated_from_runs: int = 0

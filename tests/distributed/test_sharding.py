@@ -464,3 +464,21 @@ def test_one_rank_is_bitwise_torch_adam():
     assert result["one"]["losses"] == pytest.approx(ref_losses, abs=1e-6)
     for name, want in ref_params.items():
         assert torch.equal(result["one"]["params"][name], want), name
+
+
+def _sharding_probe_worker(rank: int, world_size: int) -> dict:
+    from runners.probe import measure_sharding
+    from specs.model import resolve_model
+
+    torch.set_num_threads(1)
+    return measure_sharding(resolve_model("tiny"), device=torch.device("cpu"), repeats=2, rounds=1)
+
+
+def test_the_sharding_probe_times_the_engine_around_local_collectives():
+    """runners/probe.measure_sharding on 2 ranks: the engine's three plans train with LocalComm (no data
+    crosses ranks, so no rank waits for another's collective), and every rank reports the same figures
+    (the slowest rank's times), per unit of tiny's 4 probed layers plus embedding, final norm and head."""
+    first, second = run_on_ranks(_sharding_probe_worker, world_size=2)
+    assert first == second
+    assert first["units"] == 7 and first["micro_batches"] == 4 and first["step_s"] > 0
+    assert first["grad_unit_s"] >= 0 and first["param_unit_s"] >= 0

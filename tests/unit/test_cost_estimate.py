@@ -167,6 +167,26 @@ def test_cpu_tiny_fp32_is_priced():
     assert est.breakdown["optimizer_bytes"] == 8 * model.num_params()
 
 
+@pytest.mark.parametrize("shards, per_unit_s", [((1, 1, 2), 0.0), ((1, 2, 2), 1e-3), ((2, 2, 2), 3e-3)])
+def test_the_sharding_engines_bookkeeping_is_priced_per_unit_and_micro_batch(shards, per_unit_s):
+    """shard_grad_unit_s under s_g > 1, and shard_param_unit_s on top under s_p > 1, per unit (tiny's 8
+    layers, embedding, final norm, head) and micro-batch; with no overlap on this CPU the step grows by
+    exactly that, and a Megatron run of the same plan pays none of it."""
+    from specs.hardware import with_calibration
+
+    model, job = PRESETS["tiny"], Job(global_batch=16, seq_len=64, precision="fp32")
+    plan = Plan(dp=2, num_micro_batches=8, param_shard=shards[0], grad_shard=shards[1], optim_shard=shards[2])
+    plain = with_calibration(HW["cpu"], {"comm_overlap_efficiency": 0.0})
+    keyed = with_calibration(plain, {"shard_grad_unit_s": 1e-3, "shard_param_unit_s": 2e-3})
+
+    def step_s(hw, engine="ours"):
+        cluster = Cluster(num_nodes=1, devices_per_node=2, hardware=hw)
+        return estimate(plan, model=model, cluster=cluster, job=job, engine=engine).step_time_s
+
+    assert step_s(keyed) - step_s(plain) == pytest.approx(8 * (model.num_layers + 3) * per_unit_s, rel=1e-9, abs=1e-12)
+    assert step_s(keyed, "megatron") == step_s(plain, "megatron")
+
+
 def test_bad_plans_are_refused_in_one_line():
     with pytest.raises(PlannerError, match="devices"):
         estimate(Plan(dp=2, num_micro_batches=4), model=LLAMA8, cluster=_cluster(8), job=Job(global_batch=8, seq_len=128))

@@ -55,3 +55,17 @@ def test_a_large_model_or_a_gpu_gets_no_extra_point() -> None:
     assert probe.probe_shapes(large) == [(b, min(s, large.max_seq_len)) for b, s in probe.PROBE_SHAPES]
     cuda = torch.device("cuda", 0)
     assert probe.probe_shapes(PRESETS["tiny"], device=cuda) == [(b, min(s, 128)) for b, s in probe.CUDA_PROBE_SHAPES]
+
+
+def test_the_sharding_probes_local_collectives_fill_what_the_engine_reads() -> None:
+    """LocalComm (runners/probe.py) stands in for the data-parallel collectives: an all-gather's output
+    holds the shard once per rank, a reduce-scatter's output the input's first chunk, an all-reduce leaves
+    its tensor; none returns a work to wait for."""
+    shard, full = torch.tensor([1.0, 2.0, 3.0]), torch.arange(6.0)
+    gathered, scattered, reduced = torch.empty(6), torch.empty(3), torch.ones(4)
+    assert probe.LocalComm._c10d_all_gather(gathered, shard, group=None, async_op=True) is None
+    assert gathered.tolist() == [1.0, 2.0, 3.0, 1.0, 2.0, 3.0]
+    assert probe.LocalComm._c10d_reduce_scatter(scattered, full, group=None, async_op=True) is None
+    assert scattered.tolist() == [0.0, 1.0, 2.0]
+    assert probe.LocalComm._c10d_all_reduce(reduced, op=None, group=None, async_op=True) is None
+    assert reduced.tolist() == [1.0] * 4

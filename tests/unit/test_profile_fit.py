@@ -245,6 +245,23 @@ def test_probes_calibrate_a_cpu_profile_and_a_cuda_one_without_the_per_op_term()
     assert gpu.calibration["comm_overlap_efficiency"] == -0.4 and len(gpu.layer_probe) == len(points)
 
 
+def test_the_sharding_probe_sets_the_bookkeeping_keys_on_a_cpu_profile_only() -> None:
+    import dataclasses
+
+    from specs.model import resolve_model
+    from specs.hardware import PRESETS
+    from planner.profiling import with_layer_probe
+
+    model = resolve_model("tiny")
+    sharding = {"step_s": 0.03, "units": 7.0, "micro_batches": 4.0, "grad_unit_s": 1.5e-4, "param_unit_s": 4e-4}
+    cpu = with_layer_probe(dataclasses.replace(PRESETS["cpu"], sharding_probe=sharding), model=model)
+    assert cpu.calibration["shard_grad_unit_s"] == 1.5e-4 and cpu.calibration["shard_param_unit_s"] == 4e-4
+    assert cpu.sharding_probe == sharding
+    # A GPU's kernel queue hides the host's bookkeeping (cost_models/estimate.sharding_bookkeeping_s).
+    gpu = with_layer_probe(dataclasses.replace(PRESETS["h100"], sharding_probe=sharding), model=model)
+    assert "shard_grad_unit_s" not in gpu.calibration and "shard_param_unit_s" not in gpu.calibration
+
+
 def test_intra_node_shapes_are_measured_on_every_copy_at_once() -> None:
     from profilers.comm import GroupShape, copies, plan_groups
 
@@ -283,7 +300,7 @@ def test_an_aborted_probe_rank_is_measured_again_once(monkeypatch):
 
     run, calls = workers(abort, result)
     monkeypatch.setattr(profile, "run_workers", run)
-    assert profile.run_layer_probe(options) == ((), {"efficiency": 0.5})
+    assert profile.run_layer_probe(options) == ((), {"efficiency": 0.5}, {})
     assert calls == ["runners.probe", "runners.probe"]
 
     run, calls = workers(RunFailed("rank 0 failed (exit code 1)"))
