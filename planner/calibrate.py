@@ -23,6 +23,9 @@ over the fitted plans (relative, so a 30 ms plan counts as much as a 300 ms one:
 The model is not linear in them (overlaps and pipeline bubbles are maxima), so the fit is
 Levenberg-Marquardt (Marquardt 1963) on the real cost model with central-difference Jacobians, over the
 logarithms of the parameters (keeping them positive), from the best of a few starting points.
+`planner tune` fits with priors: the probe's measured compute scale and per-op cost (PRIOR_PARAMETERS,
+Hardware.probe_calibration) add their log deviations, weighted, to the residuals, so that what its few
+timed plans leave open stays where the probe measured it (fit_parameters).
 The memory reserve is additive, so its least-absolute-deviation fit is closed form: the median of
 measured - predicted added to the reserve the prediction used.
 
@@ -59,6 +62,13 @@ TIME_PARAMETERS: dict[str, tuple[float, float]] = {
 }
 # Parameters with a natural ceiling (the cost model clamps them there too).
 UPPER_BOUNDS = {"comm_overlap_efficiency": 1.0}
+# Parameters a probe measures (planner/profiling.py: the layer probe's compute scale and per-op cost), which
+# a fit given the probe's values (`priors`) keeps near them unless the timed plans say otherwise.
+PRIOR_PARAMETERS = ("compute_time_scale", "op_overhead_s")
+# The weight of a prior's log deviation against a plan's relative error: a plan's step time is known to
+# about 10% between interleaved rounds on a busy host and a probe's value to about a factor of 2 (the probe
+# times one layer; a step adds its communication threads), so 0.1 / ln 2.
+PRIOR_WEIGHT = 0.1 / math.log(2)
 # A parameter below unit x exp(LOG_FLOOR) is zero for every purpose; the floor keeps the fit finite.
 LOG_FLOOR = -12.0
 # And above unit x exp(LOG_CEILING) no parameter is physical (a 1e5x slowdown); it bounds a runaway step.
@@ -113,10 +123,12 @@ def fit_time_parameters(rows: list[ValidationRow], problem: Problem, *, paramete
 
 def fit_time_parameters_over(groups: list[tuple[list[ValidationRow], Problem]], *,
                              parameters: tuple[str, ...] = tuple(TIME_PARAMETERS),
-                             max_iterations: int = 60) -> tuple[dict[str, float], float]:
+                             max_iterations: int = 60,
+                             priors: dict[str, float] | None = None) -> tuple[dict[str, float], float]:
     """fit_time_parameters over rows measured on several problems (the same model and hardware, other
     jobs: a global batch and twice it separate a step's fixed cost from its per-sequence cost, which
-    plans of one batch cannot, since every data-parallel plan of it computes the same tokens)."""
+    plans of one batch cannot, since every data-parallel plan of it computes the same tokens); `priors`
+    as fit_parameters."""
     groups = [(ok_rows(rows), problem) for rows, problem in groups]
     groups = [(rows, problem) for rows, problem in groups if rows]
     if not groups:
@@ -127,13 +139,18 @@ def fit_time_parameters_over(groups: list[tuple[list[ValidationRow], Problem]], 
 
     measured = np.array([r.measured_step_time_s for rows, _ in groups for r in rows])
     return fit_parameters(predict, measured, groups[0][1].cluster.hardware, parameters=parameters,
-                          max_iterations=max_iterations)
+                          max_iterations=max_iterations, priors=priors)
 
 
 def fit_parameters(predict, measured: np.ndarray, base: Hardware, *, parameters: tuple[str, ...],
-                   max_iterations: int = 60) -> tuple[dict[str, float], float]:
-    """(calibration, rms relative error): the `parameters` that make predict(hardware) closest to
-    `measured` in squared relative error, starting from `base`'s values (module docstring)."""
+                   max_iterations: int = 60, priors: dict[str, float] | None = None) -> tuple[dict[str, float], float]:
+    """(calibration, rms relative error of the plans): the `parameters` that make predict(hardware) closest
+    to `measured` in squared relative error, starting from `base`'s values (module docstring). `priors`
+    (a parameter's measured value, for those of PRIOR_PARAMETERS fitted) add PRIOR_WEIGHT x (log fitted -
+    log measured) to the residuals: a maximum a posteriori fit, which keeps what the plans do not pin
+    down at what the probe measured. Without it the 13 plans of a tune on a 2-core host left
+    compute_time_scale at 0.06 in one run and 1.27 in another (the probe: 0.50), trading it against the
+    per-op and per-collective costs."""
     unknown = [p for p in parameters if p not in TIME_PARAMETERS]
     if unknown:
         raise PlannerError(f"unknown calibration parameter {unknown[0]!r}; choose from {', '.join(TIME_PARAMETERS)}")
@@ -145,8 +162,12 @@ def fit_parameters(predict, measured: np.ndarray, base: Hardware, *, parameters:
         values = {p: float(unit * math.exp(max(x, LOG_FLOOR))) for p, unit, x in zip(parameters, units, u)}
         return {p: min(v, UPPER_BOUNDS.get(p, v)) for p, v in values.items()}
 
+    anchored = [(j, math.log(priors[p] / unit)) for j, (p, unit) in enumerate(zip(parameters, units))
+                if priors and p in PRIOR_PARAMETERS and priors.get(p, 0) > 0]
+
     def residuals(u: np.ndarray) -> np.ndarray:
-        return (predict(with_calibration(base, calibration_of(u))) - measured) / measured
+        r = (predict(with_calibration(base, calibration_of(u))) - measured) / measured
+        return np.concatenate([r, [PRIOR_WEIGHT * (u[j] - x) for j, x in anchored]]) if anchored else r
 
     best_u, best_r = None, None
 
@@ -162,7 +183,8 @@ def fit_parameters(predict, measured: np.ndarray, base: Hardware, *, parameters:
     if restart is not None:
         fit_from(restart)
     assert best_u is not None and best_r is not None
-    return calibration_of(best_u), float(np.sqrt(np.mean(best_r**2)))
+    plans_r = best_r[:len(measured)]
+    return calibration_of(best_u), float(np.sqrt(np.mean(plans_r**2)))
 
 
 def _starting_points(base: Hardware, parameters: tuple[str, ...], units: np.ndarray) -> list[np.ndarray]:

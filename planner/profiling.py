@@ -58,7 +58,7 @@ def with_layer_probe(hardware: Hardware, *, model: ModelSpec) -> Hardware:
     if hardware.device_type == "cpu":  # measured seconds, as the probe took them
         calibration.update({key: hardware.sharding_probe[probe] for key, probe in SHARDING_KEYS.items()
                             if probe in hardware.sharding_probe})
-    return with_calibration(hardware, calibration)
+    return dataclasses.replace(with_calibration(hardware, calibration), probe_calibration=dict(calibration))
 
 
 # Calibration key (cost_models/estimate.py) <- the sharding probe's figure (runners/probe.measure_sharding).

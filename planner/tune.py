@@ -161,8 +161,8 @@ def calibrate_profile(profile: str, settings: TuneSettings, *, progress: Progres
     parameters = CALIBRATION_PARAMETERS[:max(1, min(len(CALIBRATION_PARAMETERS), num_rows - 1))]
     if _has_prefetch_pair([r.plan for rows, _ in groups for r in rows]) and num_rows > len(parameters) + 1:
         parameters += (OVERLAP_PARAMETER,)
-    calibration, _ = fit_time_parameters_over(groups, parameters=parameters)
     hardware = resolve_hardware(profile)
+    calibration, _ = fit_time_parameters_over(groups, parameters=parameters, priors=hardware.probe_calibration)
     calibrated = dataclasses.replace(with_calibration(hardware, calibration), calibrated_from_runs=num_rows,
                                      calibration_runs=tuple(runs))
 
