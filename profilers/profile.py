@@ -40,8 +40,7 @@ KIB, MIB = 1024, 1024**2
 # 1: collectives timed as a step calls them (after compute, not after a barrier) and the ring-step curve
 # (profilers/comm.py); 2: the engine's ring attention steps timed (Hardware.ring_points); 3: the layer probe's
 # point under selective recomputation (runners/probe.py); 4: the sharding probe (runners/probe.measure_sharding).
-# A cached profile of another version is measured
-# again (planner/machine.stale_reason).
+# A cached profile of another version is measured again (planner/machine.stale_reason).
 PROFILER_VERSION = 4
 FULL_SIZES_BYTES = tuple(KIB * 4**i for i in range(10))  # 1 KiB .. 256 MiB
 QUICK_SIZES_BYTES = tuple(KIB * 4**i for i in range(8))  # 1 KiB .. 16 MiB
