@@ -348,6 +348,12 @@ def _with_host_costs(model, times, ends, *, hw, plan, eng, cp_split: tuple[int, 
     return _with_bookkeeping(model, times, ends, hw=hw, plan=plan, eng=eng)
 
 
+def end_units(model) -> tuple[int, int]:
+    """The runner's units outside the layers (runners/transformer.py): (first end: the embedding and, where
+    the model learns them, the positions; last end: the final norm and the head)."""
+    return 1 + int(model.learned_positions), 2
+
+
 def _with_bookkeeping(model, times, ends, *, hw, plan, eng):
     """Layer and end compute times plus the sharding engine's bookkeeping (`sharding_bookkeeping_s`):
     one unit a layer, the embedding (and learned positions) at the first end, the final norm and the head
@@ -355,12 +361,12 @@ def _with_bookkeeping(model, times, ends, *, hw, plan, eng):
     f, b = sharding_bookkeeping_s(hw, shards=(plan.param_shard, plan.grad_shard, plan.optim_shard), eng=eng)
     if f <= 0 and b <= 0:
         return times, ends
-    first_units = 1 + int(model.learned_positions)
+    first_units, last_units = end_units(model)
     times = dataclasses.replace(times, forward_s=times.forward_s + f, backward_s=times.backward_s + b)
     ends = dataclasses.replace(
         ends, embed_forward_s=ends.embed_forward_s + first_units * f,
         embed_backward_s=ends.embed_backward_s + first_units * b,
-        head_forward_s=ends.head_forward_s + 2 * f, head_backward_s=ends.head_backward_s + 2 * b)
+        head_forward_s=ends.head_forward_s + last_units * f, head_backward_s=ends.head_backward_s + last_units * b)
     return times, ends
 
 
@@ -1063,9 +1069,8 @@ def _price_chunk(plan, costs: LayerCosts, cluster, *, model, job, chunk: int, la
     layer_bytes = layer_params * param_bytes
     end_bytes = ((end_params[0] if first else 0.0) + (end_params[1] if last else 0.0)) * param_bytes
     fraction, cache = _maz3_tiers(plan, cluster, tiers=tiers, layer_bytes=layer_bytes, chunk=chunk)
-    # The runner's units outside the layers (runners/transformer.py): embedding (+ learned positions) first,
-    # final norm and head last.
-    num_end_units = (1 + int(model.learned_positions) if first else 0) + (2 if last else 0)
+    first_units, last_units = end_units(model)
+    num_end_units = first_units * first + last_units * last
     rs_plan, boundary_plan = _reduce_bucket_plans(plan, eng, grad_bytes_per_param=grad_bytes)
     comm = _sharding_comm(rs_plan, cluster, tiers=tiers, layer_bytes=layer_bytes, grad_bytes=num_params * grad_bytes,
                           reduce_scatter_once=eng.reduce_scatter_once,
