@@ -12,7 +12,8 @@ selective recomputation (torch.utils.checkpoint's own cost, which differs by reg
 under full, 1.5 under selective, in one process). The overlap probe then times a chunk's micro-step
 with each unit's parameter all-gather blocking, and prefetched one unit ahead the way ZeRO-3 does. On CPU
 the sharding probe then times the sharding engine's own bookkeeping (hooks, buffers, gradient copies) per
-unit and micro-batch, its collectives replaced by local copies (`measure_sharding`).
+unit and micro-batch, its collectives replaced by local copies (`measure_sharding`), and the context-parallel
+probe the engine's CP attention with and without its exchanges (`measure_context`).
 
 What the points mean for the cost model (the fit of op_overhead_s, compute_time_scale,
 recompute_overhead_s and comm_overlap_efficiency) is the application's business: planner/profiling.py.
@@ -69,10 +70,11 @@ class ProbeResult:
     points: tuple[LayerProbePoint, ...]
     overlap: dict[str, float]  # compute_s, comm_s, both_s, efficiency ({} on one rank)
     sharding: dict[str, float] = field(default_factory=dict)  # measure_sharding's ({} on one rank or a GPU)
+    context: dict[str, float] = field(default_factory=dict)  # measure_context's ({} on one rank or a GPU)
 
     def to_dict(self) -> dict:
         return {"points": [asdict(p) for p in self.points], "overlap": dict(self.overlap),
-                "sharding": dict(self.sharding)}
+                "sharding": dict(self.sharding), "context": dict(self.context)}
 
     @classmethod
     def from_dict(cls, data: object, *, what: str = "probe result") -> "ProbeResult":
@@ -281,6 +283,15 @@ class LocalComm(Comm):
         output.copy_(full.view(-1, output.numel())[0].view_as(output))
         return None
 
+    # Context parallelism's exchanges (runners/context_parallel.py): a ring step receives what it sends, an
+    # all-to-all returns its input; the attention around them runs as in training.
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, *, dst: int, src: int, group, tag: int = 0) -> list:
+        recv.copy_(send)
+        return []
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, group):
+        output.copy_(input)
+
 
 def measure_sharding(model: ModelSpec, *, device: torch.device, repeats: int,
                      rounds: int = SHARDING_ROUNDS) -> dict[str, float]:
@@ -342,6 +353,93 @@ def measure_sharding(model: ModelSpec, *, device: torch.device, repeats: int,
             "param_unit_s": max(0.0, fastest["params"] - fastest["grads"]) / per}
 
 
+# The context-parallel probe (measure_context): one sequence of CONTEXT_SEQ tokens (at most the model's
+# longest, a multiple of 2 x world), CONTEXT_ROUNDS interleaved rounds.
+CONTEXT_SEQ = 64
+CONTEXT_ROUNDS = 5
+CONTEXT_KINDS = {"ring": "ring", "a2a": "all-to-all"}  # probe key -> Plan.cp_kind
+
+
+def context_probe_sizes(world: int) -> list[int]:
+    """The CP group sizes the context probe times on `world` ranks: 2, 4, ... up to world, each dividing it."""
+    return [c for c in (2 ** i for i in range(1, world.bit_length())) if world % c == 0]
+
+
+def _context_groups(model: ModelSpec, world: int, rank: int, comm: Comm) -> dict:
+    """{(probe kind, c): CPContext} of this rank for every size of `context_probe_sizes`: groups of c
+    consecutive ranks (the mesh's CP order without TP; every rank creates every group, in one order), the
+    all-to-all kind only where c divides the heads and the K/V heads (specs/plan.check_context_parallel)."""
+    from runners.context_parallel import CPContext
+
+    contexts = {}
+    for c in context_probe_sizes(world):
+        groups = [dist.new_group(list(range(start, start + c))) for start in range(0, world, c)]
+        group, me = groups[rank // c], rank % c
+        ranks = tuple(range(rank - me, rank - me + c))
+        contexts[("ring", c)] = CPContext(size=c, rank=me, comm=comm, group=group, ring_group=group, ring_ranks=ranks,
+                                          ring_rank=me)
+        if model.num_heads % c == 0 and model.num_kv_heads % c == 0:
+            contexts[("a2a", c)] = CPContext(size=c, rank=me, comm=comm, group=group, a2a_group=group, a2a_size=c,
+                                             a2a_rank=me, ring_ranks=(rank,))
+    return contexts
+
+
+def measure_context(model: ModelSpec, *, device: torch.device, dtype: torch.dtype, repeats: int,
+                    rounds: int = CONTEXT_ROUNDS) -> dict[str, float]:
+    """What the engine's context-parallel exchanges cost inside its attention (runners/context_parallel.py):
+    every rank runs context_attention's forward and backward at once, in CP groups of c consecutive ranks
+    for each c of `context_probe_sizes`, ring and all-to-all (`_context_groups`), with the real Comm and with
+    LocalComm (no communication), `rounds` interleaved rounds of `repeats` calls each (per round the slowest
+    rank's mean). `{kind}{c}_comm_s` is the difference of the two medians, `{kind}{c}_local_s` the local one;
+    `seq_len` and `world` say where. The difference holds what the collective curves, timed with every rank
+    in the same call, do not: ranks reaching a ring step at different times (4 processes on 2 cores: the peer
+    is descheduled), the sends' posting beside the attention's own ops. Measured on this project's 2-core
+    host: a cp4 ring's exchange 1.5 ms in the engine against 0.66 ms priced from the ring_step curve."""
+    from runners.context_parallel import context_attention
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    seq = min(CONTEXT_SEQ, model.max_seq_len) // (2 * world) * (2 * world)
+    if seq == 0:
+        return {}
+    real = _context_groups(model, world, rank, Comm(ranks_per_node=world, device=device))
+    local = _context_groups(model, world, rank, LocalComm(ranks_per_node=world, device=device))
+    g = torch.Generator().manual_seed(rank)
+
+    def inputs(c: int, heads: int) -> torch.Tensor:
+        return torch.randn(seq // c, 1, heads, model.head_dim, generator=g).to(device, dtype).requires_grad_()
+
+    def timed(cp, q, k, v, grad) -> float:
+        dist.barrier()
+        _synchronize(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            torch.autograd.grad(context_attention(q, k, v, cp), (q, k, v), grad)
+        _synchronize(device)
+        elapsed = torch.tensor([(time.perf_counter() - start) / repeats], dtype=torch.float64, device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return float(elapsed.item())
+
+    cases = {}
+    for kind, c in real:
+        q, k, v = inputs(c, model.num_heads), inputs(c, model.num_kv_heads), inputs(c, model.num_kv_heads)
+        cases[f"{kind}{c}"] = (real[kind, c], local[kind, c], (q, k, v, torch.ones_like(q)))
+    samples: dict[str, list[float]] = {f"{name}_{mode}": [] for name in cases for mode in ("real", "local")}
+    for name, (cp_real, cp_local, tensors) in cases.items():  # warm-up
+        timed(cp_real, *tensors), timed(cp_local, *tensors)
+    names = list(cases)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            cp_real, cp_local, tensors = cases[name]
+            samples[f"{name}_real"].append(timed(cp_real, *tensors))
+            samples[f"{name}_local"].append(timed(cp_local, *tensors))
+    med = {key: statistics.median(v) for key, v in samples.items()}
+    out = {"seq_len": float(seq), "world": float(world)}
+    for name in cases:
+        out[f"{name}_local_s"] = med[f"{name}_local"]
+        out[f"{name}_comm_s"] = max(0.0, med[f"{name}_real"] - med[f"{name}_local"])
+    return out
+
+
 def _overlap_result(med: dict[str, float], *, num_units: int) -> dict[str, float]:
     """measure_overlap's figures from the median seconds of each micro-step mode."""
     compute_s, forward_s = med["compute"], min(med["forward"], med["compute"])
@@ -366,7 +464,7 @@ def run_task(spec_dict: dict) -> ProbeResult | None:
     rank = dist.get_rank()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if rank == 0:
-        emit_event("progress", done=0, total=3, label="layer probe")
+        emit_event("progress", done=0, total=4, label="layer probe")
     points = measure_layer(spec.model, device=device, dtype=dtype, budget_s=spec.budget_s, barrier=dist.barrier)
     times = torch.tensor([[p.forward_s, p.forward_backward_s] for p in points], dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
@@ -374,19 +472,22 @@ def run_task(spec_dict: dict) -> ProbeResult | None:
                     for p, (f, fb) in zip(points, times.tolist()))
     overlap: dict[str, float] = {}
     sharding: dict[str, float] = {}
+    context: dict[str, float] = {}
     if dist.get_world_size() > 1:
         if rank == 0:
-            emit_event("progress", done=1, total=3, label="overlap probe")
+            emit_event("progress", done=1, total=4, label="overlap probe")
         overlap = measure_overlap(spec.model, device=device, dtype=dtype, group=dist.group.WORLD,
                                   repeats=spec.overlap_repeats)
         # On a GPU the kernel queue hides the host's bookkeeping as it hides per-op dispatch (planner/profiling.py).
         if device.type == "cpu":
             if rank == 0:
-                emit_event("progress", done=2, total=3, label="sharding probe")
+                emit_event("progress", done=2, total=4, label="sharding probe")
             sharding = measure_sharding(spec.model, device=device, repeats=spec.overlap_repeats)
+            if rank == 0:
+                emit_event("progress", done=3, total=4, label="context-parallel probe")
+            context = measure_context(spec.model, device=device, dtype=dtype, repeats=spec.overlap_repeats)
     dist.destroy_process_group()
-    return ProbeResult(points=slowest, overlap=overlap, sharding=sharding) if rank == 0 else None
-
+    return ProbeResult(points=slowest, overlap=overlap, sharding=sharding, context=context) if rank == 0 else None
 
 if __name__ == "__main__":
     from runners.launch import exit_worker, worker_main

@@ -169,6 +169,9 @@ class Hardware:
     # The sharding probe (runners/probe.measure_sharding; CPU): grad_unit_s and param_unit_s, the sharding
     # engine's own seconds per unit and micro-batch with gradients and with parameters sharded.
     sharding_probe: dict[str, float] = field(default_factory=dict)
+    # The context-parallel probe (runners/probe.measure_context; CPU): per CP kind and group size, the
+    # seconds of the engine's CP exchanges in one attention forward and backward, and of the attention without.
+    context_probe: dict[str, float] = field(default_factory=dict)
     # The calibration keys as the probes measured them (planner/profiling.with_layer_probe), kept apart from
     # the fitted `calibration`: `planner tune`'s fit leans on them where its timed plans say little.
     probe_calibration: dict[str, float] = field(default_factory=dict)

@@ -482,3 +482,21 @@ def test_the_sharding_probe_times_the_engine_around_local_collectives():
     assert first == second
     assert first["units"] == 7 and first["micro_batches"] == 4 and first["step_s"] > 0
     assert first["grad_unit_s"] >= 0 and first["param_unit_s"] >= 0
+
+
+def _context_probe_worker(rank: int, world_size: int) -> dict:
+    from runners.probe import measure_context
+    from specs.model import resolve_model
+
+    torch.set_num_threads(1)
+    return measure_context(resolve_model("tiny"), device=torch.device("cpu"), dtype=torch.float32, repeats=2, rounds=1)
+
+
+def test_the_context_probe_times_the_engines_cp_attention_with_and_without_its_exchanges():
+    """runners/probe.measure_context on 2 ranks: both kinds over the CP group of 2, every rank reporting the
+    slowest rank's figures; the real exchanges (a ring's p2p, the all-to-alls) cost time the local ones do not."""
+    first, second = run_on_ranks(_context_probe_worker, world_size=2)
+    assert first == second
+    assert first["world"] == 2 and first["seq_len"] == 64
+    assert set(first) == {"world", "seq_len", "ring2_local_s", "ring2_comm_s", "a2a2_local_s", "a2a2_comm_s"}
+    assert all(first[f"{kind}2_local_s"] > 0 and first[f"{kind}2_comm_s"] >= 0 for kind in ("ring", "a2a"))

@@ -73,6 +73,28 @@ def test_the_ring_is_priced_from_the_profiles_ring_step_curve_where_it_has_one()
         assert ctx.ring_forward[0][0] == pytest.approx(expected)
 
 
+def test_the_context_probes_scales_multiply_each_parts_time_by_the_nearest_measured_size():
+    """cp_{ring,a2a}_comm_scale_{c} (planner/profiling.context_comm_scales) multiply the ring's messages and
+    the all-to-alls; a size not measured takes the nearest measured one (the smaller on a tie), none 1."""
+    from cost_models.context import comm_scale
+
+    calibration = {"cp_ring_comm_scale_2": 1.5, "cp_ring_comm_scale_8": 3.0, "cp_a2a_comm_scale_4": 2.0}
+    assert [comm_scale(calibration, "ring", c) for c in (2, 4, 8, 16)] == [1.5, 1.5, 3.0, 3.0]
+    assert comm_scale(calibration, "a2a", 2) == 2.0 and comm_scale({}, "ring", 2) == 1.0
+    job = Job(global_batch=8, seq_len=65536, precision="bf16")
+    for kind, key, scale in (("ring", "cp_ring_comm_scale_2", 1.5), ("hierarchical", "cp_a2a_comm_scale_2", 2.0)):
+        plan = Plan(dp=1, tp=4, cp=4, cp_kind=kind, num_micro_batches=8)
+        plain = context_comm(plan, NODES, model=MODEL, job=job, core_forward_s=1.0, core_backward_s=2.5,
+                             collective_time_s=collective_time_s)
+        hardware = dataclasses.replace(H100, calibration={**H100.calibration, key: scale})
+        scaled = context_comm(plan, dataclasses.replace(NODES, hardware=hardware), model=MODEL, job=job,
+                              core_forward_s=1.0, core_backward_s=2.5, collective_time_s=collective_time_s)
+        assert scaled.a2a_forward_s == pytest.approx(plain.a2a_forward_s * (scale if "a2a" in key else 1))
+        assert [m for m, _ in scaled.ring_forward] == pytest.approx(
+            [m * (scale if "ring" in key else 1) for m, _ in plain.ring_forward])
+        assert scaled.ring_bytes == plain.ring_bytes and scaled.a2a_bytes == plain.a2a_bytes
+
+
 def test_gqa_sends_only_the_kv_heads():
     job = Job(global_batch=8, seq_len=32768, precision="bf16")
     plan = Plan(dp=1, tp=8, cp=8, num_micro_batches=8)

@@ -69,3 +69,17 @@ def test_the_sharding_probes_local_collectives_fill_what_the_engine_reads() -> N
     assert scattered.tolist() == [0.0, 1.0, 2.0]
     assert probe.LocalComm._c10d_all_reduce(reduced, op=None, group=None, async_op=True) is None
     assert reduced.tolist() == [1.0] * 4
+
+
+def test_the_context_probes_local_exchanges_return_what_was_sent() -> None:
+    """LocalComm's CP exchanges: a ring step receives its own send (no work to wait for), an all-to-all
+    returns its input; the group sizes the context probe times are the powers of 2 dividing the world."""
+    comm = probe.LocalComm(ranks_per_node=2)
+    send, recv = torch.arange(4.0), torch.zeros(4)
+    assert comm.exchange(send, recv, dst=1, src=1, group=None, tag=11) == [] and recv.tolist() == send.tolist()
+    out = torch.zeros(4)
+    comm.all_to_all(out, send, None)
+    assert out.tolist() == send.tolist()
+    assert probe.context_probe_sizes(1) == [] and probe.context_probe_sizes(2) == [2]
+    assert probe.context_probe_sizes(4) == [2, 4] and probe.context_probe_sizes(6) == [2]
+    assert probe.context_probe_sizes(8) == [2, 4, 8]

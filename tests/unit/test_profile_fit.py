@@ -262,6 +262,40 @@ def test_the_sharding_probe_sets_the_bookkeeping_keys_on_a_cpu_profile_only() ->
     assert "shard_grad_unit_s" not in gpu.calibration and "shard_param_unit_s" not in gpu.calibration
 
 
+def test_the_context_probe_sets_each_measured_kind_and_sizes_scale_on_a_cpu_profile_only() -> None:
+    """cp_{kind}_comm_scale_{c}: the probe's exchanges over cost_models/context.py's unscaled price of the
+    same attention (an earlier scale in the profile does not enter it), within CONTEXT_SCALE_BOUNDS."""
+    import dataclasses
+
+    from cost_models.context import context_comm
+    from cost_models.estimate import collective_time_s
+    from planner.profiling import CONTEXT_SCALE_BOUNDS, with_layer_probe
+    from specs.cluster import make_cluster
+    from specs.hardware import PRESETS
+    from specs.job import Job
+    from specs.model import resolve_model
+    from specs.plan import Plan
+
+    model, cpu = resolve_model("tiny"), PRESETS["cpu"]
+    cluster = make_cluster(hardware=cpu, num_devices=4, devices_per_node=4)
+    job = Job(global_batch=4, seq_len=64, precision="fp32")  # the probe runs fp32 on CPU
+
+    def priced(c: int, kind: str) -> float:
+        ctx = context_comm(Plan(dp=4 // c, cp=c, cp_kind=kind), cluster, model=model, job=job, core_forward_s=0.0,
+                           core_backward_s=0.0, collective_time_s=collective_time_s)
+        return ctx.a2a_forward_s + ctx.a2a_backward_s + sum(m for m, _ in ctx.ring_forward + ctx.ring_backward)
+
+    context = {"seq_len": 64.0, "world": 4.0, "ring2_comm_s": 2 * priced(2, "ring"), "ring4_comm_s": 0.0,
+               "a2a4_comm_s": 1.5 * priced(4, "all-to-all"), "ring2_local_s": 1e-3}
+    stale = dataclasses.replace(cpu, calibration={**cpu.calibration, "cp_ring_comm_scale_2": 5.0})
+    fitted = with_layer_probe(dataclasses.replace(stale, context_probe=context), model=model).calibration
+    assert fitted["cp_ring_comm_scale_2"] == pytest.approx(2.0)
+    assert fitted["cp_ring_comm_scale_4"] == CONTEXT_SCALE_BOUNDS[0] and "cp_a2a_comm_scale_2" not in fitted
+    assert fitted["cp_a2a_comm_scale_4"] == pytest.approx(1.5)
+    gpu = with_layer_probe(dataclasses.replace(PRESETS["h100"], context_probe=context), model=model)
+    assert not any(key.startswith("cp_") for key in gpu.calibration)
+
+
 def test_intra_node_shapes_are_measured_on_every_copy_at_once() -> None:
     from profilers.comm import GroupShape, copies, plan_groups
 
@@ -300,7 +334,7 @@ def test_an_aborted_probe_rank_is_measured_again_once(monkeypatch):
 
     run, calls = workers(abort, result)
     monkeypatch.setattr(profile, "run_workers", run)
-    assert profile.run_layer_probe(options) == ((), {"efficiency": 0.5}, {})
+    assert profile.run_layer_probe(options) == ((), {"efficiency": 0.5}, {}, {})
     assert calls == ["runners.probe", "runners.probe"]
 
     run, calls = workers(RunFailed("rank 0 failed (exit code 1)"))
