@@ -19,9 +19,12 @@ Recomputation (full, or selective, which in this engine recomputes the core with
 repeats the forward part.
 
 On a CPU profile the context-parallel probe (runners/probe.measure_context) timed the engine's own
-exchanges; planner/profiling.py keeps what they took over this module's price at the probe's shape as
-`cp_ring_comm_scale_{c}` and `cp_a2a_comm_scale_{c}` per measured group size c, and both parts' times
-are multiplied by the scale of the nearest measured size (`comm_scale`; 1 where none was measured).
+exchanges; planner/profiling.py keeps what they took beyond this module's price at the probe's shape, per
+message (a ring message, an all-to-all call), as `cp_ring_message_s_{c}` and `cp_a2a_message_s_{c}` per
+measured group size c: seconds every message of that kind pays on top of its curve's time, the nearest
+measured size's (`message_extra_s`; 0 where none was measured). Per message, not a factor on the time:
+what the curves miss is per call (the sends' posting beside the attention's ops, ranks reaching the
+exchange at different times), not a slower wire; a message is never priced below half its curve's time.
 """
 
 from __future__ import annotations
@@ -60,8 +63,9 @@ def context_comm(plan, cluster, *, model, job, core_forward_s: float, core_backw
     a2a_fwd = a2a_bytes = 0.0
     if a > 1:
         sizes = [tokens * model.num_heads // tp * d * p] * 2 + [tokens * model.num_kv_heads // tp * d * p] * 2
-        a2a_fwd = comm_scale(cluster.hardware.calibration, "a2a", a) * sum(
-            collective_time_s(cluster, collective="all_to_all", size_bytes=x, group_size=a, stride=tp) for x in sizes)
+        extra = message_extra_s(cluster.hardware.calibration, "a2a", a)
+        a2a_fwd = sum(with_extra(collective_time_s(cluster, collective="all_to_all", size_bytes=x, group_size=a,
+                                                   stride=tp), extra) for x in sizes)
         a2a_bytes = 2 * sum(sizes) * (a - 1) / a
     if r == 1:
         return ContextComm(a2a_forward_s=a2a_fwd, a2a_backward_s=a2a_fwd, a2a_bytes=a2a_bytes)
@@ -70,24 +74,35 @@ def context_comm(plan, cluster, *, model, job, core_forward_s: float, core_backw
     link = cluster.group_link(size=r, stride=tp * a)
     send_s = ring_step_time_s(cluster.hardware, size_bytes=kv_bytes, group_size=r, link=link)
     send_s += cluster.hardware.calibration.get("collective_overhead_s", 0.0)  # per call, as estimate.collective_time_s
-    send_s *= comm_scale(cluster.hardware.calibration, "ring", r)
+    send_s = with_extra(send_s, message_extra_s(cluster.hardware.calibration, "ring", r))
     return ContextComm(a2a_forward_s=a2a_fwd, a2a_backward_s=a2a_fwd, a2a_bytes=a2a_bytes,
                        ring_forward=ring_steps(r, send_s=send_s, core_s=core_forward_s, gradients=False),
                        ring_backward=ring_steps(r, send_s=send_s, core_s=core_backward_s, gradients=True),
                        ring_bytes=(3 * r - 2) * kv_bytes)
 
 
-COMM_SCALE_PREFIX = "cp_{kind}_comm_scale_"
+MESSAGE_EXTRA_PREFIX = "cp_{kind}_message_s_"
 
 
-def comm_scale(calibration: dict[str, float], kind: str, size: int) -> float:
-    """The context probe's scale for `kind` ("ring" or "a2a") over `size` ranks (module docstring): that of
-    the measured group size nearest in ratio (the smaller on a tie), 1 where none was measured."""
-    prefix = COMM_SCALE_PREFIX.format(kind=kind)
-    scales = {int(key[len(prefix):]): value for key, value in calibration.items() if key.startswith(prefix)}
-    if not scales:
-        return 1.0
-    return scales[min(scales, key=lambda c: (abs(math.log(c / size)), c))]
+def message_extra_s(calibration: dict[str, float], kind: str, size: int) -> float:
+    """The context probe's seconds per message of `kind` ("ring" or "a2a") over `size` ranks (module
+    docstring): the measured group size nearest in ratio (the smaller on a tie); 0 where none was measured."""
+    prefix = MESSAGE_EXTRA_PREFIX.format(kind=kind)
+    extras = {int(key[len(prefix):]): value for key, value in calibration.items() if key.startswith(prefix)}
+    if not extras:
+        return 0.0
+    return extras[min(extras, key=lambda c: (abs(math.log(c / size)), c))]
+
+
+def with_extra(seconds: float, extra_s: float) -> float:
+    """A message's curve time plus the probe's extra seconds, never below half the curve's time."""
+    return max(seconds / 2, seconds + extra_s)
+
+
+def messages_per_layer(kind: str, size: int) -> int:
+    """Messages of one layer's forward and backward per micro-batch: an all-to-all's 4 each way (q, k, v,
+    the output), a ring of `size` its 3 size - 2 (ring_bytes above)."""
+    return 8 if kind == "a2a" else 3 * size - 2
 
 
 def ring_steps(r: int, *, send_s: float, core_s: float, gradients: bool) -> tuple[tuple[float, float], ...]:

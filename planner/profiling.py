@@ -21,8 +21,8 @@ region: one process, tiny, 3.1 ms a layer, 1.5 a core), so one price for both pu
 plan of `planner validate` 50% over its measured time. The overlap probe gives comm_overlap_efficiency,
 and on CPU the sharding probe the engine's own seconds per unit and micro-batch with sharded gradients and
 parameters (shard_grad_unit_s, shard_param_unit_s: taken as measured, not fitted), and the context-parallel
-probe's exchanges over what cost_models/context.py prices for them at its shape (cp_ring_comm_scale_{c},
-cp_a2a_comm_scale_{c} per group size c: `context_comm_scales`).
+probe's exchanges beyond what cost_models/context.py prices for them at its shape, per message
+(cp_ring_message_s_{c}, cp_a2a_message_s_{c} per group size c: `context_message_extras`).
 
 On CUDA the kernel queue hides per-op dispatch behind the kernels of earlier ops (the probe runs the
 shapes training steps run, where kernels set the time), so o stays 0 and only c is fitted: how much
@@ -37,7 +37,7 @@ import math
 import statistics
 
 from cost_models.compute import layer_compute_times
-from cost_models.context import COMM_SCALE_PREFIX, context_comm
+from cost_models.context import MESSAGE_EXTRA_PREFIX, context_comm, messages_per_layer
 from cost_models.estimate import BACKWARD_OPS_PER_FORWARD_OP, collective_time_s, num_ops
 from profilers.profile import ProfileOptions, Progress, _no_progress, run_profile
 from runners.probe import CONTEXT_KINDS
@@ -65,7 +65,7 @@ def with_layer_probe(hardware: Hardware, *, model: ModelSpec) -> Hardware:
     if hardware.device_type == "cpu":  # measured seconds, as the probe took them
         calibration.update({key: hardware.sharding_probe[probe] for key, probe in SHARDING_KEYS.items()
                             if probe in hardware.sharding_probe})
-        calibration.update(context_comm_scales(hardware, model=model))
+        calibration.update(context_message_extras(hardware, model=model))
     return dataclasses.replace(with_calibration(hardware, calibration), probe_calibration=dict(calibration))
 
 
@@ -73,17 +73,12 @@ def with_layer_probe(hardware: Hardware, *, model: ModelSpec) -> Hardware:
 SHARDING_KEYS = {"shard_grad_unit_s": "grad_unit_s", "shard_param_unit_s": "param_unit_s"}
 
 
-# The context probe's scales stay within these bounds: a difference of two noisy medians near 0 (or a
-# curve's price near 0) must not price CP communication as free or absurd.
-CONTEXT_SCALE_BOUNDS = (0.25, 8.0)
-
-
-def context_comm_scales(hardware: Hardware, *, model: ModelSpec) -> dict[str, float]:
-    """cp_{kind}_comm_scale_{c} for every kind and group size the context probe timed
-    (runners/probe.measure_context): its measured exchanges over cost_models/context.py's price of the same
-    attention (one micro-batch of the probe's sequence, CP groups of c of its world's ranks, the whole
+def context_message_extras(hardware: Hardware, *, model: ModelSpec) -> dict[str, float]:
+    """cp_{kind}_message_s_{c} for every kind and group size the context probe timed
+    (runners/probe.measure_context): its measured exchanges less cost_models/context.py's price of the same
+    attention's (one micro-batch of the probe's sequence, CP groups of c of its world's ranks, the whole
     forward and backward, nothing hidden: the probe's attention is too short to hide a message), priced
-    with no scale, bounded by CONTEXT_SCALE_BOUNDS."""
+    without an earlier profile's extras, per message (`messages_per_layer`)."""
     probe = hardware.context_probe
     if not probe.get("world"):
         return {}
@@ -92,7 +87,7 @@ def context_comm_scales(hardware: Hardware, *, model: ModelSpec) -> dict[str, fl
                                                       if not k.startswith("cp_")})
     cluster = make_cluster(hardware=bare, num_devices=world, devices_per_node=world)
     job = Job(global_batch=world, seq_len=seq, precision="fp32")
-    scales = {}
+    extras = {}
     for kind, cp_kind in CONTEXT_KINDS.items():
         for key in (k for k in probe if k.startswith(kind) and k.endswith("_comm_s")):
             c = int(key[len(kind):-len("_comm_s")])
@@ -100,10 +95,9 @@ def context_comm_scales(hardware: Hardware, *, model: ModelSpec) -> dict[str, fl
             ctx = context_comm(plan, cluster, model=model, job=job, core_forward_s=0.0, core_backward_s=0.0,
                                collective_time_s=collective_time_s)
             priced = ctx.a2a_forward_s + ctx.a2a_backward_s + sum(m for m, _ in ctx.ring_forward + ctx.ring_backward)
-            low, high = CONTEXT_SCALE_BOUNDS
-            scale = probe[key] / priced if priced > 0 else 1.0
-            scales[COMM_SCALE_PREFIX.format(kind=kind) + str(c)] = min(high, max(low, scale))
-    return scales
+            key_out = MESSAGE_EXTRA_PREFIX.format(kind=kind) + str(c)
+            extras[key_out] = (probe[key] - priced) / messages_per_layer(kind, c)
+    return extras
 
 
 _PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}

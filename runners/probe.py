@@ -403,6 +403,8 @@ def measure_context(model: ModelSpec, *, device: torch.device, dtype: torch.dtyp
         return {}
     real = _context_groups(model, world, rank, Comm(ranks_per_node=world, device=device))
     local = _context_groups(model, world, rank, LocalComm(ranks_per_node=world, device=device))
+    if not real:  # no power of 2 divides the world (3 ranks): no CP group to time
+        return {}
     g = torch.Generator().manual_seed(rank)
 
     def inputs(c: int, heads: int) -> torch.Tensor:

@@ -61,10 +61,11 @@ def test_profile_json_round_trips_through_resolve_hardware(profile_path: Path) -
     assert 0 < probe["forward_s"] <= probe["compute_s"] < probe["serial_s"] and -1 <= probe["efficiency"] <= 1
     assert hw.calibration["compute_time_scale"] > 0 and hw.calibration["op_overhead_s"] >= 0
     assert hw.calibration["comm_overlap_efficiency"] == hw.overlap_probe["efficiency"]
-    # The context-parallel probe: both kinds over the CP group of both ranks, kept as scales of their price.
+    # The context-parallel probe: both kinds over the CP group of both ranks, kept as seconds per message
+    # beyond their price.
     kinds = {f"{kind}2_{what}_s" for kind in ("ring", "a2a") for what in ("local", "comm")}
     assert set(hw.context_probe) == {"world", "seq_len"} | kinds
-    assert {k for k in hw.calibration if k.startswith("cp_")} == {"cp_ring_comm_scale_2", "cp_a2a_comm_scale_2"}
+    assert {k for k in hw.calibration if k.startswith("cp_")} == {"cp_ring_message_s_2", "cp_a2a_message_s_2"}
 
 
 def test_profile_fits_describe_the_raw_curves(profile_path: Path) -> None:

@@ -73,26 +73,31 @@ def test_the_ring_is_priced_from_the_profiles_ring_step_curve_where_it_has_one()
         assert ctx.ring_forward[0][0] == pytest.approx(expected)
 
 
-def test_the_context_probes_scales_multiply_each_parts_time_by_the_nearest_measured_size():
-    """cp_{ring,a2a}_comm_scale_{c} (planner/profiling.context_comm_scales) multiply the ring's messages and
-    the all-to-alls; a size not measured takes the nearest measured one (the smaller on a tie), none 1."""
-    from cost_models.context import comm_scale
+def test_the_context_probes_extra_seconds_join_every_message_of_the_nearest_measured_size():
+    """cp_{ring,a2a}_message_s_{c} (planner/profiling.context_message_extras) add to each ring message and
+    each all-to-all; a size not measured takes the nearest measured one (the smaller on a tie), none 0; a
+    negative extra never takes a message below half its curve's time."""
+    from cost_models.context import message_extra_s, messages_per_layer
 
-    calibration = {"cp_ring_comm_scale_2": 1.5, "cp_ring_comm_scale_8": 3.0, "cp_a2a_comm_scale_4": 2.0}
-    assert [comm_scale(calibration, "ring", c) for c in (2, 4, 8, 16)] == [1.5, 1.5, 3.0, 3.0]
-    assert comm_scale(calibration, "a2a", 2) == 2.0 and comm_scale({}, "ring", 2) == 1.0
+    calibration = {"cp_ring_message_s_2": 1e-3, "cp_ring_message_s_8": 3e-3, "cp_a2a_message_s_4": 2e-3}
+    assert [message_extra_s(calibration, "ring", c) for c in (2, 4, 8, 16)] == [1e-3, 1e-3, 3e-3, 3e-3]
+    assert message_extra_s(calibration, "a2a", 2) == 2e-3 and message_extra_s({}, "ring", 2) == 0.0
+    assert messages_per_layer("a2a", 4) == 8 and messages_per_layer("ring", 4) == 10
     job = Job(global_batch=8, seq_len=65536, precision="bf16")
-    for kind, key, scale in (("ring", "cp_ring_comm_scale_2", 1.5), ("hierarchical", "cp_a2a_comm_scale_2", 2.0)):
-        plan = Plan(dp=1, tp=4, cp=4, cp_kind=kind, num_micro_batches=8)
+    for kind, key, extra in (("ring", "cp_ring_message_s_2", 1e-3), ("hierarchical", "cp_a2a_message_s_2", 2e-3),
+                             ("ring", "cp_ring_message_s_2", -1.0)):
+        plan = Plan(dp=1, tp=4, cp=4, cp_kind=kind, num_micro_batches=8)  # hierarchical: a2a 2 x ring 2
         plain = context_comm(plan, NODES, model=MODEL, job=job, core_forward_s=1.0, core_backward_s=2.5,
                              collective_time_s=collective_time_s)
-        hardware = dataclasses.replace(H100, calibration={**H100.calibration, key: scale})
-        scaled = context_comm(plan, dataclasses.replace(NODES, hardware=hardware), model=MODEL, job=job,
-                              core_forward_s=1.0, core_backward_s=2.5, collective_time_s=collective_time_s)
-        assert scaled.a2a_forward_s == pytest.approx(plain.a2a_forward_s * (scale if "a2a" in key else 1))
-        assert [m for m, _ in scaled.ring_forward] == pytest.approx(
-            [m * (scale if "ring" in key else 1) for m, _ in plain.ring_forward])
-        assert scaled.ring_bytes == plain.ring_bytes and scaled.a2a_bytes == plain.a2a_bytes
+        hardware = dataclasses.replace(H100, calibration={**H100.calibration, key: extra})
+        extra_ctx = context_comm(plan, dataclasses.replace(NODES, hardware=hardware), model=MODEL, job=job,
+                                 core_forward_s=1.0, core_backward_s=2.5, collective_time_s=collective_time_s)
+        a2a_added = 4 * extra if "a2a" in key else 0.0
+        assert extra_ctx.a2a_forward_s == pytest.approx(plain.a2a_forward_s + a2a_added)
+        sent = [m for m, _ in plain.ring_forward]
+        ring_added = [max(m / 2, m + extra) if m else 0.0 for m in sent] if "ring" in key else sent
+        assert [m for m, _ in extra_ctx.ring_forward] == pytest.approx(ring_added)
+        assert extra_ctx.ring_bytes == plain.ring_bytes and extra_ctx.a2a_bytes == plain.a2a_bytes
 
 
 def test_gqa_sends_only_the_kv_heads():

@@ -263,13 +263,13 @@ def test_the_sharding_probe_sets_the_bookkeeping_keys_on_a_cpu_profile_only() ->
 
 
 def test_the_context_probe_sets_each_measured_kind_and_sizes_scale_on_a_cpu_profile_only() -> None:
-    """cp_{kind}_comm_scale_{c}: the probe's exchanges over cost_models/context.py's unscaled price of the
-    same attention (an earlier scale in the profile does not enter it), within CONTEXT_SCALE_BOUNDS."""
+    """cp_{kind}_message_s_{c}: the probe's exchanges less cost_models/context.py's price of the same
+    attention's (an earlier extra in the profile does not enter it), per message of the layer."""
     import dataclasses
 
     from cost_models.context import context_comm
     from cost_models.estimate import collective_time_s
-    from planner.profiling import CONTEXT_SCALE_BOUNDS, with_layer_probe
+    from planner.profiling import with_layer_probe
     from specs.cluster import make_cluster
     from specs.hardware import PRESETS
     from specs.job import Job
@@ -285,13 +285,14 @@ def test_the_context_probe_sets_each_measured_kind_and_sizes_scale_on_a_cpu_prof
                            core_backward_s=0.0, collective_time_s=collective_time_s)
         return ctx.a2a_forward_s + ctx.a2a_backward_s + sum(m for m, _ in ctx.ring_forward + ctx.ring_backward)
 
-    context = {"seq_len": 64.0, "world": 4.0, "ring2_comm_s": 2 * priced(2, "ring"), "ring4_comm_s": 0.0,
-               "a2a4_comm_s": 1.5 * priced(4, "all-to-all"), "ring2_local_s": 1e-3}
-    stale = dataclasses.replace(cpu, calibration={**cpu.calibration, "cp_ring_comm_scale_2": 5.0})
+    context = {"seq_len": 64.0, "world": 4.0, "ring2_comm_s": priced(2, "ring") + 4e-3, "ring4_comm_s": 0.0,
+               "a2a4_comm_s": priced(4, "all-to-all") + 8e-3, "ring2_local_s": 1e-3}
+    stale = dataclasses.replace(cpu, calibration={**cpu.calibration, "cp_ring_message_s_2": 5.0})
     fitted = with_layer_probe(dataclasses.replace(stale, context_probe=context), model=model).calibration
-    assert fitted["cp_ring_comm_scale_2"] == pytest.approx(2.0)
-    assert fitted["cp_ring_comm_scale_4"] == CONTEXT_SCALE_BOUNDS[0] and "cp_a2a_comm_scale_2" not in fitted
-    assert fitted["cp_a2a_comm_scale_4"] == pytest.approx(1.5)
+    assert fitted["cp_ring_message_s_2"] == pytest.approx(1e-3)  # 4 messages: 1 forward, 1 + 2 backward
+    assert fitted["cp_ring_message_s_4"] == pytest.approx(-priced(4, "ring") / 10)
+    assert "cp_a2a_message_s_2" not in fitted
+    assert fitted["cp_a2a_message_s_4"] == pytest.approx(1e-3)
     gpu = with_layer_probe(dataclasses.replace(PRESETS["h100"], context_probe=context), model=model)
     assert not any(key.startswith("cp_") for key in gpu.calibration)
 
