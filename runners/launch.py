@@ -342,21 +342,48 @@ def _run_direct(nproc: int, module_argv: list[str], *, env: dict[str, str],
 
 
 def _kill_groups(procs: list[subprocess.Popen], *, grace_s: float) -> None:
-    """SIGTERM the process group (session) of every process still running, then SIGKILL what is left after
-    `grace_s`: torchrun with its workers, or the workers the launcher started itself."""
+    """SIGTERM the process group (session) of every process, then SIGKILL what is left of any group after
+    `grace_s`: torchrun with its workers, or the workers the launcher started itself. A group counts as
+    running while any member does, not only its leader: torchrun can exit on the SIGTERM before a worker
+    it started has (a collective worker was seen alive after `planner profile` returned from Ctrl-C)."""
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        live = [p for p in procs if p.poll() is None]
+        live = [p for p in procs if _group_running(p)]
         for proc in live:
             try:
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + wait_s
-        for proc in live:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+        while any(_group_running(p) for p in live) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def _group_running(proc: subprocess.Popen) -> bool:
+    """Whether a process of the group `proc` leads still runs (the leader reaped first). A killed member
+    whose parent died stays a zombie until init reaps it, and in a container init may never do: on Linux
+    the members are read from /proc, zombies left out; elsewhere any member the kernel still knows counts."""
+    proc.poll()
+    try:
+        entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
+    except OSError:
+        entries = None
+    if entries is None:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+    for pid in entries:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # state, ppid, pgrp, ... after the command name
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and int(fields[2]) == proc.pid and fields[0] not in ("Z", "X"):
+            return True
+    return False
 
 
 def _run_on_cluster(prefix: str, module_argv: list[str], *, env: dict[str, str],

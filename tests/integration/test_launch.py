@@ -4,6 +4,7 @@ stops the others within the grace."""
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -40,3 +41,29 @@ def test_the_first_failed_rank_is_named_and_stops_the_others(how, expected):
         run_workers(MODULE, {"fail_rank": 1, "how": how}, where=Where(nproc=2))
     # rank 0 sleeps 60 s unless the launcher stops it
     assert time.monotonic() - start < 30 + DIRECT_GRACE_S
+
+
+def test_a_worker_that_outlives_its_group_leader_is_killed(tmp_path):
+    """runners.launch._kill_groups: a group counts as running while any member does, so a member that
+    ignores SIGTERM after its leader exited on it (torchrun before the worker it started) is SIGKILLed."""
+    import signal
+    import subprocess
+    import sys
+
+    from runners.launch import _kill_groups
+
+    pid_file = tmp_path / "child.pid"
+    child = ("import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+             "open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(120)")
+    leader = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                               f"subprocess.Popen([sys.executable, '-c', {child!r}, sys.argv[1]]); time.sleep(120)",
+                               str(pid_file)], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    worker = int(pid_file.read_text())
+    start = time.monotonic()
+    _kill_groups([leader], grace_s=0.5)
+    assert leader.poll() == -signal.SIGTERM and time.monotonic() - start < 8
+    stat = Path(f"/proc/{worker}/stat")  # gone, or a zombie no init reaped yet
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
