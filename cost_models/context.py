@@ -20,10 +20,12 @@ repeats the forward part.
 
 On a CPU profile the context-parallel probe (runners/probe.measure_context) timed the engine's own
 exchanges; planner/profiling.py keeps what they took beyond this module's price at the probe's shape, per
-message (a ring message, an all-to-all call), as `cp_ring_message_s_{c}` and `cp_a2a_message_s_{c}` per
-measured group size c: seconds every message of that kind pays on top of its curve's time, the nearest
-measured size's (`message_extra_s`; 0 where none was measured). Per message, not a factor on the time:
-what the curves miss is per call (the sends' posting beside the attention's ops, ranks reaching the
+message (a ring message, an all-to-all call), as `engine_ring_extra_s_{c}` and `engine_a2a_extra_s_{c}`
+per measured group size c: seconds every message of that kind pays on top of its curve's time, the
+nearest measured size's (`message_extra_s`; 0 where none was measured). The ring's are added here; the
+all-to-all's by cost_models/estimate.collective_time_s to every all-to-all this engine blocks on (CP's,
+and MoE's dispatch, combine, expert-TP exchange and routing counts). Per message, not a factor on the
+time: what the curves miss is per call (the sends' posting beside the engine's ops, ranks reaching the
 exchange at different times), not a slower wire; a message is never priced below half its curve's time.
 """
 
@@ -63,9 +65,8 @@ def context_comm(plan, cluster, *, model, job, core_forward_s: float, core_backw
     a2a_fwd = a2a_bytes = 0.0
     if a > 1:
         sizes = [tokens * model.num_heads // tp * d * p] * 2 + [tokens * model.num_kv_heads // tp * d * p] * 2
-        extra = message_extra_s(cluster.hardware.calibration, "a2a", a)
-        a2a_fwd = sum(with_extra(collective_time_s(cluster, collective="all_to_all", size_bytes=x, group_size=a,
-                                                   stride=tp), extra) for x in sizes)
+        a2a_fwd = sum(collective_time_s(cluster, collective="all_to_all", size_bytes=x, group_size=a, stride=tp)
+                      for x in sizes)
         a2a_bytes = 2 * sum(sizes) * (a - 1) / a
     if r == 1:
         return ContextComm(a2a_forward_s=a2a_fwd, a2a_backward_s=a2a_fwd, a2a_bytes=a2a_bytes)
@@ -81,7 +82,7 @@ def context_comm(plan, cluster, *, model, job, core_forward_s: float, core_backw
                        ring_bytes=(3 * r - 2) * kv_bytes)
 
 
-MESSAGE_EXTRA_PREFIX = "cp_{kind}_message_s_"
+MESSAGE_EXTRA_PREFIX = "engine_{kind}_extra_s_"
 
 
 def message_extra_s(calibration: dict[str, float], kind: str, size: int) -> float:

@@ -42,7 +42,7 @@ import math
 from dataclasses import dataclass, field
 
 from cost_models.comm import collective_time_s as _collective_time_s
-from cost_models.context import context_comm
+from cost_models.context import context_comm, message_extra_s, with_extra
 from cost_models.compute import (FUSED_BACKWARD_RATIO, _elementwise_kernels, activation_bytes_per_element, contended, end_compute_times,
                                  fused_attention, layer_compute_times, layer_gemms, memory_time_s,
                                  model_flops_per_step)
@@ -131,7 +131,8 @@ def sync_rounds(collective: str, *, group_size: int, device_type: str) -> float:
 def collective_time_s(cluster, *, collective: str, size_bytes: float, group_size: int, stride: int) -> float:
     """cost_models.comm.collective_time_s plus the calibrated per-call overhead for a call that moves data:
     collective_overhead_s x `sync_rounds`, the exchanges in which a rank waits for a partner process to
-    be scheduled and answer.
+    be scheduled and answer; an all-to-all (every one this engine calls blocks its step) also the context
+    probe's measured extra per call where a CPU profile has one (cost_models/context.message_extra_s).
 
     Memoised on the cluster (`Cluster.collective_memo`): a search prices the same few collectives for
     thousands of plans."""
@@ -142,8 +143,11 @@ def collective_time_s(cluster, *, collective: str, size_bytes: float, group_size
     time_s = _collective_time_s(cluster, collective=collective, size_bytes=size_bytes, group_size=group_size,
                                 stride=stride)
     if time_s > 0:
-        time_s += cluster.hardware.calibration.get("collective_overhead_s", 0.0) * sync_rounds(
+        calibration = cluster.hardware.calibration
+        time_s += calibration.get("collective_overhead_s", 0.0) * sync_rounds(
             collective, group_size=group_size, device_type=cluster.hardware.device_type)
+        if collective == "all_to_all":  # the context probe's in-engine extra (cost_models/context.py; CPU)
+            time_s = with_extra(time_s, message_extra_s(calibration, "a2a", group_size))
     else:
         time_s = 0.0
     if memo is not None:

@@ -22,7 +22,7 @@ plan of `planner validate` 50% over its measured time. The overlap probe gives c
 and on CPU the sharding probe the engine's own seconds per unit and micro-batch with sharded gradients and
 parameters (shard_grad_unit_s, shard_param_unit_s: taken as measured, not fitted), and the context-parallel
 probe's exchanges beyond what cost_models/context.py prices for them at its shape, per message
-(cp_ring_message_s_{c}, cp_a2a_message_s_{c} per group size c: `context_message_extras`).
+(engine_ring_extra_s_{c}, engine_a2a_extra_s_{c} per group size c: `context_message_extras`).
 
 On CUDA the kernel queue hides per-op dispatch behind the kernels of earlier ops (the probe runs the
 shapes training steps run, where kernels set the time), so o stays 0 and only c is fitted: how much
@@ -74,7 +74,7 @@ SHARDING_KEYS = {"shard_grad_unit_s": "grad_unit_s", "shard_param_unit_s": "para
 
 
 def context_message_extras(hardware: Hardware, *, model: ModelSpec) -> dict[str, float]:
-    """cp_{kind}_message_s_{c} for every kind and group size the context probe timed
+    """engine_{kind}_extra_s_{c} for every kind and group size the context probe timed
     (runners/probe.measure_context): its measured exchanges less cost_models/context.py's price of the same
     attention's (one micro-batch of the probe's sequence, CP groups of c of its world's ranks, the whole
     forward and backward, nothing hidden: the probe's attention is too short to hide a message), priced
@@ -84,7 +84,7 @@ def context_message_extras(hardware: Hardware, *, model: ModelSpec) -> dict[str,
         return {}
     world, seq = int(probe["world"]), int(probe["seq_len"])
     bare = dataclasses.replace(hardware, calibration={k: v for k, v in hardware.calibration.items()
-                                                      if not k.startswith("cp_")})
+                                                      if not k.startswith("engine_")})
     cluster = make_cluster(hardware=bare, num_devices=world, devices_per_node=world)
     job = Job(global_batch=world, seq_len=seq, precision="fp32")
     extras = {}

@@ -40,9 +40,10 @@ KIB, MIB = 1024, 1024**2
 # 1: collectives timed as a step calls them (after compute, not after a barrier) and the ring-step curve
 # (profilers/comm.py); 2: the engine's ring attention steps timed (Hardware.ring_points); 3: the layer probe's
 # point under selective recomputation (runners/probe.py); 4: the sharding probe (runners/probe.measure_sharding);
-# 5: the context-parallel probe (runners/probe.measure_context).
+# 5: the context-parallel probe (runners/probe.measure_context); 6: its extras named engine_*_extra_s_* (5's cp_*
+# keys would no longer be read).
 # A cached profile of another version is measured again (planner/machine.stale_reason).
-PROFILER_VERSION = 5
+PROFILER_VERSION = 6
 FULL_SIZES_BYTES = tuple(KIB * 4**i for i in range(10))  # 1 KiB .. 256 MiB
 QUICK_SIZES_BYTES = tuple(KIB * 4**i for i in range(8))  # 1 KiB .. 16 MiB
 

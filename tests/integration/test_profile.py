@@ -65,7 +65,7 @@ def test_profile_json_round_trips_through_resolve_hardware(profile_path: Path) -
     # beyond their price.
     kinds = {f"{kind}2_{what}_s" for kind in ("ring", "a2a") for what in ("local", "comm")}
     assert set(hw.context_probe) == {"world", "seq_len"} | kinds
-    assert {k for k in hw.calibration if k.startswith("cp_")} == {"cp_ring_message_s_2", "cp_a2a_message_s_2"}
+    assert {k for k in hw.calibration if k.startswith("engine_")} == {"engine_ring_extra_s_2", "engine_a2a_extra_s_2"}
 
 
 def test_profile_fits_describe_the_raw_curves(profile_path: Path) -> None:

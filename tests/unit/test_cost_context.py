@@ -74,18 +74,18 @@ def test_the_ring_is_priced_from_the_profiles_ring_step_curve_where_it_has_one()
 
 
 def test_the_context_probes_extra_seconds_join_every_message_of_the_nearest_measured_size():
-    """cp_{ring,a2a}_message_s_{c} (planner/profiling.context_message_extras) add to each ring message and
+    """engine_{ring,a2a}_extra_s_{c} (planner/profiling.context_message_extras) add to each ring message and
     each all-to-all; a size not measured takes the nearest measured one (the smaller on a tie), none 0; a
     negative extra never takes a message below half its curve's time."""
     from cost_models.context import message_extra_s, messages_per_layer
 
-    calibration = {"cp_ring_message_s_2": 1e-3, "cp_ring_message_s_8": 3e-3, "cp_a2a_message_s_4": 2e-3}
+    calibration = {"engine_ring_extra_s_2": 1e-3, "engine_ring_extra_s_8": 3e-3, "engine_a2a_extra_s_4": 2e-3}
     assert [message_extra_s(calibration, "ring", c) for c in (2, 4, 8, 16)] == [1e-3, 1e-3, 3e-3, 3e-3]
     assert message_extra_s(calibration, "a2a", 2) == 2e-3 and message_extra_s({}, "ring", 2) == 0.0
     assert messages_per_layer("a2a", 4) == 8 and messages_per_layer("ring", 4) == 10
     job = Job(global_batch=8, seq_len=65536, precision="bf16")
-    for kind, key, extra in (("ring", "cp_ring_message_s_2", 1e-3), ("hierarchical", "cp_a2a_message_s_2", 2e-3),
-                             ("ring", "cp_ring_message_s_2", -1.0)):
+    for kind, key, extra in (("ring", "engine_ring_extra_s_2", 1e-3), ("hierarchical", "engine_a2a_extra_s_2", 2e-3),
+                             ("ring", "engine_ring_extra_s_2", -1.0)):
         plan = Plan(dp=1, tp=4, cp=4, cp_kind=kind, num_micro_batches=8)  # hierarchical: a2a 2 x ring 2
         plain = context_comm(plan, NODES, model=MODEL, job=job, core_forward_s=1.0, core_backward_s=2.5,
                              collective_time_s=collective_time_s)

@@ -507,6 +507,28 @@ def test_cpu_dispatch_is_priced_as_glooss_all_to_all_and_the_counts_exchange_eve
                             eng=engine_model("ours"), tokens=64, precision="fp32", buffer_bytes=buffer) == 0
 
 
+def test_every_cpu_all_to_all_pays_the_context_probes_extra_per_call():
+    # engine_a2a_extra_s_{c} (the context probe's in-engine cost of a blocking all-to-all beyond the curve,
+    # planner/profiling.py) joins every all-to-all the engine blocks on: EP's dispatch and the counts
+    # exchange as CP's, at the nearest measured group size.
+    import dataclasses
+
+    from cost_models.engines import engine_model
+    from cost_models.estimate import _ep_all_to_all_s, _routing_counts_s
+    from specs.plan import Plan
+
+    problem = _problem(TINY, devices=4, global_batch=8, seq_len=64)
+    hardware = problem.cluster.hardware
+    extra = dataclasses.replace(problem.cluster, hardware=dataclasses.replace(
+        hardware, calibration={**hardware.calibration, "engine_a2a_extra_s_4": 5e-4}))
+    plan = Plan(dp=4, ep=2, micro_batch=1, num_micro_batches=2)
+    buffer = 64 * TINY.num_experts_per_token * TINY.hidden_size * 4
+    kw = dict(model=TINY, eng=engine_model("ours"), tokens=64, precision="fp32", buffer_bytes=buffer)
+    assert _ep_all_to_all_s(plan, extra, **kw) == pytest.approx(_ep_all_to_all_s(plan, problem.cluster, **kw) + 5e-4)
+    assert _routing_counts_s(plan, extra, model=TINY) == pytest.approx(
+        _routing_counts_s(plan, problem.cluster, model=TINY) + 5e-4)
+
+
 def test_moe_op_counts_are_the_engines():
     """moe_extra_ops against the aten ops runners/moe.py's MoE MLP dispatches beyond a dense MLP's (one process;
     at ep 2 rank 0 with the all-to-alls replaced by uncounted fills: they are priced as collectives). Views are

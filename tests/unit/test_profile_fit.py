@@ -263,7 +263,7 @@ def test_the_sharding_probe_sets_the_bookkeeping_keys_on_a_cpu_profile_only() ->
 
 
 def test_the_context_probe_sets_each_measured_kind_and_sizes_scale_on_a_cpu_profile_only() -> None:
-    """cp_{kind}_message_s_{c}: the probe's exchanges less cost_models/context.py's price of the same
+    """engine_{kind}_extra_s_{c}: the probe's exchanges less cost_models/context.py's price of the same
     attention's (an earlier extra in the profile does not enter it), per message of the layer."""
     import dataclasses
 
@@ -287,14 +287,14 @@ def test_the_context_probe_sets_each_measured_kind_and_sizes_scale_on_a_cpu_prof
 
     context = {"seq_len": 64.0, "world": 4.0, "ring2_comm_s": priced(2, "ring") + 4e-3, "ring4_comm_s": 0.0,
                "a2a4_comm_s": priced(4, "all-to-all") + 8e-3, "ring2_local_s": 1e-3}
-    stale = dataclasses.replace(cpu, calibration={**cpu.calibration, "cp_ring_message_s_2": 5.0})
+    stale = dataclasses.replace(cpu, calibration={**cpu.calibration, "engine_ring_extra_s_2": 5.0})
     fitted = with_layer_probe(dataclasses.replace(stale, context_probe=context), model=model).calibration
-    assert fitted["cp_ring_message_s_2"] == pytest.approx(1e-3)  # 4 messages: 1 forward, 1 + 2 backward
-    assert fitted["cp_ring_message_s_4"] == pytest.approx(-priced(4, "ring") / 10)
-    assert "cp_a2a_message_s_2" not in fitted
-    assert fitted["cp_a2a_message_s_4"] == pytest.approx(1e-3)
+    assert fitted["engine_ring_extra_s_2"] == pytest.approx(1e-3)  # 4 messages: 1 forward, 1 + 2 backward
+    assert fitted["engine_ring_extra_s_4"] == pytest.approx(-priced(4, "ring") / 10)
+    assert "engine_a2a_extra_s_2" not in fitted
+    assert fitted["engine_a2a_extra_s_4"] == pytest.approx(1e-3)
     gpu = with_layer_probe(dataclasses.replace(PRESETS["h100"], context_probe=context), model=model)
-    assert not any(key.startswith("cp_") for key in gpu.calibration)
+    assert not any(key.startswith("engine_") for key in gpu.calibration)
 
 
 def test_intra_node_shapes_are_measured_on_every_copy_at_once() -> None:
