@@ -365,16 +365,25 @@ def context_probe_sizes(world: int) -> list[int]:
     return [c for c in (2 ** i for i in range(1, world.bit_length())) if world % c == 0]
 
 
-def _context_groups(model: ModelSpec, world: int, rank: int, comm: Comm) -> dict:
-    """{(probe kind, c): CPContext} of this rank for every size of `context_probe_sizes`: groups of c
-    consecutive ranks (the mesh's CP order without TP; every rank creates every group, in one order), the
-    all-to-all kind only where c divides the heads and the K/V heads (specs/plan.check_context_parallel)."""
+def _context_groups(world: int, rank: int) -> dict[int, object]:
+    """{c: this rank's group} for every size c of `context_probe_sizes`: groups of c consecutive ranks (the
+    mesh's CP order without TP); every rank creates every group, in one order."""
+    out = {}
+    for c in context_probe_sizes(world):
+        groups = [dist.new_group(list(range(start, start + c))) for start in range(0, world, c)]
+        out[c] = groups[rank // c]
+    return out
+
+
+def _context_cases(model: ModelSpec, groups: dict[int, object], rank: int, comm: Comm) -> dict:
+    """{(probe kind, c): CPContext} of this rank over `groups` (`_context_groups`) talking through `comm`:
+    the ring at every size, the all-to-all only where c divides the heads and the K/V heads
+    (specs/plan.check_context_parallel)."""
     from runners.context_parallel import CPContext
 
     contexts = {}
-    for c in context_probe_sizes(world):
-        groups = [dist.new_group(list(range(start, start + c))) for start in range(0, world, c)]
-        group, me = groups[rank // c], rank % c
+    for c, group in groups.items():
+        me = rank % c
         ranks = tuple(range(rank - me, rank - me + c))
         contexts[("ring", c)] = CPContext(size=c, rank=me, comm=comm, group=group, ring_group=group, ring_ranks=ranks,
                                           ring_rank=me)
@@ -388,7 +397,7 @@ def measure_context(model: ModelSpec, *, device: torch.device, dtype: torch.dtyp
                     rounds: int = CONTEXT_ROUNDS) -> dict[str, float]:
     """What the engine's context-parallel exchanges cost inside its attention (runners/context_parallel.py):
     every rank runs context_attention's forward and backward at once, in CP groups of c consecutive ranks
-    for each c of `context_probe_sizes`, ring and all-to-all (`_context_groups`), with the real Comm and with
+    for each c of `context_probe_sizes`, ring and all-to-all (`_context_cases`), with the real Comm and with
     LocalComm (no communication), `rounds` interleaved rounds of `repeats` calls each (per round the slowest
     rank's mean). `{kind}{c}_comm_s` is the difference of the two medians, `{kind}{c}_local_s` the local one;
     `seq_len` and `world` say where. The difference holds what the collective curves, timed with every rank
@@ -401,10 +410,11 @@ def measure_context(model: ModelSpec, *, device: torch.device, dtype: torch.dtyp
     seq = min(CONTEXT_SEQ, model.max_seq_len) // (2 * world) * (2 * world)
     if seq == 0:
         return {}
-    real = _context_groups(model, world, rank, Comm(ranks_per_node=world, device=device))
-    local = _context_groups(model, world, rank, LocalComm(ranks_per_node=world, device=device))
-    if not real:  # no power of 2 divides the world (3 ranks): no CP group to time
+    groups = _context_groups(world, rank)
+    if not groups:  # no power of 2 divides the world (3 ranks): no CP group to time
         return {}
+    real = _context_cases(model, groups, rank, Comm(ranks_per_node=world, device=device))
+    local = _context_cases(model, groups, rank, LocalComm(ranks_per_node=world, device=device))
     g = torch.Generator().manual_seed(rank)
 
     def inputs(c: int, heads: int) -> torch.Tensor:
@@ -426,8 +436,9 @@ def measure_context(model: ModelSpec, *, device: torch.device, dtype: torch.dtyp
         q, k, v = inputs(c, model.num_heads), inputs(c, model.num_kv_heads), inputs(c, model.num_kv_heads)
         cases[f"{kind}{c}"] = (real[kind, c], local[kind, c], (q, k, v, torch.ones_like(q)))
     samples: dict[str, list[float]] = {f"{name}_{mode}": [] for name in cases for mode in ("real", "local")}
-    for name, (cp_real, cp_local, tensors) in cases.items():  # warm-up
-        timed(cp_real, *tensors), timed(cp_local, *tensors)
+    for cp_real, cp_local, tensors in cases.values():  # warm-up
+        timed(cp_real, *tensors)
+        timed(cp_local, *tensors)
     names = list(cases)
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
