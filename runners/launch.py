@@ -347,43 +347,49 @@ def _kill_groups(procs: list[subprocess.Popen], *, grace_s: float) -> None:
     running while any member does, not only its leader: torchrun can exit on the SIGTERM before a worker
     it started has (a collective worker was seen alive after `planner profile` returned from Ctrl-C)."""
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        live = [p for p in procs if _group_running(p)]
+        live = _running_groups(procs)
         for proc in live:
             try:
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + wait_s
-        while any(_group_running(p) for p in live) and time.monotonic() < deadline:
+        while _running_groups(live) and time.monotonic() < deadline:
             time.sleep(0.05)
 
 
-def _group_running(proc: subprocess.Popen) -> bool:
-    """Whether a process of the group `proc` leads still runs (the leader reaped first). A killed member
-    whose parent died stays a zombie until init reaps it, and in a container init may never do: on Linux
-    the members are read from /proc, zombies left out; elsewhere any member the kernel still knows counts."""
-    proc.poll()
+def _running_groups(procs: list[subprocess.Popen]) -> list[subprocess.Popen]:
+    """Those of `procs` whose process group (each leads one) still has a running member, the leaders reaped
+    first. A killed member whose parent died stays a zombie until init reaps it, and in a container init
+    may never do: on Linux the members are read from /proc once, zombies left out; elsewhere any member the
+    kernel still knows counts."""
+    for proc in procs:
+        proc.poll()
     try:
-        entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
+        pids = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
     except OSError:
-        entries = None
-    if entries is None:
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
-    for pid in entries:
+        return [p for p in procs if _group_known(p.pid)]
+    running = set()
+    for pid in pids:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()  # state, ppid, pgrp, ... after the command name
         except (OSError, IndexError):
             continue
-        if len(fields) > 2 and int(fields[2]) == proc.pid and fields[0] not in ("Z", "X"):
-            return True
-    return False
+        if len(fields) > 2 and fields[0] not in ("Z", "X"):
+            running.add(int(fields[2]))
+    return [p for p in procs if p.pid in running]
+
+
+def _group_known(pgid: int) -> bool:
+    """Whether the kernel still knows a member of process group `pgid` (zombies included)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member we may not signal: still there
+        pass
+    return True
 
 
 def _run_on_cluster(prefix: str, module_argv: list[str], *, env: dict[str, str],
