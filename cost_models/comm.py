@@ -142,3 +142,48 @@ def ring_extra_intra_steps(*, per_node: int, num_nodes: int) -> int:
     if num_nodes <= 1 or per_node <= 1:
         return 0
     return (num_nodes - 1) * (per_node - 1)
+
+
+# The sync-wait probe's measurements (runners/probe.measure_sync_wait, CPU profiles only), per group size c and
+# segment length w (microseconds): `sync_wait_s_{c}_{w}` calibration keys.
+SYNC_WAIT_PREFIX = "sync_wait_s_"
+
+
+def sync_wait_s(calibration: dict[str, float], *, group_size: int, segment_s: float) -> float:
+    """Seconds a blocking collective over `group_size` ranks waits, beyond its own time, for the ranks that reach it
+    last after `segment_s` seconds of compute on every rank since the group last met: each rank's compute runs a
+    little longer or shorter (timer interrupts, cache misses, and where more processes than cores share a host,
+    the scheduler's time slices), and the group starts when its slowest rank arrives, so the wait grows with the
+    segment. Measured by the sync-wait probe at a few segment lengths (SYNC_WAIT_PREFIX keys; the measured group
+    size nearest in ratio, the smaller on a tie), counted from its shortest segment: what a rank waits after a
+    segment that short is already in the per-call prices fitted or probed at short segments (`planner tune`'s
+    collective_overhead_s, the context probe's per-message extras), so this is what it waits beyond that after a
+    longer one. Piecewise linear through the measured points, 0 up to the shortest, flat beyond the longest; 0
+    where nothing was measured (GPU profiles, presets, older profiles)."""
+    if group_size <= 1 or segment_s <= 0.0:
+        return 0.0
+    curves: dict[int, list[tuple[float, float]]] = {}
+    for key, value in calibration.items():
+        if key.startswith(SYNC_WAIT_PREFIX):
+            size, micros = key[len(SYNC_WAIT_PREFIX):].split("_")
+            curves.setdefault(int(size), []).append((int(micros) * 1e-6, max(0.0, value)))
+    if not curves:
+        return 0.0
+    curve = sorted(curves[min(curves, key=lambda c: (abs(math.log(c / group_size)), c))])
+    curve = [(w, max(0.0, v - curve[0][1])) for w, v in curve]
+    if segment_s <= curve[0][0]:
+        return 0.0
+    for (w0, v0), (w1, v1) in zip(curve, curve[1:]):
+        if segment_s <= w1:
+            return v0 + (v1 - v0) * (segment_s - w0) / (w1 - w0)
+    return curve[-1][1]
+
+
+def sync_waits_s(calibration: dict[str, float], *, group_size: int, syncs: int, forward_s: float,
+                 backward_s: float) -> tuple[float, float]:
+    """(forward, backward) seconds of `sync_wait_s` for a layer that meets its group `syncs` times in its
+    forward and as often in its backward, each pass's compute split evenly between them."""
+    if syncs <= 0:
+        return 0.0, 0.0
+    return tuple(syncs * sync_wait_s(calibration, group_size=group_size, segment_s=s / syncs)
+                 for s in (forward_s, backward_s))

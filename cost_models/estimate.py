@@ -42,6 +42,7 @@ import math
 from dataclasses import dataclass, field
 
 from cost_models.comm import collective_time_s as _collective_time_s
+from cost_models.comm import sync_wait_s, sync_waits_s
 from cost_models.context import context_comm, message_extra_s, with_extra
 from cost_models.compute import (FUSED_BACKWARD_RATIO, _elementwise_kernels, activation_bytes_per_element, contended, end_compute_times,
                                  fused_attention, layer_compute_times, layer_gemms, memory_time_s,
@@ -418,9 +419,25 @@ def _policy_times(times, hw, *, tp_fwd_s: float, cp_fwd_s: float, cp_bwd_s: floa
     return recompute_s, {p: tp_comm[p] + cp_comm[p] for p in POLICIES}, cp_comm
 
 
+def _sync_waits(plan, hw, *, times, a2a: int) -> tuple[tuple[float, float], tuple[float, float]]:
+    """(TP's, the CP all-to-all's) (forward, backward) seconds one layer and micro-batch waits at its blocking
+    collectives for the ranks that reach them last (cost_models/comm.sync_wait_s; on CPU profiles, 0 elsewhere):
+    TP meets its group twice a pass (after the attention block and after the MLP: an all-reduce, or under
+    sequence parallelism a reduce-scatter whose all-gather follows a norm later), the all-to-all twice (q, k and
+    v before the core, its output after), the pass's compute split evenly among them. The ring is not here: its
+    exchange is waited for after the step's partial attention, which hides a late neighbour as it hides the wire."""
+    syncs_tp, syncs_cp = 2 * (plan.tp > 1), 2 * (a2a > 1)
+    syncs = syncs_tp + syncs_cp
+    if not syncs:
+        return (0.0, 0.0), (0.0, 0.0)
+    group = max(plan.tp if syncs_tp else 1, a2a if syncs_cp else 1)
+    f, b = sync_waits_s(hw.calibration, group_size=group, syncs=syncs, forward_s=times.forward_s,
+                        backward_s=times.backward_s)
+    return (f * syncs_tp / syncs, b * syncs_tp / syncs), (f * syncs_cp / syncs, b * syncs_cp / syncs)
+
+
 def layer_costs(plan, *, model, cluster, job, engine: str = "ours") -> LayerCosts:
-    """Per-layer time and memory of `plan` as `engine` runs it (see LayerCosts); estimate() prices chunks
-    as sums of these."""
+    """Per-layer time and memory of `plan` as `engine` runs it (LayerCosts; estimate() sums them per chunk)."""
     if model.is_moe:
         return _moe_layer_costs(plan, model=model, cluster=cluster, job=job, engine=engine)
     eng = engine_model(engine)
@@ -446,11 +463,12 @@ def layer_costs(plan, *, model, cluster, job, engine: str = "ours") -> LayerCost
                                                       * activation_bytes_per_element(job.precision), tp=tp)
     one_s = exposed * (gather_s + scatter_s if sp else reduce_s)
     embed_comm_s = exposed * (scatter_s if sp else reduce_s)
-    tp_fwd_s = 2 * one_s
-    cp_fwd_s, cp_bwd_s = _context_comm_s(plan, cluster, model=model, job=job, core_forward_s=core_fwd_s)
+    tp_wait, cp_wait = _sync_waits(plan, hw, times=times, a2a=a2a)
+    tp_fwd_s = 2 * one_s + tp_wait[0]
+    cp_fwd_s, cp_bwd_s = _context_comm_s(plan, cluster, model=model, job=job, core_forward_s=core_fwd_s, wait=cp_wait)
     rep_s, rep_first_s, rep_last_s = _sp_replicated_reduce_s(plan, cluster, model=model, eng=eng, precision=job.precision)
     recompute_s, tp_comm, cp_comm = _policy_times(times, hw, tp_fwd_s=tp_fwd_s, cp_fwd_s=cp_fwd_s, cp_bwd_s=cp_bwd_s,
-                                                  tp_bwd_s=rep_s)
+                                                  tp_bwd_s=rep_s + tp_wait[1] - tp_wait[0])
     first_params, last_params = end_params_per_device(model, tp=tp, pp=plan.pp)
     grad_pass_s = _unsharded_grad_pass_s(plan, eng=eng, hw=hw, precision=job.precision)
     layer_grad_s = grad_pass_s(layer_params_per_device(model, tp=tp))
@@ -558,6 +576,9 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
     counts_s = _routing_counts_s(plan, cluster, model=model)  # every forward, a recomputed one too
     comm = {pol: moe_cost.all_to_alls_per_layer(pol) / 2 * (2 * a2a_s + etp_s) + counts_s * (2 if pol == "full" else 1)
             for pol in POLICIES}
+    a2a_size = plan.cp_split(ranks_per_node=cluster.devices_per_node)[0]
+    ep_f, ep_b = _ep_sync_waits(plan, hw, attn=attn, moe=times, a2a=a2a_size)
+    comm = {pol: c + ep_f + ep_b + (ep_f if pol == "full" else 0.0) for pol, c in comm.items()}
     if eng.moe_a2a_overlap:
         comm = _overlapped_ep_comm(plan, comm, a2a_s=a2a_s + etp_s / 2, attn=attn, moe=times, cluster=cluster)
     act = moe_cost.moe_activation_bytes(model, tokens=tokens, ep=plan.ep, etp=plan.etp, imbalance=imbalance,
@@ -584,6 +605,20 @@ def _moe_layer_costs(plan, *, model, cluster, job, engine: str) -> LayerCosts:
 
     return dataclasses.replace(dense, state_bytes=state, **{name: mix(name) for name in (
         "time_s", "activation_bytes", "forward_time_s", "tp_comm_s", "cp_comm_s", "recompute_time_s")})
+
+
+def _ep_sync_waits(plan, hw, *, attn: LayerCosts, moe, a2a: int) -> tuple[float, float]:
+    """(forward, backward) seconds an MoE layer waits at EP's dispatch and combine for the ranks that reach them
+    last (`_sync_waits`): the combine after the experts' compute, the dispatch after the attention block's, which
+    ends at a TP or CP all-to-all collective of its own where the plan has one (only the router then)."""
+    if plan.ep <= 1:
+        return 0.0, 0.0
+    alone = plan.tp == 1 and a2a == 1
+    attn_f = attn.forward_time_s["none"] if alone else 0.0
+    attn_b = attn.time_s["none"] - attn.forward_time_s["none"] if alone else 0.0
+    wait = [sync_wait_s(hw.calibration, group_size=plan.ep, segment_s=s) for s in (moe.forward_s, attn_f,
+                                                                                   moe.backward_s, attn_b)]
+    return wait[0] + wait[1], wait[2] + wait[3]
 
 
 def _moe_replicated_reduce_s(plan, cluster, *, model, eng, nbytes: int) -> float:
@@ -783,16 +818,18 @@ def _phased_ep_comm(comm: dict[str, float], *, a2a_s: float, attn_forward_s: flo
     return {pol: exposed + (c - comm["none"]) for pol, c in comm.items()}
 
 
-def _context_comm_s(plan, cluster, *, model, job, core_forward_s: float) -> tuple[float, float]:
+def _context_comm_s(plan, cluster, *, model, job, core_forward_s: float,
+                    wait: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
     """Exposed CP communication of one layer per micro-batch, (forward, backward): the all-to-alls whole,
-    each ring step's message less what its partial attention hides (`_overlap`; cost_models/context.py)."""
+    each ring step's message less what its partial attention hides (`_overlap`; cost_models/context.py),
+    plus `wait`, the all-to-all's (forward, backward) wait for its last ranks (`_sync_waits`)."""
     if plan.cp == 1:
         return 0.0, 0.0
     ctx = context_comm(plan, cluster, model=model, job=job, core_forward_s=core_forward_s,
                        core_backward_s=FUSED_BACKWARD_RATIO * core_forward_s, collective_time_s=collective_time_s)
     fwd = ctx.a2a_forward_s + sum(_overlap(c, m, cluster) - c for m, c in ctx.ring_forward)
     bwd = ctx.a2a_backward_s + sum(_overlap(c, m, cluster) - c for m, c in ctx.ring_backward)
-    return fwd, bwd
+    return fwd + wait[0], bwd + wait[1]
 
 
 def _materialized_scores_bytes(model, *, micro_batch: int, seq_len: int, heads_split: int, precision: str,

@@ -22,7 +22,9 @@ plan of `planner validate` 50% over its measured time. The overlap probe gives c
 and on CPU the sharding probe the engine's own seconds per unit and micro-batch with sharded gradients and
 parameters (shard_grad_unit_s, shard_param_unit_s: taken as measured, not fitted), and the context-parallel
 probe's exchanges beyond what cost_models/context.py prices for them at its shape, per message
-(engine_ring_extra_s_{c}, engine_a2a_extra_s_{c} per group size c: `context_message_extras`).
+(engine_ring_extra_s_{c}, engine_a2a_extra_s_{c} per group size c: `context_message_extras`), and the
+sync-wait probe's waits at blocking collectives by segment of compute (sync_wait_s_{c}_{microseconds}:
+`sync_wait_keys`).
 
 On CUDA the kernel queue hides per-op dispatch behind the kernels of earlier ops (the probe runs the
 shapes training steps run, where kernels set the time), so o stays 0 and only c is fitted: how much
@@ -36,7 +38,8 @@ import dataclasses
 import math
 import statistics
 
-from cost_models.compute import layer_compute_times
+from cost_models.comm import SYNC_WAIT_PREFIX, sync_waits_s
+from cost_models.compute import FUSED_BACKWARD_RATIO, layer_compute_times
 from cost_models.context import MESSAGE_EXTRA_PREFIX, context_comm, messages_per_layer
 from cost_models.estimate import BACKWARD_OPS_PER_FORWARD_OP, collective_time_s, num_ops
 from profilers.profile import ProfileOptions, Progress, _no_progress, run_profile
@@ -65,12 +68,20 @@ def with_layer_probe(hardware: Hardware, *, model: ModelSpec) -> Hardware:
     if hardware.device_type == "cpu":  # measured seconds, as the probe took them
         calibration.update({key: hardware.sharding_probe[probe] for key, probe in SHARDING_KEYS.items()
                             if probe in hardware.sharding_probe})
-        calibration.update(context_message_extras(hardware, model=model))
+        calibration.update(sync_wait_keys(hardware.sync_probe))
+        calibration.update(context_message_extras(with_calibration(hardware, calibration), model=model))
     return dataclasses.replace(with_calibration(hardware, calibration), probe_calibration=dict(calibration))
 
 
 # Calibration key (cost_models/estimate.py) <- the sharding probe's figure (runners/probe.measure_sharding).
 SHARDING_KEYS = {"shard_grad_unit_s": "grad_unit_s", "shard_param_unit_s": "param_unit_s"}
+
+
+def sync_wait_keys(probe: dict[str, float]) -> dict[str, float]:
+    """The sync-wait probe's figures (runners/probe.measure_sync_wait: sync{c}_{microseconds}_s) as the
+    calibration keys cost_models/comm.sync_wait_s reads (sync_wait_s_{c}_{microseconds})."""
+    return {SYNC_WAIT_PREFIX + key[len("sync"):-len("_s")]: value for key, value in probe.items()
+            if key.startswith("sync") and key.endswith("_s")}
 
 
 def context_message_extras(hardware: Hardware, *, model: ModelSpec) -> dict[str, float]:
@@ -82,7 +93,7 @@ def context_message_extras(hardware: Hardware, *, model: ModelSpec) -> dict[str,
     probe = hardware.context_probe
     if not probe.get("world"):
         return {}
-    world, seq = int(probe["world"]), int(probe["seq_len"])
+    world, seq, ratio = int(probe["world"]), int(probe["seq_len"]), FUSED_BACKWARD_RATIO
     bare = dataclasses.replace(hardware, calibration={k: v for k, v in hardware.calibration.items()
                                                       if not k.startswith("engine_")})
     cluster = make_cluster(hardware=bare, num_devices=world, devices_per_node=world)
@@ -95,6 +106,10 @@ def context_message_extras(hardware: Hardware, *, model: ModelSpec) -> dict[str,
             ctx = context_comm(plan, cluster, model=model, job=job, core_forward_s=0.0, core_backward_s=0.0,
                                collective_time_s=collective_time_s)
             priced = ctx.a2a_forward_s + ctx.a2a_backward_s + sum(m for m, _ in ctx.ring_forward + ctx.ring_backward)
+            if kind == "a2a":  # and what cost_models/estimate.py adds for its last ranks (`_sync_waits`)
+                local = probe.get(f"{kind}{c}_local_s", 0.0)
+                priced += sum(sync_waits_s(hardware.calibration, group_size=c, syncs=2, forward_s=local / (1 + ratio),
+                                           backward_s=local * ratio / (1 + ratio)))
             key_out = MESSAGE_EXTRA_PREFIX.format(kind=kind) + str(c)
             extras[key_out] = (probe[key] - priced) / messages_per_layer(kind, c)
     return extras

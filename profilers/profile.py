@@ -41,9 +41,9 @@ KIB, MIB = 1024, 1024**2
 # (profilers/comm.py); 2: the engine's ring attention steps timed (Hardware.ring_points); 3: the layer probe's
 # point under selective recomputation (runners/probe.py); 4: the sharding probe (runners/probe.measure_sharding);
 # 5: the context-parallel probe (runners/probe.measure_context); 6: its extras named engine_*_extra_s_* (5's cp_*
-# keys would no longer be read).
+# keys would no longer be read); 7: the sync-wait probe (runners/probe.measure_sync_wait).
 # A cached profile of another version is measured again (planner/machine.stale_reason).
-PROFILER_VERSION = 6
+PROFILER_VERSION = 7
 FULL_SIZES_BYTES = tuple(KIB * 4**i for i in range(10))  # 1 KiB .. 256 MiB
 QUICK_SIZES_BYTES = tuple(KIB * 4**i for i in range(8))  # 1 KiB .. 16 MiB
 
@@ -151,9 +151,9 @@ def overlap_repeats(budget_s: float) -> int:
 
 
 def run_layer_probe(options: ProfileOptions, *,
-                    progress: Progress = _no_progress) -> tuple[tuple[LayerProbePoint, ...], dict, dict, dict]:
-    """The engine's layer, overlap, sharding and context-parallel probes (runners.probe) on every rank at
-    once: (points, overlap, sharding, context)."""
+                    progress: Progress = _no_progress) -> tuple[tuple[LayerProbePoint, ...], dict, dict, dict, dict]:
+    """The engine's layer, overlap, sharding, context-parallel and sync-wait probes (runners.probe) on every
+    rank at once: (points, overlap, sharding, context, sync)."""
     model = resolve_model(options.model)
     budget_s = options.probe_seconds or (1.5 if options.quick else 4.0)
     spec = {"model": model.to_dict(), "budget_s": budget_s, "timeout_s": options.comm_timeout_s,
@@ -172,7 +172,7 @@ def run_layer_probe(options: ProfileOptions, *,
                 raise
             log.warning("the layer probe failed (%s); measuring it again", exc)
     return (tuple(LayerProbePoint(**p) for p in result["points"]), dict(result.get("overlap") or {}),
-            dict(result.get("sharding") or {}), dict(result.get("context") or {}))
+            dict(result.get("sharding") or {}), dict(result.get("context") or {}), dict(result.get("sync") or {}))
 
 
 def fit_collectives(curves: list[dict]) -> list[CollectiveFit]:
@@ -291,7 +291,7 @@ def run_profile(options: ProfileOptions, *, progress: Progress = _no_progress) -
     curves = run_collectives(options, progress=progress) if measures_collectives(options) else []
     if not curves:
         log.warning("one process: collectives are not measured; the links come from the device's preset")
-    points, overlap, sharding, context = run_layer_probe(options, progress=progress)
+    points, overlap, sharding, context, sync = run_layer_probe(options, progress=progress)
     # Every rank runs on this host (locally, or in the emulated cluster's namespaces), so a training
     # process gets 1/world_size of its cores and memory; measure with exactly that share.
     host_procs = world_size
@@ -314,7 +314,7 @@ def run_profile(options: ProfileOptions, *, progress: Progress = _no_progress) -
 
     progress("memory", 0, None, "checkpoint write bandwidth")
     return dataclasses.replace(hardware, layer_probe=points, overlap_probe=overlap, sharding_probe=sharding,
-                               context_probe=context,
+                               context_probe=context, sync_probe=sync,
                                storage_write_bytes_per_s=measure_storage_write(quick=options.quick))
 
 

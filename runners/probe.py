@@ -12,8 +12,9 @@ selective recomputation (torch.utils.checkpoint's own cost, which differs by reg
 under full, 1.5 under selective, in one process). The overlap probe then times a chunk's micro-step
 with each unit's parameter all-gather blocking, and prefetched one unit ahead the way ZeRO-3 does. On CPU
 the sharding probe then times the sharding engine's own bookkeeping (hooks, buffers, gradient copies) per
-unit and micro-batch, its collectives replaced by local copies (`measure_sharding`), and the context-parallel
-probe the engine's CP attention with and without its exchanges (`measure_context`).
+unit and micro-batch, its collectives replaced by local copies (`measure_sharding`), the context-parallel
+probe the engine's CP attention with and without its exchanges (`measure_context`), and the sync-wait probe
+what a blocking collective waits for its last ranks after a segment of compute (`measure_sync_wait`).
 
 What the points mean for the cost model (the fit of op_overhead_s, compute_time_scale,
 recompute_overhead_s and comm_overlap_efficiency) is the application's business: planner/profiling.py.
@@ -71,10 +72,11 @@ class ProbeResult:
     overlap: dict[str, float]  # compute_s, comm_s, both_s, efficiency ({} on one rank)
     sharding: dict[str, float] = field(default_factory=dict)  # measure_sharding's ({} on one rank or a GPU)
     context: dict[str, float] = field(default_factory=dict)  # measure_context's ({} on one rank or a GPU)
+    sync: dict[str, float] = field(default_factory=dict)  # measure_sync_wait's ({} on one rank or a GPU)
 
     def to_dict(self) -> dict:
         return {"points": [asdict(p) for p in self.points], "overlap": dict(self.overlap),
-                "sharding": dict(self.sharding), "context": dict(self.context)}
+                "sharding": dict(self.sharding), "context": dict(self.context), "sync": dict(self.sync)}
 
     @classmethod
     def from_dict(cls, data: object, *, what: str = "probe result") -> "ProbeResult":
@@ -453,6 +455,64 @@ def measure_context(model: ModelSpec, *, device: torch.device, dtype: torch.dtyp
     return out
 
 
+# The sync-wait probe (measure_sync_wait): segments of compute between two meetings of a group, in wall seconds
+# as every rank computing at once gets them (the cost model's layer times on this host are the same), each
+# timed loop about SYNC_LOOP_S long, SYNC_ROUNDS interleaved rounds.
+SYNC_SEGMENTS_S = (0.5e-3, 2e-3, 8e-3, 32e-3)
+SYNC_LOOP_S = 0.3
+SYNC_ROUNDS = 5
+SYNC_LATENCY_CALLS = 40
+
+
+def _spin(calls: int, a: torch.Tensor) -> None:
+    """`calls` small matmuls: CPU work of a known length."""
+    for _ in range(calls):
+        torch.mm(a, a)
+
+
+def measure_sync_wait(*, device: torch.device, rounds: int = SYNC_ROUNDS) -> dict[str, float]:
+    """What a blocking collective waits for its last ranks after a segment of compute (CPU; the cost model's
+    cost_models/comm.sync_wait_s): for every group size c of `context_probe_sizes` (every rank in a group of c
+    consecutive ranks at once) and segment w of SYNC_SEGMENTS_S, loops of w of work each followed by a
+    one-element all-reduce in the group, less the same loops without the all-reduce, less the all-reduce called
+    back to back; `sync{c}_{w in microseconds}_s`, the ranks' mean of the median over `rounds` interleaved
+    rounds (never below 0), with `world`. Each rank's compute runs longer or shorter by a little (and on a host
+    with fewer cores than ranks, by the scheduler's time slices), so the group waits for its slowest arrival,
+    more the longer the segment: measured on this project's 2-core host, 4 ranks wait ~1.5 ms after a 32 ms
+    segment and nothing after 0.5 ms; the collective curves, timed back to back, hold none of it."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = _context_groups(world, rank)
+    a, x = torch.randn(48, 48, device=device), torch.zeros(1, device=device)
+    dist.barrier()
+    start = time.perf_counter()
+    _spin(1000, a)
+    per_call_s = (time.perf_counter() - start) / 1000  # with every rank working at once
+
+    def loop(calls: int, iterations: int, group) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(iterations):
+            _spin(calls, a)
+            if group is not None:
+                dist.all_reduce(x, group=group)
+        return (time.perf_counter() - start) / iterations
+
+    cases = [(c, w) for c in groups for w in SYNC_SEGMENTS_S]
+    samples: dict[tuple[int, float], list[float]] = {case: [] for case in cases}
+    for r in range(rounds):
+        for c, w in cases[r % len(cases):] + cases[:r % len(cases)]:
+            calls, iterations = max(1, round(w / per_call_s)), max(8, round(SYNC_LOOP_S / w))
+            alone = loop(calls, iterations, None)
+            met = loop(calls, iterations, groups[c])
+            samples[c, w].append(met - alone - loop(0, SYNC_LATENCY_CALLS, groups[c]))
+    medians = torch.tensor([statistics.median(samples[case]) for case in cases], dtype=torch.float64, device=device)
+    dist.all_reduce(medians)
+    out = {"world": float(world)}
+    for (c, w), wait in zip(cases, (medians / world).tolist()):
+        out[f"sync{c}_{round(w * 1e6)}_s"] = max(0.0, wait)
+    return out
+
+
 def _overlap_result(med: dict[str, float], *, num_units: int) -> dict[str, float]:
     """measure_overlap's figures from the median seconds of each micro-step mode."""
     compute_s, forward_s = med["compute"], min(med["forward"], med["compute"])
@@ -477,7 +537,7 @@ def run_task(spec_dict: dict) -> ProbeResult | None:
     rank = dist.get_rank()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if rank == 0:
-        emit_event("progress", done=0, total=4, label="layer probe")
+        emit_event("progress", done=0, total=5, label="layer probe")
     points = measure_layer(spec.model, device=device, dtype=dtype, budget_s=spec.budget_s, barrier=dist.barrier)
     times = torch.tensor([[p.forward_s, p.forward_backward_s] for p in points], dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
@@ -486,21 +546,26 @@ def run_task(spec_dict: dict) -> ProbeResult | None:
     overlap: dict[str, float] = {}
     sharding: dict[str, float] = {}
     context: dict[str, float] = {}
+    sync: dict[str, float] = {}
     if dist.get_world_size() > 1:
         if rank == 0:
-            emit_event("progress", done=1, total=4, label="overlap probe")
+            emit_event("progress", done=1, total=5, label="overlap probe")
         overlap = measure_overlap(spec.model, device=device, dtype=dtype, group=dist.group.WORLD,
                                   repeats=spec.overlap_repeats)
         # On a GPU the kernel queue hides the host's bookkeeping as it hides per-op dispatch (planner/profiling.py).
         if device.type == "cpu":
             if rank == 0:
-                emit_event("progress", done=2, total=4, label="sharding probe")
+                emit_event("progress", done=2, total=5, label="sharding probe")
             sharding = measure_sharding(spec.model, device=device, repeats=spec.overlap_repeats)
             if rank == 0:
-                emit_event("progress", done=3, total=4, label="context-parallel probe")
+                emit_event("progress", done=3, total=5, label="context-parallel probe")
             context = measure_context(spec.model, device=device, dtype=dtype, repeats=spec.overlap_repeats)
+            if rank == 0:
+                emit_event("progress", done=4, total=5, label="sync-wait probe")
+            sync = measure_sync_wait(device=device)
     dist.destroy_process_group()
-    return ProbeResult(points=slowest, overlap=overlap, sharding=sharding, context=context) if rank == 0 else None
+    return ProbeResult(points=slowest, overlap=overlap, sharding=sharding, context=context,
+                       sync=sync) if rank == 0 else None
 
 if __name__ == "__main__":
     from runners.launch import exit_worker, worker_main

@@ -172,6 +172,9 @@ class Hardware:
     # The context-parallel probe (runners/probe.measure_context; CPU): per CP kind and group size, the
     # seconds of the engine's CP exchanges in one attention forward and backward, and of the attention without.
     context_probe: dict[str, float] = field(default_factory=dict)
+    # The sync-wait probe (runners/probe.measure_sync_wait; CPU): per group size and segment of compute, the
+    # seconds a blocking collective waits for its last ranks (sync{c}_{microseconds}_s), and the world.
+    sync_probe: dict[str, float] = field(default_factory=dict)
     # The calibration keys as the probes measured them (planner/profiling.with_layer_probe), kept apart from
     # the fitted `calibration`: `planner tune`'s fit leans on them where its timed plans say little.
     probe_calibration: dict[str, float] = field(default_factory=dict)

@@ -500,3 +500,22 @@ def test_the_context_probe_times_the_engines_cp_attention_with_and_without_its_e
     assert first["world"] == 2 and first["seq_len"] == 64
     assert set(first) == {"world", "seq_len", "ring2_local_s", "ring2_comm_s", "a2a2_local_s", "a2a2_comm_s"}
     assert all(first[f"{kind}2_local_s"] > 0 and first[f"{kind}2_comm_s"] >= 0 for kind in ("ring", "a2a"))
+
+
+def _sync_probe_worker(rank: int, world_size: int) -> dict:
+    import runners.probe as probe
+
+    torch.set_num_threads(1)
+    probe.SYNC_LOOP_S = 0.02  # this process's module: keep the test short
+    return probe.measure_sync_wait(device=torch.device("cpu"), rounds=1)
+
+
+def test_the_sync_wait_probe_reports_every_group_size_and_segment_on_every_rank():
+    """runners/probe.measure_sync_wait on 2 ranks: one group size (2), every segment, the ranks' mean on
+    every rank, never below 0."""
+    from runners.probe import SYNC_SEGMENTS_S
+
+    first, second = run_on_ranks(_sync_probe_worker, world_size=2)
+    assert first == second and first["world"] == 2
+    assert set(first) == {"world"} | {f"sync2_{round(w * 1e6)}_s" for w in SYNC_SEGMENTS_S}
+    assert all(v >= 0 for v in first.values())

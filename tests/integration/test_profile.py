@@ -14,6 +14,7 @@ from planner.cli import app
 from specs.errors import PlannerError
 from profilers.fit import bus_factor
 from profilers.profile import PROFILER_VERSION
+from runners.probe import SYNC_SEGMENTS_S
 from specs.hardware import Hardware, resolve_hardware
 
 runner = CliRunner()
@@ -66,6 +67,11 @@ def test_profile_json_round_trips_through_resolve_hardware(profile_path: Path) -
     kinds = {f"{kind}2_{what}_s" for kind in ("ring", "a2a") for what in ("local", "comm")}
     assert set(hw.context_probe) == {"world", "seq_len"} | kinds
     assert {k for k in hw.calibration if k.startswith("engine_")} == {"engine_ring_extra_s_2", "engine_a2a_extra_s_2"}
+    # The sync-wait probe: the group of both ranks after each segment, kept as calibration keys.
+    segments = {round(w * 1e6) for w in SYNC_SEGMENTS_S}
+    assert set(hw.sync_probe) == {"world"} | {f"sync2_{w}_s" for w in segments}
+    assert {k: v for k, v in hw.calibration.items() if k.startswith("sync_wait_s_")} == \
+        {f"sync_wait_s_2_{w}": hw.sync_probe[f"sync2_{w}_s"] for w in segments}
 
 
 def test_profile_fits_describe_the_raw_curves(profile_path: Path) -> None:

@@ -120,3 +120,29 @@ def test_one_rank_per_node_and_all_reduce_keep_their_step_counts():
     # The all-reduce stays hierarchical (NCCL may take its tree): 2 x 7 intra and 2 x 3 inter steps.
     assert collective_time_s(NODES, collective="all_reduce", size_bytes=1.0, group_size=32, stride=1) == \
         pytest.approx(14 * 5e-6 + 6 * 1.5e-5, rel=1e-6)
+
+
+def test_the_sync_wait_counts_from_the_shortest_measured_segment_and_levels_off_past_the_longest():
+    """cost_models/comm.sync_wait_s: the probe's wait after a segment, less its wait after the shortest one it
+    timed (which the per-call prices fitted at short segments already hold), linear between measured segments,
+    flat beyond the longest, from the nearest measured group size (the smaller on a tie); nothing measured, a
+    group of one or an empty segment: 0."""
+    from cost_models.comm import sync_wait_s, sync_waits_s
+
+    calibration = {"sync_wait_s_4_500": 5e-4, "sync_wait_s_4_2000": 1.7e-3, "sync_wait_s_4_8000": 4.5e-3,
+                   "sync_wait_s_4_32000": 12e-3, "sync_wait_s_2_500": 1e-3, "sync_wait_s_2_2000": 0.5e-3}
+
+    def wait(segment_s: float, group_size: int = 4) -> float:
+        return sync_wait_s(calibration, group_size=group_size, segment_s=segment_s)
+
+    assert [wait(s) for s in (1e-4, 5e-4)] == [0.0, 0.0]
+    assert wait(2e-3) == pytest.approx(1.2e-3) and wait(1.25e-3) == pytest.approx(0.6e-3)
+    assert wait(20e-3) == pytest.approx(4e-3 + 0.5 * 7.5e-3) and wait(1.0) == pytest.approx(11.5e-3)
+    assert wait(20e-3, group_size=3) == wait(20e-3) and wait(20e-3, group_size=8) == wait(20e-3)
+    assert wait(1.0, group_size=2) == 0.0  # its longer segment waited less than its shortest: never below 0
+    assert sync_wait_s({}, group_size=4, segment_s=1.0) == 0.0
+    assert wait(1.0, group_size=1) == 0.0 and wait(0.0) == 0.0
+    # A layer meeting its group 2 times a pass: 2 waits after half the pass each.
+    assert sync_waits_s(calibration, group_size=4, syncs=2, forward_s=4e-3, backward_s=64e-3) == \
+        pytest.approx((2 * wait(2e-3), 2 * wait(32e-3)))
+    assert sync_waits_s(calibration, group_size=4, syncs=0, forward_s=1.0, backward_s=1.0) == (0.0, 0.0)

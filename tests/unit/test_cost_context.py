@@ -205,3 +205,30 @@ def test_ring_exps_run_at_the_profiles_silu_rate():
     exp_s, as_bytes_s = 2.0 * 8 / 4e9, memory_time_s(measured, 8e9) / 1e9  # per element
     assert fwd - plain_fwd == pytest.approx(2 * scores * (exp_s - as_bytes_s), rel=1e-6)
     assert bwd - plain_bwd == pytest.approx(scores * (exp_s - as_bytes_s), rel=1e-6)
+
+
+
+def test_blocking_collectives_wait_for_their_last_ranks_and_the_ring_does_not():
+    """The sync-wait probe's keys (cost_models/comm.sync_wait_s) add to each layer pass's blocking
+    collectives: the all-to-all's two meetings a pass (q, k, v before the core, the output after), TP's two,
+    EP's dispatch and combine; full recomputation repeats the forward's. The ring waits for its neighbour
+    behind the step's attention and adds nothing, nor does a profile without the keys (GPU profiles)."""
+    from cost_models import moe as moe_cost
+
+    cpu = dataclasses.replace(HW["cpu"], calibration={"op_overhead_s": 1e-5})
+    wait = 4e-3  # after any segment longer than 2 microseconds
+    keys = {"sync_wait_s_4_1": 0.0, "sync_wait_s_4_2": wait}
+    cluster = Cluster(num_nodes=1, devices_per_node=4, hardware=cpu)
+    slow = dataclasses.replace(cluster, hardware=dataclasses.replace(cpu, calibration={**cpu.calibration, **keys}))
+    job = Job(global_batch=4, seq_len=128, precision="fp32")
+    dense = dataclasses.replace(PRESETS["tiny"], num_heads=4, num_kv_heads=4)
+    moe = PRESETS["tiny-moe"]
+    cases = ((dense, Plan(cp=4, cp_kind="all-to-all", num_micro_batches=4), 4 * wait),
+             (dense, Plan(tp=4, dp=1), 4 * wait),
+             (moe, Plan(ep=4, dp=4), moe_cost.moe_fraction(moe) * 4 * wait),
+             (dense, Plan(cp=4, num_micro_batches=4), 0.0), (dense, Plan(dp=4), 0.0))
+    for model, plan, added in cases:
+        plain = layer_costs(plan, model=model, cluster=cluster, job=job)
+        waited = layer_costs(plan, model=model, cluster=slow, job=job)
+        assert waited.time_s["none"] - plain.time_s["none"] == pytest.approx(added, rel=1e-9, abs=1e-15)
+        assert waited.time_s["full"] - plain.time_s["full"] == pytest.approx(1.5 * added, rel=1e-9, abs=1e-15)

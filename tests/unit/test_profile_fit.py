@@ -297,6 +297,43 @@ def test_the_context_probe_sets_each_measured_kind_and_sizes_scale_on_a_cpu_prof
     assert not any(key.startswith("engine_") for key in gpu.calibration)
 
 
+
+def test_the_sync_wait_probe_becomes_calibration_keys_on_a_cpu_profile_only() -> None:
+    """sync{c}_{us}_s -> sync_wait_s_{c}_{us}, taken as measured; the context probe's all-to-all extras are
+    counted beside what the estimate adds for the attention's own waits at the probe's shape."""
+    import dataclasses
+
+    from cost_models.comm import sync_waits_s
+    from cost_models.compute import FUSED_BACKWARD_RATIO
+    from cost_models.context import context_comm
+    from cost_models.estimate import collective_time_s
+    from planner.profiling import with_layer_probe
+    from specs.cluster import make_cluster
+    from specs.hardware import PRESETS
+    from specs.job import Job
+    from specs.model import resolve_model
+    from specs.plan import Plan
+
+    model, cpu = resolve_model("tiny"), PRESETS["cpu"]
+    sync = {"world": 4.0, "sync2_500_s": 1e-4, "sync2_32000_s": 2e-3, "sync4_500_s": 2e-4, "sync4_32000_s": 9e-3}
+    keys = {"sync_wait_s_2_500": 1e-4, "sync_wait_s_2_32000": 2e-3, "sync_wait_s_4_500": 2e-4,
+            "sync_wait_s_4_32000": 9e-3}
+    cluster = make_cluster(hardware=cpu, num_devices=4, devices_per_node=4)
+    ctx = context_comm(Plan(cp=4, cp_kind="all-to-all"), cluster, model=model,
+                       job=Job(global_batch=4, seq_len=64, precision="fp32"), core_forward_s=0.0,
+                       core_backward_s=0.0, collective_time_s=collective_time_s)
+    local = 35e-3  # an attention long enough to wait: 10 ms forward, 25 backward
+    waits = sync_waits_s(keys, group_size=4, syncs=2, forward_s=local / (1 + FUSED_BACKWARD_RATIO),
+                         backward_s=local * FUSED_BACKWARD_RATIO / (1 + FUSED_BACKWARD_RATIO))
+    assert sum(waits) > 0
+    context = {"seq_len": 64.0, "world": 4.0, "a2a4_local_s": local,
+               "a2a4_comm_s": ctx.a2a_forward_s + ctx.a2a_backward_s + sum(waits) + 8e-3}
+    fitted = with_layer_probe(dataclasses.replace(cpu, sync_probe=sync, context_probe=context), model=model)
+    assert {k: v for k, v in fitted.calibration.items() if k.startswith("sync_wait_s_")} == keys
+    assert fitted.calibration["engine_a2a_extra_s_4"] == pytest.approx(1e-3)
+    gpu = with_layer_probe(dataclasses.replace(PRESETS["h100"], sync_probe=sync), model=model)
+    assert not any(key.startswith("sync_wait_s_") for key in gpu.calibration)
+
 def test_intra_node_shapes_are_measured_on_every_copy_at_once() -> None:
     from profilers.comm import GroupShape, copies, plan_groups
 
@@ -335,7 +372,7 @@ def test_an_aborted_probe_rank_is_measured_again_once(monkeypatch):
 
     run, calls = workers(abort, result)
     monkeypatch.setattr(profile, "run_workers", run)
-    assert profile.run_layer_probe(options) == ((), {"efficiency": 0.5}, {}, {})
+    assert profile.run_layer_probe(options) == ((), {"efficiency": 0.5}, {}, {}, {})
     assert calls == ["runners.probe", "runners.probe"]
 
     run, calls = workers(RunFailed("rank 0 failed (exit code 1)"))
