@@ -478,8 +478,9 @@ def measure_sync_wait(*, device: torch.device, rounds: int = SYNC_ROUNDS) -> dic
     back to back; `sync{c}_{w in microseconds}_s`, the ranks' mean of the median over `rounds` interleaved
     rounds (never below 0), with `world`. Each rank's compute runs longer or shorter by a little (and on a host
     with fewer cores than ranks, by the scheduler's time slices), so the group waits for its slowest arrival,
-    more the longer the segment: measured on this project's 2-core host, 4 ranks wait ~1.5 ms after a 32 ms
-    segment and nothing after 0.5 ms; the collective curves, timed back to back, hold none of it."""
+    more the longer the segment: on this project's 2-core host, in seven runs, 4 ranks waited 0.3-0.7 ms after a
+    0.5 ms segment and 3-20 ms after a 32 ms one, 2 ranks 0-0.4 and 0-3.9 ms (the host's state moves it); the
+    collective curves, timed back to back, hold none of it."""
     world, rank = dist.get_world_size(), dist.get_rank()
     groups = _context_groups(world, rank)
     a, x = torch.randn(48, 48, device=device), torch.zeros(1, device=device)
