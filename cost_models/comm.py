@@ -158,8 +158,9 @@ def sync_wait_s(calibration: dict[str, float], *, group_size: int, segment_s: fl
     size nearest in ratio, the smaller on a tie), counted from its shortest segment: what a rank waits after a
     segment that short is already in the per-call prices fitted or probed at short segments (`planner tune`'s
     collective_overhead_s, the context probe's per-message extras), so this is what it waits beyond that after a
-    longer one. Piecewise linear through the measured points, 0 up to the shortest, flat beyond the longest; 0
-    where nothing was measured (GPU profiles, presets, older profiles)."""
+    longer one. Piecewise linear through the measured points, 0 up to the shortest, flat beyond the longest, times
+    the calibration's sync_wait_scale (`planner tune` fits it, 1 by default); 0 where nothing was measured (GPU
+    profiles, presets, older profiles)."""
     if group_size <= 1 or segment_s <= 0.0:
         return 0.0
     curves: dict[int, list[tuple[float, float]]] = {}
@@ -170,7 +171,8 @@ def sync_wait_s(calibration: dict[str, float], *, group_size: int, segment_s: fl
     if not curves:
         return 0.0
     curve = sorted(curves[min(curves, key=lambda c: (abs(math.log(c / group_size)), c))])
-    curve = [(w, max(0.0, v - curve[0][1])) for w, v in curve]
+    scale = calibration.get("sync_wait_scale", 1.0)
+    curve = [(w, scale * max(0.0, v - curve[0][1])) for w, v in curve]
     if segment_s <= curve[0][0]:
         return 0.0
     for (w0, v0), (w1, v1) in zip(curve, curve[1:]):

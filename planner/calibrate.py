@@ -14,6 +14,7 @@ Free parameters (calibration keys, documented in cost_models/estimate.py):
   step_overhead_s        seconds per optimizer step outside any op
   comm_overlap_efficiency  fraction of the DP/ZeRO communication the separate stream hides (1 on GPUs)
   recompute_overhead_s   seconds per checkpointed layer and micro-batch (torch.utils.checkpoint's own cost)
+  sync_wait_scale        multiplies the sync-wait probe's waits at blocking collectives (cost_models/comm.py)
   (selective_recompute_overhead_s, the same per checkpointed attention core, comes from the profile's layer
   probe and is not refitted here: the spread's plans rarely hold a selective one)
   framework_reserve_bytes  memory no tensor accounts for (the runtime's anonymous memory on CPU)
@@ -23,7 +24,7 @@ over the fitted plans (relative, so a 30 ms plan counts as much as a 300 ms one:
 The model is not linear in them (overlaps and pipeline bubbles are maxima), so the fit is
 Levenberg-Marquardt (Marquardt 1963) on the real cost model with central-difference Jacobians, over the
 logarithms of the parameters (keeping them positive), from the best of a few starting points.
-`planner tune` fits with priors: the probe's measured compute scale and per-op cost (PRIOR_PARAMETERS,
+`planner tune` fits with priors: the probe's measured compute scale, per-op cost and waits (PRIOR_PARAMETERS,
 Hardware.probe_calibration) add their log deviations, weighted, to the residuals, so that what its few
 timed plans leave open stays where the probe measured it (fit_parameters).
 The memory reserve is additive, so its least-absolute-deviation fit is closed form: the median of
@@ -59,12 +60,13 @@ TIME_PARAMETERS: dict[str, tuple[float, float]] = {
     "step_overhead_s": (1e-3, 1e-3),
     "comm_overlap_efficiency": (1.0, 1.0),
     "recompute_overhead_s": (1e-4, 1e-4),
+    "sync_wait_scale": (1.0, 1.0),
 }
 # Parameters with a natural ceiling (the cost model clamps them there too).
 UPPER_BOUNDS = {"comm_overlap_efficiency": 1.0}
 # Parameters a probe measures (planner/profiling.py: the layer probe's compute scale and per-op cost), which
 # a fit given the probe's values (`priors`) keeps near them unless the timed plans say otherwise.
-PRIOR_PARAMETERS = ("compute_time_scale", "op_overhead_s")
+PRIOR_PARAMETERS = ("compute_time_scale", "op_overhead_s", "sync_wait_scale")
 # The weight of a prior's log deviation against a plan's relative error: a plan's step time is known to
 # about 10% between interleaved rounds on a busy host and a probe's value to about a factor of 2 (the probe
 # times one layer; a step adds its communication threads), so 0.1 / ln 2.

@@ -59,6 +59,13 @@ CALIBRATION_PARAMETERS = ("compute_time_scale", "op_overhead_s", "collective_ove
 # off against compute_time_scale and step_overhead_s: fitted alone from 12 plans in a fresh clone it ran
 # to its bounds (efficiency 1, compute scale 3.14, step overhead 0).
 OVERLAP_PARAMETER = "comm_overlap_efficiency"
+# Fitted too where the profile's sync-wait probe measured waits (cost_models/comm.sync_wait_s, CPU): the factor
+# on them, held by a prior at the probe's 1 (planner/calibrate.PRIOR_PARAMETERS). The probe times synthetic
+# segments, where a step's meetings may wait less: in a 4-process fresh clone the unscaled waits took the time
+# of tune's TP plans from collective_overhead_s (fitted to 0) and from the compute scale, which then priced the
+# data-parallel plans of `planner validate` 18-25% fast (MAPE 12.3%); fitted, the factor came out 0.57 there
+# (MAPE 11.6%), 0.96 at 2 processes.
+SYNC_WAIT_PARAMETER = "sync_wait_scale"
 # Below this share of the layer probe's compute_time_scale the fit has priced the timed plans' kernels at
 # almost nothing and put their time into per-op and per-step costs: it fits plans of the timed shapes, but
 # a larger model or sequence, whose kernels do cost time, is predicted too fast. Seen in a fresh-clone
@@ -158,11 +165,9 @@ def calibrate_profile(profile: str, settings: TuneSettings, *, progress: Progres
         runs += calibration_runs(rows, model=settings.model, global_batch=batch, seq_len=settings.seq_len,
                                  precision=vs.precision, processes=settings.nproc)
     num_rows = sum(len(rows) for rows, _ in groups)
-    parameters = CALIBRATION_PARAMETERS[:max(1, min(len(CALIBRATION_PARAMETERS), num_rows - 1))]
-    if _has_prefetch_pair([r.plan for rows, _ in groups for r in rows]) and num_rows > len(parameters) + 1:
-        parameters += (OVERLAP_PARAMETER,)
     hardware = resolve_hardware(profile)
-    calibration, _ = fit_time_parameters_over(groups, parameters=parameters, priors=hardware.probe_calibration)
+    parameters, priors = fitted_parameters([r.plan for rows, _ in groups for r in rows], hardware)
+    calibration, _ = fit_time_parameters_over(groups, parameters=parameters, priors=priors)
     calibrated = dataclasses.replace(with_calibration(hardware, calibration), calibrated_from_runs=num_rows,
                                      calibration_runs=tuple(runs))
 
@@ -180,6 +185,22 @@ def calibrate_profile(profile: str, settings: TuneSettings, *, progress: Progres
                            at_bounds=parameters_at_bounds(calibration),
                            compute_scale_of_probe=calibration["compute_time_scale"] / probe_scale
                            if probe_scale and "compute_time_scale" in calibration else None)
+
+
+def fitted_parameters(plans: list, hardware) -> tuple[tuple[str, ...], dict[str, float]]:
+    """(parameters, priors) of tune's fit over the timed `plans`: CALIBRATION_PARAMETERS (as many as the plans
+    pin down), OVERLAP_PARAMETER where they hold a prefetch pair, SYNC_WAIT_PARAMETER where the profile measured
+    sync waits, each while plans remain to spare; priors: the probes' values (the waits' factor: 1)."""
+    from cost_models.comm import SYNC_WAIT_PREFIX
+
+    parameters = CALIBRATION_PARAMETERS[:max(1, min(len(CALIBRATION_PARAMETERS), len(plans) - 1))]
+    if _has_prefetch_pair(plans) and len(plans) > len(parameters) + 1:
+        parameters += (OVERLAP_PARAMETER,)
+    priors = dict(hardware.probe_calibration)
+    if any(key.startswith(SYNC_WAIT_PREFIX) for key in hardware.calibration) and len(plans) > len(parameters) + 1:
+        parameters += (SYNC_WAIT_PARAMETER,)
+        priors.setdefault(SYNC_WAIT_PARAMETER, 1.0)
+    return parameters, priors
 
 
 def _prefetch_twin(plan):

@@ -57,7 +57,8 @@ def _log_sensitivities(rows, parameters: tuple[str, ...]) -> np.ndarray:
 
 
 def test_fit_recovers_every_parameter_from_exact_measurements():
-    parameters = tuple(TIME_PARAMETERS)
+    # sync_wait_scale scales the sync-wait probe's waits, which the cpu preset has none of: its own test below.
+    parameters = tuple(p for p in TIME_PARAMETERS if p != "sync_wait_scale")
     assert set(TRUE_ALL) == set(parameters)
     rows = _synthetic_rows(TRUE_ALL)
     # Every parameter is identifiable from these plans: the step times' sensitivities to them are linearly
@@ -69,6 +70,28 @@ def test_fit_recovers_every_parameter_from_exact_measurements():
     for name in parameters:
         # The weakest direction stops within 1e-3 when the squared error stops improving (LM's criterion).
         assert calibration[name] == pytest.approx(TRUE_ALL[name], rel=1e-3), name
+
+
+def test_the_fit_scales_the_probes_waits_from_the_step_times_and_holds_them_by_their_prior():
+    """Where a profile has sync-wait keys (cost_models/comm.sync_wait_s), a planted sync_wait_scale is recovered
+    from exact step times with the other parameters at their truth (from a start at 2); with no plan that meets
+    a group (data parallelism only) the prior keeps the probe's 1."""
+    from planner.calibrate import fit_time_parameters_over
+
+    waits = {"sync_wait_s_4_1": 0.0, "sync_wait_s_4_2": 2e-3, "sync_wait_s_2_1": 0.0, "sync_wait_s_2_2": 1e-3}
+    rows = _synthetic_rows({**TRUE, **waits, "sync_wait_scale": 0.5})
+    problem = _problem({**TRUE, **waits, "sync_wait_scale": 2.0})
+    assert any(r.plan.tp > 1 for r in rows)
+    calibration, rms = fit_time_parameters_over([(rows, problem)], parameters=("sync_wait_scale",))
+    assert calibration["sync_wait_scale"] == pytest.approx(0.5, rel=1e-3) and rms < 1e-6
+    # The prior (a plan known to ~10%, the probe to a factor of 2) pulls it toward 1, the plans keep it nearer 0.5.
+    calibration, _ = fit_time_parameters_over([(rows, problem)], parameters=("sync_wait_scale",),
+                                              priors={"sync_wait_scale": 1.0})
+    assert 0.5 < calibration["sync_wait_scale"] < 0.7
+    dp_only = [r for r in rows if r.plan.tp == 1 and r.plan.cp == 1 and r.plan.ep == 1]
+    calibration, _ = fit_time_parameters_over([(dp_only, problem)], parameters=("sync_wait_scale",),
+                                              priors={"sync_wait_scale": 1.0})
+    assert calibration["sync_wait_scale"] == pytest.approx(1.0, rel=1e-3)
 
 
 def test_uncalibrated_model_is_far_off_and_calibration_fixes_held_out_plans():

@@ -141,6 +141,9 @@ def test_the_sync_wait_counts_from_the_shortest_measured_segment_and_levels_off_
     assert wait(20e-3, group_size=3) == wait(20e-3) and wait(20e-3, group_size=8) == wait(20e-3)
     assert wait(1.0, group_size=2) == 0.0  # its longer segment waited less than its shortest: never below 0
     assert sync_wait_s({}, group_size=4, segment_s=1.0) == 0.0
+    # planner tune's fitted factor on the probe's waits
+    assert sync_wait_s({**calibration, "sync_wait_scale": 0.5}, group_size=4, segment_s=20e-3) == \
+        pytest.approx(0.5 * wait(20e-3))
     assert wait(1.0, group_size=1) == 0.0 and wait(0.0) == 0.0
     # A layer meeting its group 2 times a pass: 2 waits after half the pass each.
     assert sync_waits_s(calibration, group_size=4, syncs=2, forward_s=4e-3, backward_s=64e-3) == \
