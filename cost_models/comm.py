@@ -165,8 +165,8 @@ def sync_wait_s(calibration: dict[str, float], *, group_size: int, segment_s: fl
         return 0.0
     curves: dict[int, list[tuple[float, float]]] = {}
     for key, value in calibration.items():
-        if key.startswith(SYNC_WAIT_PREFIX):
-            size, micros = key[len(SYNC_WAIT_PREFIX):].split("_")
+        size, _, micros = key[len(SYNC_WAIT_PREFIX):].partition("_")
+        if key.startswith(SYNC_WAIT_PREFIX) and size.isdigit() and micros.isdigit() and int(size) > 0:
             curves.setdefault(int(size), []).append((int(micros) * 1e-6, max(0.0, value)))
     if not curves:
         return 0.0

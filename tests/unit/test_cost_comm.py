@@ -141,6 +141,8 @@ def test_the_sync_wait_counts_from_the_shortest_measured_segment_and_levels_off_
     assert wait(20e-3, group_size=3) == wait(20e-3) and wait(20e-3, group_size=8) == wait(20e-3)
     assert wait(1.0, group_size=2) == 0.0  # its longer segment waited less than its shortest: never below 0
     assert sync_wait_s({}, group_size=4, segment_s=1.0) == 0.0
+    assert sync_wait_s({"sync_wait_s_x_1": 1.0, "sync_wait_s_4": 1.0, "sync_wait_s_0_5": 1.0}, group_size=4,
+                       segment_s=1.0) == 0.0  # a hand-edited key that does not parse is not a curve
     # planner tune's fitted factor on the probe's waits
     assert sync_wait_s({**calibration, "sync_wait_scale": 0.5}, group_size=4, segment_s=20e-3) == \
         pytest.approx(0.5 * wait(20e-3))
