@@ -305,6 +305,15 @@ def calibration_runs(rows, *, model: str, global_batch: int, seq_len: int, preci
                  for r in rows if r.ok)
 
 
+def default_parameters(hardware: Hardware) -> tuple[str, ...]:
+    """Every step-time parameter, less sync_wait_scale where the profile has no sync-wait probe keys (it would
+    scale nothing there, and the fit cannot place it)."""
+    from cost_models.comm import SYNC_WAIT_PREFIX
+
+    waits = any(key.startswith(SYNC_WAIT_PREFIX) for key in hardware.calibration)
+    return tuple(p for p in TIME_PARAMETERS if waits or p != "sync_wait_scale")
+
+
 def calibrate_measurements(path: str, *, hardware: str | None, out: str | None, held_out_every: int = 2,
                            fit_memory: bool = True, parameters: tuple[str, ...] | None = None) -> tuple[str, CalibrationResult]:
     """`planner calibrate`: fit to a `planner validate --out` report and write the calibrated profile to
@@ -319,7 +328,8 @@ def calibrate_measurements(path: str, *, hardware: str | None, out: str | None, 
     target = out or (None if source in PRESETS else source)
     if target is None:
         raise PlannerError(f"--hardware {source} is a preset; give --out for the calibrated profile")
-    result = calibrate(list(report.plans), problem, parameters=parameters or tuple(TIME_PARAMETERS),
+    parameters = parameters or default_parameters(problem.cluster.hardware)
+    result = calibrate(list(report.plans), problem, parameters=parameters,
                        held_out_every=held_out_every, fit_memory=fit_memory)
     calibrated = with_calibration(problem.cluster.hardware, result.calibration)
     runs = calibration_runs(report.plans, model=report.model, global_batch=report.global_batch, seq_len=report.seq_len,

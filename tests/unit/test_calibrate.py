@@ -320,3 +320,11 @@ def test_priors_settle_what_the_timed_plans_leave_open_and_give_way_where_they_p
     for name in pair:
         assert calibration[name] == pytest.approx(TRUE[name], rel=0.15), name
     assert rms < 0.02
+
+
+def test_calibrate_fits_the_waits_factor_only_where_the_profile_measured_waits():
+    from planner.calibrate import TIME_PARAMETERS, default_parameters
+
+    cpu = _problem().cluster.hardware
+    assert "sync_wait_scale" not in default_parameters(cpu)
+    assert default_parameters(with_calibration(cpu, {"sync_wait_s_2_500": 1e-4})) == tuple(TIME_PARAMETERS)
