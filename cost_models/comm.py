@@ -144,6 +144,12 @@ def ring_extra_intra_steps(*, per_node: int, num_nodes: int) -> int:
     return (num_nodes - 1) * (per_node - 1)
 
 
+def nearest_group_size(sizes, size: int) -> int:
+    """Of the measured group `sizes`, the one nearest `size` in ratio, the smaller on a tie (a probe's keys by
+    group size: the sync waits here, the context probe's extras in cost_models/context.py)."""
+    return min(sizes, key=lambda c: (abs(math.log(c / size)), c))
+
+
 # The sync-wait probe's measurements (runners/probe.measure_sync_wait, CPU profiles only), per group size c and
 # segment length w (microseconds): `sync_wait_s_{c}_{w}` calibration keys.
 SYNC_WAIT_PREFIX = "sync_wait_s_"
@@ -170,7 +176,7 @@ def sync_wait_s(calibration: dict[str, float], *, group_size: int, segment_s: fl
             curves.setdefault(int(size), []).append((int(micros) * 1e-6, max(0.0, value)))
     if not curves:
         return 0.0
-    curve = sorted(curves[min(curves, key=lambda c: (abs(math.log(c / group_size)), c))])
+    curve = sorted(curves[nearest_group_size(curves, group_size)])
     scale = calibration.get("sync_wait_scale", 1.0)
     curve = [(w, scale * max(0.0, v - curve[0][1])) for w, v in curve]
     if segment_s <= curve[0][0]:
@@ -179,6 +185,11 @@ def sync_wait_s(calibration: dict[str, float], *, group_size: int, segment_s: fl
         if segment_s <= w1:
             return v0 + (v1 - v0) * (segment_s - w0) / (w1 - w0)
     return curve[-1][1]
+
+
+def has_sync_waits(calibration: dict[str, float]) -> bool:
+    """Whether a calibration holds the sync-wait probe's keys (a CPU profile of version 7 or later)."""
+    return any(key.startswith(SYNC_WAIT_PREFIX) for key in calibration)
 
 
 def sync_waits_s(calibration: dict[str, float], *, group_size: int, syncs: int, forward_s: float,

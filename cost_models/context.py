@@ -31,10 +31,9 @@ exchange at different times), not a slower wire; a message is never priced below
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from cost_models.comm import ring_step_time_s
+from cost_models.comm import nearest_group_size, ring_step_time_s
 from cost_models.compute import activation_bytes_per_element
 
 
@@ -92,7 +91,7 @@ def message_extra_s(calibration: dict[str, float], kind: str, size: int) -> floa
     extras = {int(key[len(prefix):]): value for key, value in calibration.items() if key.startswith(prefix)}
     if not extras:
         return 0.0
-    return extras[min(extras, key=lambda c: (abs(math.log(c / size)), c))]
+    return extras[nearest_group_size(extras, size)]
 
 
 def with_extra(seconds: float, extra_s: float) -> float:

@@ -308,9 +308,9 @@ def calibration_runs(rows, *, model: str, global_batch: int, seq_len: int, preci
 def default_parameters(hardware: Hardware) -> tuple[str, ...]:
     """Every step-time parameter, less sync_wait_scale where the profile has no sync-wait probe keys (it would
     scale nothing there, and the fit cannot place it)."""
-    from cost_models.comm import SYNC_WAIT_PREFIX
+    from cost_models.comm import has_sync_waits
 
-    waits = any(key.startswith(SYNC_WAIT_PREFIX) for key in hardware.calibration)
+    waits = has_sync_waits(hardware.calibration)
     return tuple(p for p in TIME_PARAMETERS if waits or p != "sync_wait_scale")
 
 

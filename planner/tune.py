@@ -191,13 +191,13 @@ def fitted_parameters(plans: list, hardware) -> tuple[tuple[str, ...], dict[str,
     """(parameters, priors) of tune's fit over the timed `plans`: CALIBRATION_PARAMETERS (as many as the plans
     pin down), OVERLAP_PARAMETER where they hold a prefetch pair, SYNC_WAIT_PARAMETER where the profile measured
     sync waits, each while plans remain to spare; priors: the probes' values (the waits' factor: 1)."""
-    from cost_models.comm import SYNC_WAIT_PREFIX
+    from cost_models.comm import has_sync_waits
 
     parameters = CALIBRATION_PARAMETERS[:max(1, min(len(CALIBRATION_PARAMETERS), len(plans) - 1))]
     if _has_prefetch_pair(plans) and len(plans) > len(parameters) + 1:
         parameters += (OVERLAP_PARAMETER,)
     priors = dict(hardware.probe_calibration)
-    if any(key.startswith(SYNC_WAIT_PREFIX) for key in hardware.calibration) and len(plans) > len(parameters) + 1:
+    if has_sync_waits(hardware.calibration) and len(plans) > len(parameters) + 1:
         parameters += (SYNC_WAIT_PARAMETER,)
         priors.setdefault(SYNC_WAIT_PARAMETER, 1.0)
     return parameters, priors
