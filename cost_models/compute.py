@@ -629,8 +629,10 @@ def measured_ring_times_s(hw: Hardware, *, side: int, heads: int, head_dim: int,
     step's launches do not grow with them), read in log-log between the measured points: a small step's
     time is its ~20 launches, a large one's its scores, and a power law between two points follows both.
     Below the smallest point the time holds (launch-bound), beyond the largest it grows with the scores.
-    Times the cores the profile's processes share (the steps were timed in one process), like the
-    attention points. None where no point has this head width and query / K-V head ratio."""
+    Points timed on every rank at once (RingBlockPoint.concurrent) hold the processes sharing the host's
+    cores and are read as they are; older ones, timed in one process, times the cores the profile's
+    processes share, like the attention points. None where no point has this head width and query / K-V
+    head ratio."""
     points = sorted((p for p in hw.ring_points if p.head_dim == head_dim
                      and p.num_heads // max(1, p.num_kv_heads) == gqa), key=lambda p: p.side)
     if not points or side < 1:
@@ -651,7 +653,7 @@ def measured_ring_times_s(hw: Hardware, *, side: int, heads: int, head_dim: int,
     for kind in ("forward_s", "backward_s"):
         step0 = seconds(f"square_{kind}", square)
         others = seconds(f"half_{kind}", half) * (ring_size - 1) if side >= 2 else 0.0
-        out.append(cores_shared(hw) * (step0 + others))
+        out.append((1.0 if points[0].concurrent else cores_shared(hw)) * (step0 + others))
     return out[0], out[1]
 
 

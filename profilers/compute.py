@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from specs.hardware import AttentionPoint, RingBlockPoint
+from specs.hardware import AttentionPoint
 from specs.model import ModelSpec
 from profilers.fit import GemmSample
 
@@ -152,7 +152,6 @@ class ComputeResult:
     # Element-wise kernels: name -> bytes read + written per second.
     elementwise_bytes_per_s: dict[str, float] = field(default_factory=dict)
     attention: list[AttentionPoint] = field(default_factory=list)
-    ring: list[RingBlockPoint] = field(default_factory=list)
 
 
 # Causal fused attention on CPUs, by key length: the GEMM sweep says nothing about it (the kernel tiles
@@ -198,53 +197,6 @@ def measure_attention(*, model: ModelSpec, dtype: str, device: torch.device, qui
             both_s = time_op(forward_backward, device=device, budget_s=budget_s, min_repeats=2)
             points.append(AttentionPoint(seq_len=seq_len, num_heads=heads, head_dim=head_dim, dtype=dtype,
                                          forward_s=forward_s, backward_s=max(both_s - forward_s, forward_s)))
-    return points
-
-
-# Tokens a ring rank holds (its two chunks), where the ring's steps are timed: a tiny model's cp4 at 64
-# tokens holds 16, benchmarks/context_parallel.py's cp4 at 4096 holds 1024. Per score the steps cost much
-# more at the small sides (a step launches ~20 kernels) and less at the large, where the scores outgrow the
-# caches; cost_models/compute.measured_ring_times_s reads time over scores in log-log between the sides.
-RING_SIDES = (16, 64, 256, 1024)
-RING_SIDES_FULL = (16, 64, 256, 1024, 2048)
-
-
-def measure_ring_blocks(*, model: ModelSpec, device: torch.device, quick: bool, budget_s: float) -> list[RingBlockPoint]:
-    """This engine's ring attention steps, forward and backward, at each side of the ladder, with the
-    model's head width and its query / K-V head ratio (at most ATTENTION_MAX_HEADS query heads): the
-    written-out kernel the engine runs (its fp32 scores, the mask, the online-softmax merge), not its GEMMs
-    alone. Imported here, not modelled: the step is the engine's own code (runners/context_parallel.py)."""
-    from runners.context_parallel import ring_backward_step, ring_forward_step
-
-    heads = min(model.num_heads, ATTENTION_MAX_HEADS)
-    kv_heads = max(1, heads * model.num_kv_heads // model.num_heads)
-    d, scale = model.head_dim, model.head_dim ** -0.5
-    points = []
-    for side in RING_SIDES if quick else RING_SIDES_FULL:
-        q, dout = (torch.randn(1, heads, side, d, device=device) for _ in range(2))
-        k, v = (torch.randn(1, kv_heads, side, d, device=device) for _ in range(2))
-        whole, first_half = slice(None), slice(0, side // 2)
-        seconds = []
-        for cols, causal in ((whole, True), (first_half, False)):
-            out = torch.zeros(1, heads, side, d, device=device)
-            lse = torch.full((1, heads, side), float("-inf"), device=device)
-            ring_forward_step(q, k, v, out, lse, rows=whole, cols=cols, causal=causal, scale=scale)
-            delta = (dout * out).sum(-1)
-            dq = torch.zeros_like(q)
-
-            def forward():
-                o = torch.zeros(1, heads, side, d, device=device)
-                running = torch.full((1, heads, side), float("-inf"), device=device)
-                ring_forward_step(q, k, v, o, running, rows=whole, cols=cols, causal=causal, scale=scale)
-
-            def backward():
-                ring_backward_step(q, k, v, dout, lse, delta, dq, rows=whole, cols=cols, causal=causal, scale=scale)
-
-            seconds += [time_op(forward, device=device, budget_s=budget_s, min_repeats=2),
-                        time_op(backward, device=device, budget_s=budget_s, min_repeats=2)]
-        points.append(RingBlockPoint(side=side, num_heads=heads, num_kv_heads=kv_heads, head_dim=d,
-                                     square_forward_s=seconds[0], square_backward_s=seconds[1],
-                                     half_forward_s=seconds[2], half_backward_s=seconds[3]))
     return points
 
 
@@ -297,8 +249,6 @@ def measure_compute(*, model: ModelSpec, device: torch.device, quick: bool,
             progress(f"attention {dtype}")
             result.attention += measure_attention(model=model, dtype=dtype, device=device, quick=quick,
                                                   budget_s=budget_s)
-        progress("ring attention steps")
-        result.ring = measure_ring_blocks(model=model, device=device, quick=quick, budget_s=budget_s)
     return result
 
 

@@ -31,7 +31,7 @@ from profilers.memory import MemoryResult, measure_memory
 from runners.launch import RunFailed, Where, num_cores, run_workers
 from specs.errors import PlannerError
 from specs.hardware import (COLLECTIVES, NCCL_CTAS, PRESETS, CollectiveFit, GemmPoint, Hardware, LayerProbePoint,
-                            LinkSpec, preset_for_device)
+                            LinkSpec, RingBlockPoint, preset_for_device)
 from specs.model import resolve_model
 
 log = logging.getLogger(__name__)
@@ -41,9 +41,17 @@ KIB, MIB = 1024, 1024**2
 # (profilers/comm.py); 2: the engine's ring attention steps timed (Hardware.ring_points); 3: the layer probe's
 # point under selective recomputation (runners/probe.py); 4: the sharding probe (runners/probe.measure_sharding);
 # 5: the context-parallel probe (runners/probe.measure_context); 6: its extras named engine_*_extra_s_* (5's cp_*
-# keys would no longer be read); 7: the sync-wait probe (runners/probe.measure_sync_wait).
+# keys would no longer be read); 7: the sync-wait probe (runners/probe.measure_sync_wait); 8: the ring steps
+# timed on every rank at once in the probe worker (RingBlockPoint.concurrent).
 # A cached profile of another version is measured again (planner/machine.stale_reason).
-PROFILER_VERSION = 7
+PROFILER_VERSION = 8
+# Tokens a ring rank holds (its two chunks), where the probe times the ring's steps
+# (runners/probe.measure_ring_blocks): a tiny model's cp4 at 64 tokens holds 16, benchmarks/context_parallel.py's
+# cp4 at 4096 holds 1024. Per score the steps cost much more at the small sides (a step launches ~20 kernels)
+# and less at the large, where the scores outgrow the caches; cost_models/compute.measured_ring_times_s reads
+# time over scores in log-log between the sides.
+RING_SIDES = (16, 64, 256, 1024)
+RING_SIDES_FULL = (16, 64, 256, 1024, 2048)
 FULL_SIZES_BYTES = tuple(KIB * 4**i for i in range(10))  # 1 KiB .. 256 MiB
 QUICK_SIZES_BYTES = tuple(KIB * 4**i for i in range(8))  # 1 KiB .. 16 MiB
 
@@ -150,14 +158,15 @@ def overlap_repeats(budget_s: float) -> int:
     return max(3, round(12 * min(1.0, budget_s / 1.5)))
 
 
-def run_layer_probe(options: ProfileOptions, *,
-                    progress: Progress = _no_progress) -> tuple[tuple[LayerProbePoint, ...], dict, dict, dict, dict]:
-    """The engine's layer, overlap, sharding, context-parallel and sync-wait probes (runners.probe) on every
-    rank at once: (points, overlap, sharding, context, sync)."""
+def run_layer_probe(options: ProfileOptions, *, progress: Progress = _no_progress) -> dict:
+    """The engine's layer, ring-step, overlap, sharding, context-parallel and sync-wait probes (runners.probe)
+    on every rank at once: the Hardware fields they fill (layer_probe, ring_points, overlap_probe,
+    sharding_probe, context_probe, sync_probe)."""
     model = resolve_model(options.model)
     budget_s = options.probe_seconds or (1.5 if options.quick else 4.0)
     spec = {"model": model.to_dict(), "budget_s": budget_s, "timeout_s": options.comm_timeout_s,
-            "overlap_repeats": overlap_repeats(budget_s)}
+            "overlap_repeats": overlap_repeats(budget_s),
+            "ring_sides": list(RING_SIDES if options.quick else RING_SIDES_FULL)}
 
     def on_event(event: dict) -> None:
         if event.get("kind") == "progress":
@@ -171,8 +180,10 @@ def run_layer_probe(options: ProfileOptions, *,
             if "killed by signal 6" not in str(exc) or attempt == PROBE_ATTEMPTS - 1:
                 raise
             log.warning("the layer probe failed (%s); measuring it again", exc)
-    return (tuple(LayerProbePoint(**p) for p in result["points"]), dict(result.get("overlap") or {}),
-            dict(result.get("sharding") or {}), dict(result.get("context") or {}), dict(result.get("sync") or {}))
+    return {"layer_probe": tuple(LayerProbePoint(**p) for p in result["points"]),
+            "ring_points": tuple(RingBlockPoint(**p) for p in result.get("ring") or ()),
+            "overlap_probe": dict(result.get("overlap") or {}), "sharding_probe": dict(result.get("sharding") or {}),
+            "context_probe": dict(result.get("context") or {}), "sync_probe": dict(result.get("sync") or {})}
 
 
 def fit_collectives(curves: list[dict]) -> list[CollectiveFit]:
@@ -265,7 +276,6 @@ def build_hardware(*, device: torch.device, compute: ComputeResult, memory: Memo
         gemm_points=tuple(GemmPoint(m=g.m, n=g.n, k=g.k, dtype=g.dtype, flops_per_s=g.flops / g.time_s)
                           for g in compute.gemms),
         elementwise_bytes_per_s=compute.elementwise_bytes_per_s, attention_points=tuple(compute.attention),
-        ring_points=tuple(compute.ring),
         links_from=f"{base.name} preset ({', '.join(kept)})" if kept else "",
         # The wave model (cost_models/compute.py) needs the SM count; the device reports it, and the
         # tile and NCCL's CTAs are the library's choices the preset records for this GPU family.
@@ -291,7 +301,7 @@ def run_profile(options: ProfileOptions, *, progress: Progress = _no_progress) -
     curves = run_collectives(options, progress=progress) if measures_collectives(options) else []
     if not curves:
         log.warning("one process: collectives are not measured; the links come from the device's preset")
-    points, overlap, sharding, context, sync = run_layer_probe(options, progress=progress)
+    probes = run_layer_probe(options, progress=progress)
     # Every rank runs on this host (locally, or in the emulated cluster's namespaces), so a training
     # process gets 1/world_size of its cores and memory; measure with exactly that share.
     host_procs = world_size
@@ -313,9 +323,7 @@ def run_profile(options: ProfileOptions, *, progress: Progress = _no_progress) -
     from profilers.storage import measure_storage_write
 
     progress("memory", 0, None, "checkpoint write bandwidth")
-    return dataclasses.replace(hardware, layer_probe=points, overlap_probe=overlap, sharding_probe=sharding,
-                               context_probe=context, sync_probe=sync,
-                               storage_write_bytes_per_s=measure_storage_write(quick=options.quick))
+    return dataclasses.replace(hardware, **probes, storage_write_bytes_per_s=measure_storage_write(quick=options.quick))
 
 
 def summary(hardware: Hardware) -> dict:

@@ -9,8 +9,10 @@ simultaneously, so that what a training step pays on this host is in the numbers
 autograd bookkeeping per op, and processes sharing cores (4 ranks on 2 cores each get half a core,
 which a single-process GEMM sweep never sees). Two more points run the middle shape under full and under
 selective recomputation (torch.utils.checkpoint's own cost, which differs by region: 3.1 ms per tiny layer
-under full, 1.5 under selective, in one process). The overlap probe then times a chunk's micro-step
-with each unit's parameter all-gather blocking, and prefetched one unit ahead the way ZeRO-3 does. On CPU
+under full, 1.5 under selective, in one process). On CPU the ring probe times the context-parallel ring's
+attention steps the same way, every rank at once (`measure_ring_blocks`). The overlap probe then times a
+chunk's micro-step with each unit's parameter all-gather blocking, and prefetched one unit ahead the way
+ZeRO-3 does. On CPU
 the sharding probe then times the sharding engine's own bookkeeping (hooks, buffers, gradient copies) per
 unit and micro-batch, its collectives replaced by local copies (`measure_sharding`), the context-parallel
 probe the engine's CP attention with and without its exchanges (`measure_context`), and the sync-wait probe
@@ -30,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from runners.comm import Comm
-from specs.hardware import LayerProbePoint
+from specs.hardware import LayerProbePoint, RingBlockPoint
 from specs.jsonio import dataclass_from_dict
 from specs.model import ModelSpec
 
@@ -57,6 +59,14 @@ PROBE_ROUNDS = 3
 # The overlap probe's rounds (each times every mode once; medians kept).
 OVERLAP_ROUNDS = 5
 
+# Query heads per measurement (at most), as the attention points (profilers/compute.ATTENTION_MAX_HEADS).
+RING_MAX_HEADS = 4
+# The ring probe's seconds per call over all rounds: the probe's budget per point over this (0.25 s at the
+# default 4 s), the single-process sweep's budget before it moved here.
+RING_BUDGET_SHARE = 16
+# The worker's progress steps: layer, ring, overlap, sharding, context-parallel and sync-wait probes.
+PROBE_STEPS = 6
+
 
 @dataclass(frozen=True)
 class ProbeSpec:
@@ -64,6 +74,7 @@ class ProbeSpec:
     budget_s: float  # seconds per probe point (over all rounds)
     overlap_repeats: int = 12
     timeout_s: float = 300.0
+    ring_sides: tuple[int, ...] = ()  # measure_ring_blocks's (CPU; profilers/profile.RING_SIDES); none: skipped
 
 
 @dataclass(frozen=True)
@@ -73,10 +84,12 @@ class ProbeResult:
     sharding: dict[str, float] = field(default_factory=dict)  # measure_sharding's ({} on one rank or a GPU)
     context: dict[str, float] = field(default_factory=dict)  # measure_context's ({} on one rank or a GPU)
     sync: dict[str, float] = field(default_factory=dict)  # measure_sync_wait's ({} on one rank or a GPU)
+    ring: tuple[RingBlockPoint, ...] = ()  # measure_ring_blocks's (() on a GPU)
 
     def to_dict(self) -> dict:
         return {"points": [asdict(p) for p in self.points], "overlap": dict(self.overlap),
-                "sharding": dict(self.sharding), "context": dict(self.context), "sync": dict(self.sync)}
+                "sharding": dict(self.sharding), "context": dict(self.context), "sync": dict(self.sync),
+                "ring": [asdict(p) for p in self.ring]}
 
     @classmethod
     def from_dict(cls, data: object, *, what: str = "probe result") -> "ProbeResult":
@@ -179,6 +192,89 @@ def measure_layer(model: ModelSpec, *, device: torch.device, dtype: torch.dtype,
     return [LayerProbePoint(micro_batch=b, seq_len=s, dtype=name, forward_s=statistics.median(samples[key][0]),
                             forward_backward_s=statistics.median(samples[key][1]), recompute=policy)
             for key in keys for (b, s), policy in [key]]
+
+
+
+
+def _ring_block_calls(model: ModelSpec, *, side: int, device: torch.device) -> list:
+    """The four timed calls of a ring rank holding `side` tokens: step 0's causal square forward and
+    backward, then a half block's (every other step: side x side / 2 unmasked scores), in fp32 (the ring
+    computes in fp32 whatever the model's dtype), with the model's head width and query / K-V head ratio."""
+    from runners.context_parallel import ring_backward_step, ring_forward_step
+
+    heads = min(model.num_heads, RING_MAX_HEADS)
+    kv_heads = max(1, heads * model.num_kv_heads // model.num_heads)
+    d, scale = model.head_dim, model.head_dim ** -0.5
+    q, dout = (torch.randn(1, heads, side, d, device=device) for _ in range(2))
+    k, v = (torch.randn(1, kv_heads, side, d, device=device) for _ in range(2))
+    whole = slice(None)
+    calls = []
+    for cols, causal in ((whole, True), (slice(0, side // 2), False)):
+        out = torch.zeros(1, heads, side, d, device=device)
+        lse = torch.full((1, heads, side), float("-inf"), device=device)
+        ring_forward_step(q, k, v, out, lse, rows=whole, cols=cols, causal=causal, scale=scale)
+        delta, dq = (dout * out).sum(-1), torch.zeros_like(q)
+
+        def forward(cols=cols, causal=causal) -> None:
+            o = torch.zeros(1, heads, side, d, device=device)
+            running = torch.full((1, heads, side), float("-inf"), device=device)
+            ring_forward_step(q, k, v, o, running, rows=whole, cols=cols, causal=causal, scale=scale)
+
+        def backward(cols=cols, causal=causal, lse=lse, delta=delta, dq=dq) -> None:
+            ring_backward_step(q, k, v, dout, lse, delta, dq, rows=whole, cols=cols, causal=causal, scale=scale)
+
+        calls += [forward, backward]
+    return calls
+
+
+def _group_seconds(body, *, repeats: int, device: torch.device) -> float:
+    """Seconds per call of `body` run `repeats` times on every rank between two barriers: the wall time of
+    the whole group. Each rank's own mean would not do for calls of ~100 ms on a host with fewer cores than
+    ranks: a rank whose calls end first waits in the barrier and leaves its core to the others, whose last
+    calls then run faster than a step, where every rank works until its end, lets them."""
+    dist.barrier()
+    _synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        body()
+    _synchronize(device)
+    dist.barrier()
+    return (time.perf_counter() - start) / repeats
+
+
+def measure_ring_blocks(model: ModelSpec, *, device: torch.device, budget_s: float, sides: tuple[int, ...],
+                        rounds: int = PROBE_ROUNDS) -> tuple[RingBlockPoint, ...]:
+    """This engine's ring attention steps (runners/context_parallel.ring_forward_step / ring_backward_step)
+    timed on every rank at once (CPU), at each side of `sides`: per call the group's wall seconds
+    (`_group_seconds`) over as many calls as fit in budget_s / rounds by the warm-up call's slowest rank
+    (at least one), the median of `rounds` interleaved rounds. A step of a ring runs while its peers run theirs
+    on the same host, each at its share of the cores and of the memory bandwidth these memory-bound blocks
+    lean on. Timed in one process with the other cores idle, the 1024-token half block's backward read 46,
+    19 and 17.5 ms in three profiles of one 2-core host while the ring's measured step stayed within 8%; so
+    the points carry `concurrent` and are priced as they are (cost_models/compute.measured_ring_times_s)."""
+    calls = {side: _ring_block_calls(model, side=side, device=device) for side in sides}
+    keys = [(side, i) for side in sides for i in range(4)]
+    warm = []
+    for side, i in keys:
+        start = time.perf_counter()
+        calls[side][i]()
+        warm.append(time.perf_counter() - start)
+    one = torch.tensor(warm, dtype=torch.float64, device=device)
+    dist.all_reduce(one, op=dist.ReduceOp.MAX)
+    repeats = {key: max(1, min(50, round(budget_s / rounds / max(t, 1e-6)))) for key, t in zip(keys, one.tolist())}
+    samples: dict[tuple[int, int], list[float]] = {key: [] for key in keys}
+    for _ in range(rounds):
+        for side, i in keys:
+            samples[side, i].append(_group_seconds(calls[side][i], repeats=repeats[side, i], device=device))
+    medians = torch.tensor([[statistics.median(samples[side, i]) for i in range(4)] for side in sides],
+                           dtype=torch.float64, device=device)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    heads = min(model.num_heads, RING_MAX_HEADS)
+    kv_heads = max(1, heads * model.num_kv_heads // model.num_heads)
+    return tuple(RingBlockPoint(side=side, num_heads=heads, num_kv_heads=kv_heads, head_dim=model.head_dim,
+                                square_forward_s=sf, square_backward_s=sb, half_forward_s=hf, half_backward_s=hb,
+                                concurrent=True)
+                 for side, (sf, sb, hf, hb) in zip(sides, medians.tolist()))
 
 
 def _micro_step(units, x, gather, mode: str) -> None:
@@ -538,35 +634,41 @@ def run_task(spec_dict: dict) -> ProbeResult | None:
     rank = dist.get_rank()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if rank == 0:
-        emit_event("progress", done=0, total=5, label="layer probe")
+        emit_event("progress", done=0, total=PROBE_STEPS, label="layer probe")
     points = measure_layer(spec.model, device=device, dtype=dtype, budget_s=spec.budget_s, barrier=dist.barrier)
     times = torch.tensor([[p.forward_s, p.forward_backward_s] for p in points], dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     slowest = tuple(LayerProbePoint(**{**asdict(p), "forward_s": float(f), "forward_backward_s": float(fb)})
                     for p, (f, fb) in zip(points, times.tolist()))
+    ring: tuple[RingBlockPoint, ...] = ()
+    if device.type == "cpu" and spec.ring_sides:  # GPUs price flash kernels from published efficiencies
+        if rank == 0:
+            emit_event("progress", done=1, total=PROBE_STEPS, label="ring attention steps")
+        ring = measure_ring_blocks(spec.model, device=device, budget_s=spec.budget_s / RING_BUDGET_SHARE,
+                                   sides=spec.ring_sides)
     overlap: dict[str, float] = {}
     sharding: dict[str, float] = {}
     context: dict[str, float] = {}
     sync: dict[str, float] = {}
     if dist.get_world_size() > 1:
         if rank == 0:
-            emit_event("progress", done=1, total=5, label="overlap probe")
+            emit_event("progress", done=2, total=PROBE_STEPS, label="overlap probe")
         overlap = measure_overlap(spec.model, device=device, dtype=dtype, group=dist.group.WORLD,
                                   repeats=spec.overlap_repeats)
         # On a GPU the kernel queue hides the host's bookkeeping as it hides per-op dispatch (planner/profiling.py).
         if device.type == "cpu":
             if rank == 0:
-                emit_event("progress", done=2, total=5, label="sharding probe")
+                emit_event("progress", done=3, total=PROBE_STEPS, label="sharding probe")
             sharding = measure_sharding(spec.model, device=device, repeats=spec.overlap_repeats)
             if rank == 0:
-                emit_event("progress", done=3, total=5, label="context-parallel probe")
+                emit_event("progress", done=4, total=PROBE_STEPS, label="context-parallel probe")
             context = measure_context(spec.model, device=device, dtype=dtype, repeats=spec.overlap_repeats)
             if rank == 0:
-                emit_event("progress", done=4, total=5, label="sync-wait probe")
+                emit_event("progress", done=5, total=PROBE_STEPS, label="sync-wait probe")
             sync = measure_sync_wait(device=device)
     dist.destroy_process_group()
     return ProbeResult(points=slowest, overlap=overlap, sharding=sharding, context=context,
-                       sync=sync) if rank == 0 else None
+                       sync=sync, ring=ring) if rank == 0 else None
 
 if __name__ == "__main__":
     from runners.launch import exit_worker, worker_main

@@ -89,10 +89,12 @@ class AttentionPoint:
 @dataclass(frozen=True)
 class RingBlockPoint:
     """This engine's ring attention steps (runners/context_parallel.ring_forward_step / ring_backward_step)
-    timed on one device in fp32 (the ring computes in fp32 whatever the model's dtype): a rank holding
-    `side` tokens of `num_heads` query heads (`num_kv_heads` K/V heads) of `head_dim`, micro-batch 1.
-    `square_*`: step 0, the causal side x side block; `half_*`: every other step, side x side / 2 unmasked
-    scores. Seconds per call, forward and backward."""
+    timed in fp32 (the ring computes in fp32 whatever the model's dtype): a rank holding `side` tokens of
+    `num_heads` query heads (`num_kv_heads` K/V heads) of `head_dim`, micro-batch 1. `square_*`: step 0,
+    the causal side x side block; `half_*`: every other step, side x side / 2 unmasked scores. Seconds per
+    call, forward and backward. `concurrent`: timed on every rank of the profile at once (runners/probe.py,
+    profiler version 8; the slowest rank's), so the processes sharing the host's cores are in the times;
+    False: in one process with the others idle (older profiles)."""
 
     side: int
     num_heads: int
@@ -102,6 +104,7 @@ class RingBlockPoint:
     square_backward_s: float
     half_forward_s: float
     half_backward_s: float
+    concurrent: bool = False
 
 
 @dataclass(frozen=True)
@@ -203,7 +206,7 @@ class Hardware:
     # (profilers/compute.measure_attention; cost_models/compute.measured_attention_times_s prices from them).
     attention_points: tuple[AttentionPoint, ...] = ()
     # CPU profiles: this engine's context-parallel ring steps timed by local tokens at the profiled model's
-    # head width (profilers/compute.measure_ring_blocks; cost_models/compute.ring_blocks_times_s prices the
+    # head width (runners/probe.measure_ring_blocks; cost_models/compute.ring_blocks_times_s prices the
     # ring from them where the head width matches, else from its GEMMs and passes).
     ring_points: tuple[RingBlockPoint, ...] = ()
     # GPUs: streaming multiprocessors and the output tile (rows, columns) of the library's large-GEMM kernel;

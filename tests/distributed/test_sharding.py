@@ -519,3 +519,31 @@ def test_the_sync_wait_probe_reports_every_group_size_and_segment_on_every_rank(
     assert first == second and first["world"] == 2
     assert set(first) == {"world"} | {f"sync2_{round(w * 1e6)}_s" for w in SYNC_SEGMENTS_S}
     assert all(v >= 0 for v in first.values())
+
+
+def _group_seconds_worker(rank: int, world_size: int) -> dict:
+    import time
+
+    import runners.probe as probe
+    from specs.model import PRESETS
+
+    torch.set_num_threads(1)
+    # Rank 1's calls take 4x rank 0's: the group's seconds per call are the slower rank's, on both ranks.
+    grouped = probe._group_seconds(lambda: time.sleep(0.01 * (1 + 3 * rank)), repeats=3, device=torch.device("cpu"))
+    points = probe.measure_ring_blocks(PRESETS["tiny"], device=torch.device("cpu"), budget_s=0.03, sides=(16, 64),
+                                       rounds=1)
+    return {"grouped": grouped, "points": points}
+
+
+def test_the_ring_probe_times_the_steps_as_the_groups_wall_on_every_rank():
+    """runners/probe._group_seconds is the group's wall per call (the slowest rank's calls plus the end
+    barrier), not a rank's own mean; measure_ring_blocks returns the same points on every rank, marked
+    concurrent, at the tiny model's head width and GQA ratio (8 heads, 4 K/V: 4 and 2 timed)."""
+    first, second = run_on_ranks(_group_seconds_worker, world_size=2)
+    for result in (first, second):
+        assert 0.04 <= result["grouped"] < 0.06
+    assert first["points"] == second["points"]
+    assert [(p.side, p.num_heads, p.num_kv_heads, p.head_dim, p.concurrent) for p in first["points"]] == \
+        [(16, 4, 2, 8, True), (64, 4, 2, 8, True)]
+    assert all(0 < v for p in first["points"] for v in (p.square_forward_s, p.square_backward_s,
+                                                        p.half_forward_s, p.half_backward_s))

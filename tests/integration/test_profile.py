@@ -45,9 +45,10 @@ def test_profile_json_round_trips_through_resolve_hardware(profile_path: Path) -
     assert {(p.head_dim, p.seq_len) for p in hw.attention_points if p.dtype == "fp32"} == \
         {(d, s) for d in (8, 64) for s in (64, 256, 1024, 2048)}
     assert all(0 < p.forward_s and 0 < p.backward_s for p in hw.attention_points)
-    # The engine's ring steps by local tokens, at the tiny model's head width and GQA ratio (8 heads, 4 K/V).
-    assert [(p.side, p.num_heads, p.num_kv_heads, p.head_dim) for p in hw.ring_points] == \
-        [(s, 4, 2, 8) for s in (16, 64, 256, 1024)]
+    # The engine's ring steps by local tokens, at the tiny model's head width and GQA ratio (8 heads, 4 K/V),
+    # timed on both ranks at once.
+    assert [(p.side, p.num_heads, p.num_kv_heads, p.head_dim, p.concurrent) for p in hw.ring_points] == \
+        [(s, 4, 2, 8, True) for s in (16, 64, 256, 1024)]
     assert all(0 < v for p in hw.ring_points for v in (p.square_forward_s, p.square_backward_s, p.half_forward_s,
                                                         p.half_backward_s))
     # The layer probe ran on both ranks at once and, on CPU, its fit is the profile's calibration; the tiny

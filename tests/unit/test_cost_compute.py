@@ -238,6 +238,9 @@ def test_measured_ring_steps_price_the_ring_by_their_scores_in_log_log():
     # Timed in one process: 4 processes on 2 cores run it at half a core; the fitted compute scale stays out.
     shared = dataclasses.replace(hw, calibration={"compute_time_scale": 3.0}, measured_processes=4, measured_cores=2)
     assert measured_ring_times_s(shared, side=1024, heads=8, ring_size=4, **kw)[0] == pytest.approx(2 * base)
+    # Timed on every rank at once (profiler version 8): the sharing is in the times already.
+    together = dataclasses.replace(shared, ring_points=tuple(dataclasses.replace(p, concurrent=True) for p in points))
+    assert measured_ring_times_s(together, side=1024, heads=8, ring_size=4, **kw)[0] == pytest.approx(base)
     # Another head width or GQA ratio than measured: no price from the points (the GEMMs-and-passes one stands).
     assert measured_ring_times_s(hw, side=1024, heads=8, ring_size=4, head_dim=64, gqa=1) is None
     assert measured_ring_times_s(hw, side=1024, heads=8, ring_size=4, head_dim=32, gqa=2) is None

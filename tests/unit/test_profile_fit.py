@@ -372,7 +372,9 @@ def test_an_aborted_probe_rank_is_measured_again_once(monkeypatch):
 
     run, calls = workers(abort, result)
     monkeypatch.setattr(profile, "run_workers", run)
-    assert profile.run_layer_probe(options) == ((), {"efficiency": 0.5}, {}, {}, {})
+    assert profile.run_layer_probe(options) == {"layer_probe": (), "ring_points": (),
+                                                "overlap_probe": {"efficiency": 0.5}, "sharding_probe": {},
+                                                "context_probe": {}, "sync_probe": {}}
     assert calls == ["runners.probe", "runners.probe"]
 
     run, calls = workers(RunFailed("rank 0 failed (exit code 1)"))
