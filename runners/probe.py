@@ -571,12 +571,14 @@ def measure_sync_wait(*, device: torch.device, rounds: int = SYNC_ROUNDS) -> dic
     cost_models/comm.sync_wait_s): for every group size c of `context_probe_sizes` (every rank in a group of c
     consecutive ranks at once) and segment w of SYNC_SEGMENTS_S, loops of w of work each followed by a
     one-element all-reduce in the group, less the same loops without the all-reduce, less the all-reduce called
-    back to back; `sync{c}_{w in microseconds}_s`, the ranks' mean of the median over `rounds` interleaved
-    rounds (never below 0), with `world`. Each rank's compute runs longer or shorter by a little (and on a host
-    with fewer cores than ranks, by the scheduler's time slices), so the group waits for its slowest arrival,
-    more the longer the segment: on this project's 2-core host, in seven runs, 4 ranks waited 0.3-0.7 ms after a
-    0.5 ms segment and 3-20 ms after a 32 ms one, 2 ranks 0-0.4 and 0-3.9 ms (the host's state moves it); the
-    collective curves, timed back to back, hold none of it."""
+    back to back, each loop timed as the whole group's wall (`_group_seconds`); `sync{c}_{w in microseconds}_s`,
+    the ranks' mean of the median over `rounds` interleaved rounds (never below 0), with `world`. Each rank's
+    compute runs longer or shorter by a little (and on a host with fewer cores than ranks, by the scheduler's
+    time slices), so the group waits for its slowest arrival; the collective curves, timed back to back, hold
+    none of it. Each loop's own rank-local time would not do for the loop without the all-reduce: its ranks
+    drift apart and the first to finish leave their cores to the rest, so the loop read short by the drift,
+    which then counted as waiting; so timed (profiler version 7), 4 ranks of this project's 2-core host read
+    7-14 ms of waiting after a 32 ms segment, as the group's wall 1-3 ms."""
     world, rank = dist.get_world_size(), dist.get_rank()
     groups = _context_groups(world, rank)
     a, x = torch.randn(48, 48, device=device), torch.zeros(1, device=device)
@@ -586,13 +588,12 @@ def measure_sync_wait(*, device: torch.device, rounds: int = SYNC_ROUNDS) -> dic
     per_call_s = (time.perf_counter() - start) / 1000  # with every rank working at once
 
     def loop(calls: int, iterations: int, group) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(iterations):
+        def body() -> None:
             _spin(calls, a)
             if group is not None:
                 dist.all_reduce(x, group=group)
-        return (time.perf_counter() - start) / iterations
+
+        return _group_seconds(body, repeats=iterations, device=device)
 
     cases = [(c, w) for c in groups for w in SYNC_SEGMENTS_S]
     samples: dict[tuple[int, float], list[float]] = {case: [] for case in cases}
