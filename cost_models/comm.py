@@ -166,7 +166,9 @@ def sync_wait_s(calibration: dict[str, float], *, group_size: int, segment_s: fl
     collective_overhead_s, the context probe's per-message extras), so this is what it waits beyond that after a
     longer one. Piecewise linear through the measured points, 0 up to the shortest, flat beyond the longest, times
     the calibration's sync_wait_scale (`planner tune` fits it, 1 by default); 0 where nothing was measured (GPU
-    profiles, presets, older profiles)."""
+    profiles, presets, older profiles). Never falling with a longer segment: the ranks' drift over a longer
+    segment holds the shorter one's, so a point below an earlier one is the probe's noise (one fresh 4-rank
+    profile read 1.7 ms after 8 ms and 0 after 32 ms) and the earlier one's wait holds."""
     if group_size <= 1 or segment_s <= 0.0:
         return 0.0
     curves: dict[int, list[tuple[float, float]]] = {}
@@ -178,7 +180,11 @@ def sync_wait_s(calibration: dict[str, float], *, group_size: int, segment_s: fl
         return 0.0
     curve = sorted(curves[nearest_group_size(curves, group_size)])
     scale = calibration.get("sync_wait_scale", 1.0)
-    curve = [(w, scale * max(0.0, v - curve[0][1])) for w, v in curve]
+    base, held, rising = curve[0][1], 0.0, []
+    for w, v in curve:
+        held = max(held, v - base)
+        rising.append((w, scale * held))
+    curve = rising
     if segment_s <= curve[0][0]:
         return 0.0
     for (w0, v0), (w1, v1) in zip(curve, curve[1:]):

@@ -125,8 +125,8 @@ def test_one_rank_per_node_and_all_reduce_keep_their_step_counts():
 def test_the_sync_wait_counts_from_the_shortest_measured_segment_and_levels_off_past_the_longest():
     """cost_models/comm.sync_wait_s: the probe's wait after a segment, less its wait after the shortest one it
     timed (which the per-call prices fitted at short segments already hold), linear between measured segments,
-    flat beyond the longest, from the nearest measured group size (the smaller on a tie); nothing measured, a
-    group of one or an empty segment: 0."""
+    never falling, flat beyond the longest, from the nearest measured group size (the smaller on a tie);
+    nothing measured, a group of one or an empty segment: 0."""
     from cost_models.comm import sync_wait_s, sync_waits_s
 
     calibration = {"sync_wait_s_4_500": 5e-4, "sync_wait_s_4_2000": 1.7e-3, "sync_wait_s_4_8000": 4.5e-3,
@@ -140,6 +140,10 @@ def test_the_sync_wait_counts_from_the_shortest_measured_segment_and_levels_off_
     assert wait(20e-3) == pytest.approx(4e-3 + 0.5 * 7.5e-3) and wait(1.0) == pytest.approx(11.5e-3)
     assert wait(20e-3, group_size=3) == wait(20e-3) and wait(20e-3, group_size=8) == wait(20e-3)
     assert wait(1.0, group_size=2) == 0.0  # its longer segment waited less than its shortest: never below 0
+    # A longer segment never waits less than a shorter one (a point below is the probe's noise).
+    dipped = {**calibration, "sync_wait_s_4_32000": 1e-3}
+    assert sync_wait_s(dipped, group_size=4, segment_s=20e-3) == pytest.approx(4e-3)
+    assert sync_wait_s(dipped, group_size=4, segment_s=1.0) == pytest.approx(4e-3)
     assert sync_wait_s({}, group_size=4, segment_s=1.0) == 0.0
     assert sync_wait_s({"sync_wait_s_x_1": 1.0, "sync_wait_s_4": 1.0, "sync_wait_s_0_5": 1.0}, group_size=4,
                        segment_s=1.0) == 0.0  # a hand-edited key that does not parse is not a curve
