@@ -12,11 +12,12 @@ selective recomputation (torch.utils.checkpoint's own cost, which differs by reg
 under full, 1.5 under selective, in one process). On CPU the ring probe times the context-parallel ring's
 attention steps the same way, every rank at once (`measure_ring_blocks`). The overlap probe then times a
 chunk's micro-step with each unit's parameter all-gather blocking, and prefetched one unit ahead the way
-ZeRO-3 does. On CPU
-the sharding probe then times the sharding engine's own bookkeeping (hooks, buffers, gradient copies) per
-unit and micro-batch, its collectives replaced by local copies (`measure_sharding`), the context-parallel
-probe the engine's CP attention with and without its exchanges (`measure_context`), and the sync-wait probe
-what a blocking collective waits for its last ranks after a segment of compute (`measure_sync_wait`).
+ZeRO-3 does. On CPU the sharding probe then times the sharding engine's own bookkeeping (hooks, buffers,
+gradient copies) per unit and micro-batch, its collectives replaced by local copies (`measure_sharding`),
+the context-parallel probe the engine's CP attention with and without its exchanges (`measure_context`),
+and the sync-wait probe what a blocking collective waits for its last ranks after a segment of compute
+(`measure_sync_wait`). The ring and sync-wait probes time their calls as the group's wall
+(`_group_seconds`), not each rank's own mean.
 
 What the points mean for the cost model (the fit of op_overhead_s, compute_time_scale,
 recompute_overhead_s and comm_overlap_efficiency) is the application's business: planner/profiling.py.
@@ -194,8 +195,6 @@ def measure_layer(model: ModelSpec, *, device: torch.device, dtype: torch.dtype,
             for key in keys for (b, s), policy in [key]]
 
 
-
-
 def _ring_block_calls(model: ModelSpec, *, side: int, device: torch.device) -> list:
     """The four timed calls of a ring rank holding `side` tokens: step 0's causal square forward and
     backward, then a half block's (every other step: side x side / 2 unmasked scores), in fp32 (the ring
@@ -231,7 +230,7 @@ def _group_seconds(body, *, repeats: int, device: torch.device) -> float:
     """Seconds per call of `body` run `repeats` times on every rank between two barriers: the wall time of
     the whole group. Each rank's own mean would not do for calls of ~100 ms on a host with fewer cores than
     ranks: a rank whose calls end first waits in the barrier and leaves its core to the others, whose last
-    calls then run faster than a step, where every rank works until its end, lets them."""
+    calls then run faster than they would in a step, where every rank works until the step's end."""
     dist.barrier()
     _synchronize(device)
     start = time.perf_counter()
