@@ -630,8 +630,8 @@ def measured_ring_times_s(hw: Hardware, *, side: int, heads: int, head_dim: int,
     time is its ~20 launches, a large one's its scores, and a power law between two points follows both.
     Below the smallest point the time holds (launch-bound), beyond the largest it grows with the scores.
     Points timed on every rank at once (RingBlockPoint.concurrent) hold the processes sharing the host's
-    cores and are read as they are; older ones, timed in one process, times the cores the profile's
-    processes share, like the attention points. None where no point has this head width and query / K-V
+    cores and are read as they are; older ones, timed in one process, are multiplied by the cores the
+    profile's processes share, like the attention points. None where no point has this head width and query / K-V
     head ratio."""
     points = sorted((p for p in hw.ring_points if p.head_dim == head_dim
                      and p.num_heads // max(1, p.num_kv_heads) == gqa), key=lambda p: p.side)

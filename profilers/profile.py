@@ -42,7 +42,8 @@ KIB, MIB = 1024, 1024**2
 # point under selective recomputation (runners/probe.py); 4: the sharding probe (runners/probe.measure_sharding);
 # 5: the context-parallel probe (runners/probe.measure_context); 6: its extras named engine_*_extra_s_* (5's cp_*
 # keys would no longer be read); 7: the sync-wait probe (runners/probe.measure_sync_wait); 8: the ring steps
-# timed on every rank at once in the probe worker (RingBlockPoint.concurrent).
+# timed on every rank at once in the probe worker (RingBlockPoint.concurrent), they and the sync-wait loops as
+# the group's wall (runners/probe._group_seconds).
 # A cached profile of another version is measured again (planner/machine.stale_reason).
 PROFILER_VERSION = 8
 # Tokens a ring rank holds (its two chunks), where the probe times the ring's steps
