@@ -195,14 +195,19 @@ def measure_layer(model: ModelSpec, *, device: torch.device, dtype: torch.dtype,
             for key in keys for (b, s), policy in [key]]
 
 
+def _ring_heads(model: ModelSpec) -> tuple[int, int]:
+    """(query heads, K/V heads) the ring probe times: at most RING_MAX_HEADS query heads, the model's ratio."""
+    heads = min(model.num_heads, RING_MAX_HEADS)
+    return heads, max(1, heads * model.num_kv_heads // model.num_heads)
+
+
 def _ring_block_calls(model: ModelSpec, *, side: int, device: torch.device) -> list:
     """The four timed calls of a ring rank holding `side` tokens: step 0's causal square forward and
     backward, then a half block's (every other step: side x side / 2 unmasked scores), in fp32 (the ring
     computes in fp32 whatever the model's dtype), with the model's head width and query / K-V head ratio."""
     from runners.context_parallel import ring_backward_step, ring_forward_step
 
-    heads = min(model.num_heads, RING_MAX_HEADS)
-    kv_heads = max(1, heads * model.num_kv_heads // model.num_heads)
+    heads, kv_heads = _ring_heads(model)
     d, scale = model.head_dim, model.head_dim ** -0.5
     q, dout = (torch.randn(1, heads, side, d, device=device) for _ in range(2))
     k, v = (torch.randn(1, kv_heads, side, d, device=device) for _ in range(2))
@@ -268,8 +273,7 @@ def measure_ring_blocks(model: ModelSpec, *, device: torch.device, budget_s: flo
     medians = torch.tensor([[statistics.median(samples[side, i]) for i in range(4)] for side in sides],
                            dtype=torch.float64, device=device)
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)
-    heads = min(model.num_heads, RING_MAX_HEADS)
-    kv_heads = max(1, heads * model.num_kv_heads // model.num_heads)
+    heads, kv_heads = _ring_heads(model)
     return tuple(RingBlockPoint(side=side, num_heads=heads, num_kv_heads=kv_heads, head_dim=model.head_dim,
                                 square_forward_s=sf, square_backward_s=sb, half_forward_s=hf, half_backward_s=hb,
                                 concurrent=True)
