@@ -547,10 +547,11 @@ def measured_attention_times_s(hw: Hardware, *, micro_batch: int, seq_len: int, 
     layer, and this is a measurement of the kernel itself. What a measurement in one process does not see
     is the processes of a run sharing the host's cores: with P processes on C < P cores (the profile's
     measured_processes and measured_cores) each runs at C / P of a core, so the kernel takes P / C times
-    as long; with P <= C the profile timed it at the run's own thread count (profilers/profile.py)."""
+    as long; with P <= C the profile timed it at the run's own thread count (profilers/profile.py). Points
+    timed on every rank at once (`concurrent`, profiler version 9) hold that sharing already."""
     points = [p for p in hw.attention_points if p.dtype == dtype] or list(hw.attention_points)
     widths = sorted({p.head_dim for p in points})
-    scale = cores_shared(hw)
+    scale = 1.0 if points[0].concurrent else cores_shared(hw)
     scores = micro_batch * num_heads * seq_len ** 2 / 2
     out = []
     for which in ("forward_s", "backward_s"):

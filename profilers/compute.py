@@ -16,7 +16,6 @@ from typing import Callable
 
 import torch
 
-from specs.hardware import AttentionPoint
 from specs.model import ModelSpec
 from profilers.fit import GemmSample
 
@@ -151,53 +150,6 @@ class ComputeResult:
     gemms: list[GemmSample] = field(default_factory=list)
     # Element-wise kernels: name -> bytes read + written per second.
     elementwise_bytes_per_s: dict[str, float] = field(default_factory=dict)
-    attention: list[AttentionPoint] = field(default_factory=list)
-
-
-# Causal fused attention on CPUs, by key length: the GEMM sweep says nothing about it (the kernel tiles
-# the scores, and its softmax, masking and the backward's recomputation run at their own rate, which falls
-# as the score blocks outgrow the caches), and a long-context step spends most of its time there.
-# Measured at the model's head width and at ATTENTION_WIDE_HEAD_DIM, since the per-score cost is a fixed
-# part (softmax, masking) plus a part per head dimension (the two GEMMs): cost_models/compute.py
-# interpolates between the two widths and over the logarithm of the sequence.
-ATTENTION_SEQ_LENS = (64, 256, 1024, 2048)
-ATTENTION_SEQ_LENS_FULL = (64, 256, 1024, 2048, 4096)
-ATTENTION_WIDE_HEAD_DIM = 64
-# Heads per measurement (at most): the per-head cost is what is priced, and at one thread per process
-# the kernel runs heads one after another.
-ATTENTION_MAX_HEADS = 4
-
-
-def attention_head_dims(model: ModelSpec) -> tuple[int, ...]:
-    d = model.head_dim
-    return (d, 2 * d) if d == ATTENTION_WIDE_HEAD_DIM else tuple(sorted({d, ATTENTION_WIDE_HEAD_DIM}))
-
-
-def measure_attention(*, model: ModelSpec, dtype: str, device: torch.device, quick: bool,
-                      budget_s: float) -> list[AttentionPoint]:
-    """Forward and backward seconds of causal scaled_dot_product_attention (micro-batch 1) at each
-    sequence of the ladder and both head widths (`attention_head_dims`)."""
-    heads = min(model.num_heads, ATTENTION_MAX_HEADS)
-    points = []
-    for head_dim in attention_head_dims(model):
-        for seq_len in ATTENTION_SEQ_LENS if quick else ATTENTION_SEQ_LENS_FULL:
-            q, k, v = (torch.randn(1, heads, seq_len, head_dim, dtype=TORCH_DTYPES[dtype], device=device,
-                                   requires_grad=True) for _ in range(3))
-            grad = torch.randn(1, heads, seq_len, head_dim, dtype=q.dtype, device=device)
-
-            def forward():
-                with torch.no_grad():
-                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-            def forward_backward():
-                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-                out.backward(grad)
-
-            forward_s = time_op(forward, device=device, budget_s=budget_s, min_repeats=2)
-            both_s = time_op(forward_backward, device=device, budget_s=budget_s, min_repeats=2)
-            points.append(AttentionPoint(seq_len=seq_len, num_heads=heads, head_dim=head_dim, dtype=dtype,
-                                         forward_s=forward_s, backward_s=max(both_s - forward_s, forward_s)))
-    return points
 
 
 def measure_elementwise(*, tokens: int, hidden: int, dtype: str, device: torch.device,
@@ -244,11 +196,6 @@ def measure_compute(*, model: ModelSpec, device: torch.device, quick: bool,
     result.elementwise_bytes_per_s = measure_elementwise(
         tokens=max(token_counts), hidden=max(model.hidden_size, 1024),
         dtype="bf16" if "bf16" in dtypes else "fp32", device=device, budget_s=budget_s)
-    if device.type == "cpu":  # GPUs price their flash kernels from published efficiencies (specs/hardware.py)
-        for dtype in dtypes:
-            progress(f"attention {dtype}")
-            result.attention += measure_attention(model=model, dtype=dtype, device=device, quick=quick,
-                                                  budget_s=budget_s)
     return result
 
 

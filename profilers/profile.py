@@ -30,9 +30,9 @@ from profilers.fit import GemmFit, bus_factor, fit_gemm, fit_latency_bandwidth
 from profilers.memory import MemoryResult, measure_memory
 from runners.launch import RunFailed, Where, num_cores, run_workers
 from specs.errors import PlannerError
-from specs.hardware import (COLLECTIVES, NCCL_CTAS, PRESETS, CollectiveFit, GemmPoint, Hardware, LayerProbePoint,
-                            LinkSpec, RingBlockPoint, preset_for_device)
-from specs.model import resolve_model
+from specs.hardware import (COLLECTIVES, NCCL_CTAS, PRESETS, AttentionPoint, CollectiveFit, GemmPoint, Hardware,
+                            LayerProbePoint, LinkSpec, RingBlockPoint, preset_for_device)
+from specs.model import ModelSpec, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -43,16 +43,33 @@ KIB, MIB = 1024, 1024**2
 # 5: the context-parallel probe (runners/probe.measure_context); 6: its extras named engine_*_extra_s_* (5's cp_*
 # keys would no longer be read); 7: the sync-wait probe (runners/probe.measure_sync_wait); 8: the ring steps
 # timed on every rank at once in the probe worker (RingBlockPoint.concurrent), they and the sync-wait loops as
-# the group's wall (runners/probe._group_seconds).
+# the group's wall (runners/probe._group_seconds); 9: the fused attention's points timed in the same rounds
+# as the ring's steps, every rank at once (AttentionPoint.concurrent; runners/probe.measure_attention_blocks).
 # A cached profile of another version is measured again (planner/machine.stale_reason).
-PROFILER_VERSION = 8
+PROFILER_VERSION = 9
 # Tokens a ring rank holds (its two chunks), where the probe times the ring's steps
-# (runners/probe.measure_ring_blocks): a tiny model's cp4 at 64 tokens holds 16, benchmarks/context_parallel.py's
+# (runners/probe.measure_attention_blocks): a tiny model's cp4 at 64 tokens holds 16, benchmarks/context_parallel.py's
 # cp4 at 4096 holds 1024. Per score the steps cost much more at the small sides (a step launches ~20 kernels)
 # and less at the large, where the scores outgrow the caches; cost_models/compute.measured_ring_times_s reads
 # time over scores in log-log between the sides.
 RING_SIDES = (16, 64, 256, 1024)
 RING_SIDES_FULL = (16, 64, 256, 1024, 2048)
+# Causal fused attention on CPUs, by key length, timed beside the ring's steps (the same rounds): the GEMM
+# sweep says nothing about it (the kernel tiles the scores, and its softmax, masking and the backward's
+# recomputation run at their own rate, which falls as the score blocks outgrow the caches), and a long-context
+# step spends most of its time there. Measured at the model's head width and at ATTENTION_WIDE_HEAD_DIM, since
+# the per-score cost is a fixed part (softmax, masking) plus a part per head dimension (the two GEMMs):
+# cost_models/compute.py interpolates between the two widths and over the logarithm of the sequence.
+ATTENTION_SEQ_LENS = (64, 256, 1024, 2048)
+ATTENTION_SEQ_LENS_FULL = (64, 256, 1024, 2048, 4096)
+ATTENTION_WIDE_HEAD_DIM = 64
+
+
+def attention_head_dims(model: ModelSpec) -> tuple[int, ...]:
+    d = model.head_dim
+    return (d, 2 * d) if d == ATTENTION_WIDE_HEAD_DIM else tuple(sorted({d, ATTENTION_WIDE_HEAD_DIM}))
+
+
 FULL_SIZES_BYTES = tuple(KIB * 4**i for i in range(10))  # 1 KiB .. 256 MiB
 QUICK_SIZES_BYTES = tuple(KIB * 4**i for i in range(8))  # 1 KiB .. 16 MiB
 
@@ -167,7 +184,9 @@ def run_layer_probe(options: ProfileOptions, *, progress: Progress = _no_progres
     budget_s = options.probe_seconds or (1.5 if options.quick else 4.0)
     spec = {"model": model.to_dict(), "budget_s": budget_s, "timeout_s": options.comm_timeout_s,
             "overlap_repeats": overlap_repeats(budget_s),
-            "ring_sides": list(RING_SIDES if options.quick else RING_SIDES_FULL)}
+            "ring_sides": list(RING_SIDES if options.quick else RING_SIDES_FULL),
+            "attention_seq_lens": list(ATTENTION_SEQ_LENS if options.quick else ATTENTION_SEQ_LENS_FULL),
+            "attention_head_dims": list(attention_head_dims(model))}
 
     def on_event(event: dict) -> None:
         if event.get("kind") == "progress":
@@ -183,6 +202,7 @@ def run_layer_probe(options: ProfileOptions, *, progress: Progress = _no_progres
             log.warning("the layer probe failed (%s); measuring it again", exc)
     return {"layer_probe": tuple(LayerProbePoint(**p) for p in result["points"]),
             "ring_points": tuple(RingBlockPoint(**p) for p in result.get("ring") or ()),
+            "attention_points": tuple(AttentionPoint(**p) for p in result.get("attention") or ()),
             "overlap_probe": dict(result.get("overlap") or {}), "sharding_probe": dict(result.get("sharding") or {}),
             "context_probe": dict(result.get("context") or {}), "sync_probe": dict(result.get("sync") or {})}
 
@@ -276,7 +296,7 @@ def build_hardware(*, device: torch.device, compute: ComputeResult, memory: Memo
         collectives=tuple(fits),
         gemm_points=tuple(GemmPoint(m=g.m, n=g.n, k=g.k, dtype=g.dtype, flops_per_s=g.flops / g.time_s)
                           for g in compute.gemms),
-        elementwise_bytes_per_s=compute.elementwise_bytes_per_s, attention_points=tuple(compute.attention),
+        elementwise_bytes_per_s=compute.elementwise_bytes_per_s,
         links_from=f"{base.name} preset ({', '.join(kept)})" if kept else "",
         # The wave model (cost_models/compute.py) needs the SM count; the device reports it, and the
         # tile and NCCL's CTAs are the library's choices the preset records for this GPU family.

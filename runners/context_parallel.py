@@ -223,7 +223,7 @@ def _partial_backward(q, k, v, dout, lse, delta, *, causal: bool, scale: float):
 def ring_forward_step(q, k, v, out, lse, *, rows: slice, cols: slice, causal: bool, scale: float) -> None:
     """One ring step's forward on this rank: q's `rows` attend over the K/V block's `cols` (`_block`), merged
     into the running output `out` and log-sum-exp `lse` in place (online softmax). The step
-    `planner profile` times as the ring's forward kernel (runners/probe.measure_ring_blocks)."""
+    `planner profile` times as the ring's forward kernel (runners/probe.measure_attention_blocks)."""
     o_i, lse_i = _partial(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal=causal, scale=scale)
     merged = torch.logaddexp(lse[:, :, rows], lse_i)
     out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - merged).unsqueeze(-1)

@@ -9,14 +9,15 @@ simultaneously, so that what a training step pays on this host is in the numbers
 autograd bookkeeping per op, and processes sharing cores (4 ranks on 2 cores each get half a core,
 which a single-process GEMM sweep never sees). Two more points run the middle shape under full and under
 selective recomputation (torch.utils.checkpoint's own cost, which differs by region: 3.1 ms per tiny layer
-under full, 1.5 under selective, in one process). On CPU the ring probe times the context-parallel ring's
-attention steps the same way, every rank at once (`measure_ring_blocks`). The overlap probe then times a
+under full, 1.5 under selective, in one process). On CPU the attention probe times the context-parallel ring's
+attention steps and the fused attention kernel the same way, every rank at once, in the same rounds
+(`measure_attention_blocks`). The overlap probe then times a
 chunk's micro-step with each unit's parameter all-gather blocking, and prefetched one unit ahead the way
 ZeRO-3 does. On CPU the sharding probe then times the sharding engine's own bookkeeping (hooks, buffers,
 gradient copies) per unit and micro-batch, its collectives replaced by local copies (`measure_sharding`),
 the context-parallel probe the engine's CP attention with and without its exchanges (`measure_context`),
 and the sync-wait probe what a blocking collective waits for its last ranks after a segment of compute
-(`measure_sync_wait`). The ring and sync-wait probes time their calls as the group's wall
+(`measure_sync_wait`). The attention and sync-wait probes time their calls as the group's wall
 (`_group_seconds`), not each rank's own mean.
 
 What the points mean for the cost model (the fit of op_overhead_s, compute_time_scale,
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from runners.comm import Comm
-from specs.hardware import LayerProbePoint, RingBlockPoint
+from specs.hardware import AttentionPoint, LayerProbePoint, RingBlockPoint
 from specs.jsonio import dataclass_from_dict
 from specs.model import ModelSpec
 
@@ -60,12 +61,17 @@ PROBE_ROUNDS = 3
 # The overlap probe's rounds (each times every mode once; medians kept).
 OVERLAP_ROUNDS = 5
 
-# Query heads per measurement (at most), as the attention points (profilers/compute.ATTENTION_MAX_HEADS).
+# Query heads per measurement (at most), the ring's and the fused attention's: the per-head cost is what is
+# priced, and at one thread per process the kernels run heads one after another.
 RING_MAX_HEADS = 4
-# The ring probe's seconds per call over all rounds: the probe's budget per point over this (0.25 s at the
-# default 4 s), the single-process sweep's budget before it moved here.
+# The attention probe's seconds per call over all rounds: the probe's budget per point over this (0.25 s at
+# the default 4 s), the single-process sweeps' budget before they moved here.
 RING_BUDGET_SHARE = 16
-# The worker's progress steps: layer, ring, overlap, sharding, context-parallel and sync-wait probes.
+# The attention probe's interleaved rounds: its longest calls (a 1024-token ring block, 0.3-0.4 s on 4 ranks of
+# a 2-core host) fit once a round, and over 3 rounds the median of one such call moved 28% between two profiles
+# minutes apart (305 and 390 ms) while the ring's measured step moved 1%.
+ATTENTION_ROUNDS = 7
+# The worker's progress steps: layer, attention, overlap, sharding, context-parallel and sync-wait probes.
 PROBE_STEPS = 6
 
 
@@ -75,7 +81,10 @@ class ProbeSpec:
     budget_s: float  # seconds per probe point (over all rounds)
     overlap_repeats: int = 12
     timeout_s: float = 300.0
-    ring_sides: tuple[int, ...] = ()  # measure_ring_blocks's (CPU; profilers/profile.RING_SIDES); none: skipped
+    ring_sides: tuple[int, ...] = ()  # measure_attention_blocks's (CPU; profilers/profile.RING_SIDES)
+    # The fused attention's points beside them (CPU; profilers/profile.ATTENTION_SEQ_LENS, attention_head_dims).
+    attention_seq_lens: tuple[int, ...] = ()
+    attention_head_dims: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -85,12 +94,13 @@ class ProbeResult:
     sharding: dict[str, float] = field(default_factory=dict)  # measure_sharding's ({} on one rank or a GPU)
     context: dict[str, float] = field(default_factory=dict)  # measure_context's ({} on one rank or a GPU)
     sync: dict[str, float] = field(default_factory=dict)  # measure_sync_wait's ({} on one rank or a GPU)
-    ring: tuple[RingBlockPoint, ...] = ()  # measure_ring_blocks's (() on a GPU)
+    ring: tuple[RingBlockPoint, ...] = ()  # measure_attention_blocks's (() on a GPU)
+    attention: tuple[AttentionPoint, ...] = ()  # measure_attention_blocks's (() on a GPU)
 
     def to_dict(self) -> dict:
         return {"points": [asdict(p) for p in self.points], "overlap": dict(self.overlap),
                 "sharding": dict(self.sharding), "context": dict(self.context), "sync": dict(self.sync),
-                "ring": [asdict(p) for p in self.ring]}
+                "ring": [asdict(p) for p in self.ring], "attention": [asdict(p) for p in self.attention]}
 
     @classmethod
     def from_dict(cls, data: object, *, what: str = "probe result") -> "ProbeResult":
@@ -246,38 +256,68 @@ def _group_seconds(body, *, repeats: int, device: torch.device) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def measure_ring_blocks(model: ModelSpec, *, device: torch.device, budget_s: float, sides: tuple[int, ...],
-                        rounds: int = PROBE_ROUNDS) -> tuple[RingBlockPoint, ...]:
+def _sdpa_calls(*, heads: int, seq_len: int, head_dim: int, device: torch.device) -> list:
+    """Causal scaled_dot_product_attention (the engine's attention core) of `heads` heads over `seq_len` tokens,
+    micro-batch 1, fp32: [forward, forward + backward]."""
+    q, k, v = (torch.randn(1, heads, seq_len, head_dim, device=device, requires_grad=True) for _ in range(3))
+    grad = torch.randn(1, heads, seq_len, head_dim, device=device)
+
+    def forward() -> None:
+        with torch.no_grad():
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def forward_backward() -> None:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+    return [forward, forward_backward]
+
+
+def measure_attention_blocks(model: ModelSpec, *, device: torch.device, budget_s: float, sides: tuple[int, ...],
+                             seq_lens: tuple[int, ...] = (), head_dims: tuple[int, ...] = (),
+                             rounds: int = ATTENTION_ROUNDS) -> tuple[tuple[RingBlockPoint, ...],
+                                                                  tuple[AttentionPoint, ...]]:
     """This engine's ring attention steps (runners/context_parallel.ring_forward_step / ring_backward_step)
-    timed on every rank at once (CPU), at each side of `sides`: per call the group's wall seconds
-    (`_group_seconds`) over as many calls as fit in budget_s / rounds by the warm-up call's slowest rank
-    (at least one), the median of `rounds` interleaved rounds. A step of a ring runs while its peers run theirs
-    on the same host, each at its share of the cores and of the memory bandwidth these memory-bound blocks
-    lean on. Timed in one process with the other cores idle, the 1024-token half block's backward read 46,
-    19 and 17.5 ms in three profiles of one 2-core host while the ring's measured step stayed within 8%; so
-    the points carry `concurrent` and are priced as they are (cost_models/compute.measured_ring_times_s)."""
-    calls = {side: _ring_block_calls(model, side=side, device=device) for side in sides}
-    keys = [(side, i) for side in sides for i in range(4)]
+    at each side of `sides`, and the fused causal attention (`_sdpa_calls`) at each of `seq_lens` x
+    `head_dims`, timed on every rank at once (CPU) in the same interleaved rounds: per call the group's wall
+    seconds (`_group_seconds`) over as many calls as fit in budget_s / rounds by the warm-up call's slowest
+    rank (at least one), the median of `rounds` rounds. A step runs while its peers run theirs on the same
+    host, each at its share of the cores and of the memory bandwidth these memory-bound kernels lean on.
+    Timed in one process with the other cores idle, the 1024-token half block's backward read 46, 19 and
+    17.5 ms in three profiles of one 2-core host while the ring's measured step stayed within 8%, and the
+    fused attention over 4096 tokens (dp4's kernel) was priced 906 ms a layer where a 4-rank step ran it in
+    681-800. Timed in one set of rounds, the two also see the same host speed: cp4 against dp4 turns on their
+    ratio, which separate sweeps minutes apart moved by more than the target's 10%. So the points carry
+    `concurrent` and are priced as they are (cost_models/compute.py)."""
+    heads, kv_heads = _ring_heads(model)
+    calls = {("ring", side): _ring_block_calls(model, side=side, device=device) for side in sides}
+    calls.update({("sdpa", s, d): _sdpa_calls(heads=heads, seq_len=s, head_dim=d, device=device)
+                  for d in head_dims for s in seq_lens})
+    keys = [(name, i) for name, group in calls.items() for i in range(len(group))]
     warm = []
-    for side, i in keys:
+    for name, i in keys:
         start = time.perf_counter()
-        calls[side][i]()
+        calls[name][i]()
         warm.append(time.perf_counter() - start)
     one = torch.tensor(warm, dtype=torch.float64, device=device)
     dist.all_reduce(one, op=dist.ReduceOp.MAX)
     repeats = {key: max(1, min(50, round(budget_s / rounds / max(t, 1e-6)))) for key, t in zip(keys, one.tolist())}
-    samples: dict[tuple[int, int], list[float]] = {key: [] for key in keys}
+    samples: dict[tuple, list[float]] = {key: [] for key in keys}
     for _ in range(rounds):
-        for side, i in keys:
-            samples[side, i].append(_group_seconds(calls[side][i], repeats=repeats[side, i], device=device))
-    medians = torch.tensor([[statistics.median(samples[side, i]) for i in range(4)] for side in sides],
-                           dtype=torch.float64, device=device)
+        for name, i in keys:
+            samples[name, i].append(_group_seconds(calls[name][i], repeats=repeats[name, i], device=device))
+    medians = torch.tensor([statistics.median(samples[key]) for key in keys], dtype=torch.float64, device=device)
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)
-    heads, kv_heads = _ring_heads(model)
-    return tuple(RingBlockPoint(side=side, num_heads=heads, num_kv_heads=kv_heads, head_dim=model.head_dim,
-                                square_forward_s=sf, square_backward_s=sb, half_forward_s=hf, half_backward_s=hb,
-                                concurrent=True)
-                 for side, (sf, sb, hf, hb) in zip(sides, medians.tolist()))
+    med = dict(zip(keys, medians.tolist()))
+    ring = tuple(RingBlockPoint(side=side, num_heads=heads, num_kv_heads=kv_heads, head_dim=model.head_dim,
+                                square_forward_s=med[("ring", side), 0], square_backward_s=med[("ring", side), 1],
+                                half_forward_s=med[("ring", side), 2], half_backward_s=med[("ring", side), 3],
+                                concurrent=True) for side in sides)
+    attention = tuple(AttentionPoint(seq_len=s, num_heads=heads, head_dim=d, dtype="fp32",
+                                     forward_s=med[("sdpa", s, d), 0], concurrent=True,
+                                     backward_s=max(med[("sdpa", s, d), 1] - med[("sdpa", s, d), 0],
+                                                    med[("sdpa", s, d), 0]))
+                      for d in head_dims for s in seq_lens)
+    return ring, attention
 
 
 def _micro_step(units, x, gather, mode: str) -> None:
@@ -645,11 +685,13 @@ def run_task(spec_dict: dict) -> ProbeResult | None:
     slowest = tuple(LayerProbePoint(**{**asdict(p), "forward_s": float(f), "forward_backward_s": float(fb)})
                     for p, (f, fb) in zip(points, times.tolist()))
     ring: tuple[RingBlockPoint, ...] = ()
-    if device.type == "cpu" and spec.ring_sides:  # GPUs price flash kernels from published efficiencies
+    attention: tuple[AttentionPoint, ...] = ()
+    if device.type == "cpu" and (spec.ring_sides or spec.attention_seq_lens):  # GPUs: published efficiencies
         if rank == 0:
-            emit_event("progress", done=1, total=PROBE_STEPS, label="ring attention steps")
-        ring = measure_ring_blocks(spec.model, device=device, budget_s=spec.budget_s / RING_BUDGET_SHARE,
-                                   sides=spec.ring_sides)
+            emit_event("progress", done=1, total=PROBE_STEPS, label="attention and ring steps")
+        ring, attention = measure_attention_blocks(
+            spec.model, device=device, budget_s=spec.budget_s / RING_BUDGET_SHARE, sides=spec.ring_sides,
+            seq_lens=spec.attention_seq_lens, head_dims=spec.attention_head_dims)
     overlap: dict[str, float] = {}
     sharding: dict[str, float] = {}
     context: dict[str, float] = {}
@@ -672,7 +714,7 @@ def run_task(spec_dict: dict) -> ProbeResult | None:
             sync = measure_sync_wait(device=device)
     dist.destroy_process_group()
     return ProbeResult(points=slowest, overlap=overlap, sharding=sharding, context=context,
-                       sync=sync, ring=ring) if rank == 0 else None
+                       sync=sync, ring=ring, attention=attention) if rank == 0 else None
 
 if __name__ == "__main__":
     from runners.launch import exit_worker, worker_main

@@ -76,7 +76,9 @@ class GemmPoint:
 class AttentionPoint:
     """Causal fused attention (torch's scaled_dot_product_attention, the engine's attention core) timed on
     one device: `num_heads` heads of `head_dim` over `seq_len` tokens, micro-batch 1; forward seconds and
-    backward seconds (forward + backward less forward)."""
+    backward seconds (forward + backward less forward). `concurrent`: timed on every rank of the profile at
+    once beside the ring's steps (runners/probe.py, profiler version 9; the group's wall), so the processes
+    sharing the host's cores are in the times; False: in one process with the others idle (older profiles)."""
 
     seq_len: int
     num_heads: int
@@ -84,6 +86,7 @@ class AttentionPoint:
     dtype: str
     forward_s: float
     backward_s: float
+    concurrent: bool = False
 
 
 @dataclass(frozen=True)
@@ -203,10 +206,11 @@ class Hardware:
     # GEMMs at gemm_max_efficiency.
     kernel_efficiency: dict[str, float] = field(default_factory=dict)
     # CPU profiles: the fused attention kernel timed by sequence length at two head widths
-    # (profilers/compute.measure_attention; cost_models/compute.measured_attention_times_s prices from them).
+    # (runners/probe.measure_attention_blocks since profiler version 9, profilers/compute.measure_attention
+    # before; cost_models/compute.measured_attention_times_s prices from them).
     attention_points: tuple[AttentionPoint, ...] = ()
     # CPU profiles: this engine's context-parallel ring steps timed by local tokens at the profiled model's
-    # head width (runners/probe.measure_ring_blocks; cost_models/compute.ring_blocks_times_s prices the
+    # head width (runners/probe.measure_attention_blocks; cost_models/compute.ring_blocks_times_s prices the
     # ring from them where the head width matches, else from its GEMMs and passes).
     ring_points: tuple[RingBlockPoint, ...] = ()
     # GPUs: streaming multiprocessors and the output tile (rows, columns) of the library's large-GEMM kernel;

@@ -530,20 +530,24 @@ def _group_seconds_worker(rank: int, world_size: int) -> dict:
     torch.set_num_threads(1)
     # Rank 1's calls take 4x rank 0's: the group's seconds per call are the slower rank's, on both ranks.
     grouped = probe._group_seconds(lambda: time.sleep(0.01 * (1 + 3 * rank)), repeats=3, device=torch.device("cpu"))
-    points = probe.measure_ring_blocks(PRESETS["tiny"], device=torch.device("cpu"), budget_s=0.03, sides=(16, 64),
-                                       rounds=1)
-    return {"grouped": grouped, "points": points}
+    points, attention = probe.measure_attention_blocks(PRESETS["tiny"], device=torch.device("cpu"), budget_s=0.03,
+                                                       sides=(16, 64), seq_lens=(64, 256), head_dims=(8,), rounds=1)
+    return {"grouped": grouped, "points": points, "attention": attention}
 
 
-def test_the_ring_probe_times_the_steps_as_the_groups_wall_on_every_rank():
+def test_the_attention_probe_times_the_steps_as_the_groups_wall_on_every_rank():
     """runners/probe._group_seconds is the group's wall per call (the slowest rank's calls plus the end
-    barrier), not a rank's own mean; measure_ring_blocks returns the same points on every rank, marked
-    concurrent, at the tiny model's head width and GQA ratio (8 heads, 4 K/V: 4 and 2 timed)."""
+    barrier), not a rank's own mean; measure_attention_blocks returns the same ring and fused-attention points
+    on every rank, marked concurrent, at the tiny model's head width and GQA ratio (8 heads, 4 K/V: 4 and 2
+    timed)."""
     first, second = run_on_ranks(_group_seconds_worker, world_size=2)
     for result in (first, second):
         assert 0.04 <= result["grouped"] < 0.06
-    assert first["points"] == second["points"]
+    assert first["points"] == second["points"] and first["attention"] == second["attention"]
     assert [(p.side, p.num_heads, p.num_kv_heads, p.head_dim, p.concurrent) for p in first["points"]] == \
         [(16, 4, 2, 8, True), (64, 4, 2, 8, True)]
     assert all(0 < v for p in first["points"] for v in (p.square_forward_s, p.square_backward_s,
                                                         p.half_forward_s, p.half_backward_s))
+    assert [(p.seq_len, p.num_heads, p.head_dim, p.dtype, p.concurrent) for p in first["attention"]] == \
+        [(64, 4, 8, "fp32", True), (256, 4, 8, "fp32", True)]
+    assert all(0 < p.forward_s <= p.backward_s for p in first["attention"])

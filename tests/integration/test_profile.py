@@ -41,9 +41,10 @@ def test_profile_json_round_trips_through_resolve_hardware(profile_path: Path) -
     assert hw.gemm_points and {p.dtype for p in hw.gemm_points} >= {"fp32"}
     assert set(hw.elementwise_bytes_per_s) >= {"layer_norm", "rms_norm", "gelu", "silu"}
     assert 0 < hw.gemm_max_efficiency <= 1 and hw.kernel_overhead_s > 0
-    # The fused attention kernel by sequence at the tiny model's head width (8) and 64, forward and backward.
-    assert {(p.head_dim, p.seq_len) for p in hw.attention_points if p.dtype == "fp32"} == \
-        {(d, s) for d in (8, 64) for s in (64, 256, 1024, 2048)}
+    # The fused attention kernel by sequence at the tiny model's head width (8) and 64, forward and backward,
+    # timed on both ranks at once beside the ring's steps.
+    assert {(p.head_dim, p.seq_len, p.concurrent) for p in hw.attention_points if p.dtype == "fp32"} == \
+        {(d, s, True) for d in (8, 64) for s in (64, 256, 1024, 2048)}
     assert all(0 < p.forward_s and 0 < p.backward_s for p in hw.attention_points)
     # The engine's ring steps by local tokens, at the tiny model's head width and GQA ratio (8 heads, 4 K/V),
     # timed on both ranks at once.

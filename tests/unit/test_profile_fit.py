@@ -372,7 +372,7 @@ def test_an_aborted_probe_rank_is_measured_again_once(monkeypatch):
 
     run, calls = workers(abort, result)
     monkeypatch.setattr(profile, "run_workers", run)
-    assert profile.run_layer_probe(options) == {"layer_probe": (), "ring_points": (),
+    assert profile.run_layer_probe(options) == {"layer_probe": (), "ring_points": (), "attention_points": (),
                                                 "overlap_probe": {"efficiency": 0.5}, "sharding_probe": {},
                                                 "context_probe": {}, "sync_probe": {}}
     assert calls == ["runners.probe", "runners.probe"]
