@@ -71,6 +71,10 @@ RING_BUDGET_SHARE = 16
 # a 2-core host) fit once a round, and over 3 rounds the median of one such call moved 28% between two profiles
 # minutes apart (305 and 390 ms) while the ring's measured step moved 1%.
 ATTENTION_ROUNDS = 7
+# Each timed window of the attention probe runs at least this long: the window holds a barrier (~5 ms on 4 ranks
+# of a 2-core host), which a handful of short calls cannot spread thin. The 64-token SDPA of 4 heads of 8
+# (forward and backward) read 1.88 ms a call in windows of 5 calls, 1.10 in 100 and 1.07 in 400.
+ATTENTION_MIN_WINDOW_S = 0.05
 # The worker's progress steps: layer, attention, overlap, sharding, context-parallel and sync-wait probes.
 PROBE_STEPS = 6
 
@@ -279,9 +283,10 @@ def measure_attention_blocks(model: ModelSpec, *, device: torch.device, budget_s
     """This engine's ring attention steps (runners/context_parallel.ring_forward_step / ring_backward_step)
     at each side of `sides`, and the fused causal attention (`_sdpa_calls`) at each of `seq_lens` x
     `head_dims`, timed on every rank at once (CPU) in the same interleaved rounds: per call the group's wall
-    seconds (`_group_seconds`) over as many calls as fit in budget_s / rounds by the warm-up call's slowest
-    rank (at least one), the median of `rounds` rounds. A step runs while its peers run theirs on the same
-    host, each at its share of the cores and of the memory bandwidth these memory-bound kernels lean on.
+    seconds (`_group_seconds`) over as many calls as fit in budget_s / rounds (at least ATTENTION_MIN_WINDOW_S)
+    by the second warm-up call's slowest rank (at least one), the median of `rounds` rounds. A step runs while
+    its peers run theirs on the same host, each at its share of the cores and of the memory bandwidth these
+    memory-bound kernels lean on.
     Timed in one process with the other cores idle, the 1024-token half block's backward read 46, 19 and
     17.5 ms in three profiles of one 2-core host while the ring's measured step stayed within 8%, and the
     fused attention over 4096 tokens (dp4's kernel) was priced 906 ms a layer where a 4-rank step ran it in
@@ -295,12 +300,14 @@ def measure_attention_blocks(model: ModelSpec, *, device: torch.device, budget_s
     keys = [(name, i) for name, group in calls.items() for i in range(len(group))]
     warm = []
     for name, i in keys:
+        calls[name][i]()  # the first call allocates; the second says how long one takes
         start = time.perf_counter()
         calls[name][i]()
         warm.append(time.perf_counter() - start)
     one = torch.tensor(warm, dtype=torch.float64, device=device)
     dist.all_reduce(one, op=dist.ReduceOp.MAX)
-    repeats = {key: max(1, min(50, round(budget_s / rounds / max(t, 1e-6)))) for key, t in zip(keys, one.tolist())}
+    window = max(budget_s / rounds, ATTENTION_MIN_WINDOW_S)
+    repeats = {key: max(1, min(1000, round(window / max(t, 1e-6)))) for key, t in zip(keys, one.tolist())}
     samples: dict[tuple, list[float]] = {key: [] for key in keys}
     for _ in range(rounds):
         for name, i in keys:
