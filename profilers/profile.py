@@ -176,6 +176,19 @@ def overlap_repeats(budget_s: float) -> int:
     return max(3, round(12 * min(1.0, budget_s / 1.5)))
 
 
+# The attention probe's interleaved rounds (runners/probe.measure_attention_blocks) at the default budgets: its
+# longest calls (a 1024-token ring block, 0.3-0.4 s on 4 ranks of a 2-core host) fit once a round, and over 3
+# rounds the median of one such call moved 28% between two profiles minutes apart (305 and 390 ms) while the
+# ring's measured step moved 1%.
+ATTENTION_ROUNDS = 7
+
+
+def attention_rounds(budget_s: float) -> int:
+    """The attention probe's rounds: ATTENTION_ROUNDS at the default budgets (1.5 s a point and more), fewer for
+    a shorter --probe-seconds (3 at 0.3 s), as `overlap_repeats`."""
+    return max(3, round(ATTENTION_ROUNDS * min(1.0, budget_s / 1.5)))
+
+
 def run_layer_probe(options: ProfileOptions, *, progress: Progress = _no_progress) -> dict:
     """The engine's layer, ring-step, overlap, sharding, context-parallel and sync-wait probes (runners.probe)
     on every rank at once: the Hardware fields they fill (layer_probe, ring_points, overlap_probe,
@@ -185,6 +198,7 @@ def run_layer_probe(options: ProfileOptions, *, progress: Progress = _no_progres
     spec = {"model": model.to_dict(), "budget_s": budget_s, "timeout_s": options.comm_timeout_s,
             "overlap_repeats": overlap_repeats(budget_s),
             "ring_sides": list(RING_SIDES if options.quick else RING_SIDES_FULL),
+            "attention_rounds": attention_rounds(budget_s),
             "attention_seq_lens": list(ATTENTION_SEQ_LENS if options.quick else ATTENTION_SEQ_LENS_FULL),
             "attention_head_dims": list(attention_head_dims(model))}
 

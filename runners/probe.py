@@ -67,10 +67,6 @@ RING_MAX_HEADS = 4
 # The attention probe's seconds per call over all rounds: the probe's budget per point over this (0.25 s at
 # the default 4 s), the single-process sweeps' budget before they moved here.
 RING_BUDGET_SHARE = 16
-# The attention probe's interleaved rounds: its longest calls (a 1024-token ring block, 0.3-0.4 s on 4 ranks of
-# a 2-core host) fit once a round, and over 3 rounds the median of one such call moved 28% between two profiles
-# minutes apart (305 and 390 ms) while the ring's measured step moved 1%.
-ATTENTION_ROUNDS = 7
 # Each timed window of the attention probe runs at least this long: the window holds a barrier (~5 ms on 4 ranks
 # of a 2-core host), which a handful of short calls cannot spread thin. The 64-token SDPA of 4 heads of 8
 # (forward and backward) read 1.88 ms a call in windows of 5 calls, 1.10 in 100 and 1.07 in 400.
@@ -86,6 +82,7 @@ class ProbeSpec:
     overlap_repeats: int = 12
     timeout_s: float = 300.0
     ring_sides: tuple[int, ...] = ()  # measure_attention_blocks's (CPU; profilers/profile.RING_SIDES)
+    attention_rounds: int = PROBE_ROUNDS  # its rounds (profilers/profile.attention_rounds)
     # The fused attention's points beside them (CPU; profilers/profile.ATTENTION_SEQ_LENS, attention_head_dims).
     attention_seq_lens: tuple[int, ...] = ()
     attention_head_dims: tuple[int, ...] = ()
@@ -278,7 +275,7 @@ def _sdpa_calls(*, heads: int, seq_len: int, head_dim: int, device: torch.device
 
 def measure_attention_blocks(model: ModelSpec, *, device: torch.device, budget_s: float, sides: tuple[int, ...],
                              seq_lens: tuple[int, ...] = (), head_dims: tuple[int, ...] = (),
-                             rounds: int = ATTENTION_ROUNDS) -> tuple[tuple[RingBlockPoint, ...],
+                             rounds: int = PROBE_ROUNDS) -> tuple[tuple[RingBlockPoint, ...],
                                                                   tuple[AttentionPoint, ...]]:
     """This engine's ring attention steps (runners/context_parallel.ring_forward_step / ring_backward_step)
     at each side of `sides`, and the fused causal attention (`_sdpa_calls`) at each of `seq_lens` x
@@ -698,7 +695,7 @@ def run_task(spec_dict: dict) -> ProbeResult | None:
             emit_event("progress", done=1, total=PROBE_STEPS, label="attention and ring steps")
         ring, attention = measure_attention_blocks(
             spec.model, device=device, budget_s=spec.budget_s / RING_BUDGET_SHARE, sides=spec.ring_sides,
-            seq_lens=spec.attention_seq_lens, head_dims=spec.attention_head_dims)
+            seq_lens=spec.attention_seq_lens, head_dims=spec.attention_head_dims, rounds=spec.attention_rounds)
     overlap: dict[str, float] = {}
     sharding: dict[str, float] = {}
     context: dict[str, float] = {}

@@ -423,3 +423,23 @@ def test_a_point_is_timed_as_the_op_after_compute_less_the_compute_alone(tmp_pat
         dist.destroy_process_group()
     assert timed == len(calls) - 2 == 12  # capped by max_repeats; the 2 warm-up calls are not timed
     assert times == pytest.approx([2e-3] * comm.ROUNDS)
+
+
+def test_the_attention_probe_takes_seven_rounds_at_the_default_budgets_and_three_for_a_short_one(monkeypatch):
+    """profilers/profile.attention_rounds: 7 at the default --probe-seconds (1.5 quick, 4 full), 3 at the tests'
+    0.3 s, and the spec the probe worker receives carries them with the attention ladder."""
+    import profilers.profile as profile
+
+    assert [profile.attention_rounds(b) for b in (4.0, 1.5, 0.75, 0.3, 0.01)] == [7, 7, 4, 3, 3]
+    specs = []
+
+    def run(module, spec, *, where, on_event=None):
+        specs.append(spec)
+        return {"points": [], "overlap": {}}
+
+    monkeypatch.setattr(profile, "run_workers", run)
+    for seconds in (None, 0.3):
+        profile.run_layer_probe(profile.ProfileOptions(quick=True, nproc=2, probe_seconds=seconds))
+    assert [s["attention_rounds"] for s in specs] == [7, 3]
+    assert specs[0]["attention_seq_lens"] == list(profile.ATTENTION_SEQ_LENS)
+    assert specs[0]["attention_head_dims"] == [8, 64]  # the tiny model's head width, and 64
