@@ -28,7 +28,7 @@ from profilers.comm import CommSpec, plan_groups
 from profilers.compute import ComputeResult, measure_compute
 from profilers.fit import GemmFit, bus_factor, fit_gemm, fit_latency_bandwidth
 from profilers.memory import MemoryResult, measure_memory
-from runners.launch import RunFailed, Where, num_cores, run_workers
+from runners.launch import RunFailed, Where, num_cores, run_workers, steady_allocator
 from specs.errors import PlannerError
 from specs.hardware import (COLLECTIVES, NCCL_CTAS, PRESETS, AttentionPoint, CollectiveFit, GemmPoint, Hardware,
                             LayerProbePoint, LinkSpec, RingBlockPoint, preset_for_device)
@@ -44,9 +44,11 @@ KIB, MIB = 1024, 1024**2
 # keys would no longer be read); 7: the sync-wait probe (runners/probe.measure_sync_wait); 8: the ring steps
 # timed on every rank at once in the probe worker (RingBlockPoint.concurrent), they and the sync-wait loops as
 # the group's wall (runners/probe._group_seconds); 9: the fused attention's points timed in the same rounds
-# as the ring's steps, every rank at once (AttentionPoint.concurrent; runners/probe.measure_attention_blocks).
+# as the ring's steps, every rank at once (AttentionPoint.concurrent; runners/probe.measure_attention_blocks);
+# 10: every worker, and the profile's own sweeps, keep the memory they free (runners/launch.steady_allocator:
+# the ring's steps ran 25-40% faster, and no longer by what the process had freed before).
 # A cached profile of another version is measured again (planner/machine.stale_reason).
-PROFILER_VERSION = 9
+PROFILER_VERSION = 10
 # Tokens a ring rank holds (its two chunks), where the probe times the ring's steps
 # (runners/probe.measure_attention_blocks): a tiny model's cp4 at 64 tokens holds 16, benchmarks/context_parallel.py's
 # cp4 at 4096 holds 1024. Per score the steps cost much more at the small sides (a step launches ~20 kernels)
@@ -343,6 +345,7 @@ def run_profile(options: ProfileOptions, *, progress: Progress = _no_progress) -
     threads_before = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(max(1, num_cores() // host_procs))
+        steady_allocator()  # the sweeps allocate as a worker does (runners/launch.py); kept for this process
     try:
         steps = iter(range(1, 1 << 30))
         compute = measure_compute(model=model, device=device, quick=options.quick,

@@ -85,10 +85,12 @@ class SavedBytes:
 def probe(cfg, *, device: torch.device) -> MemoryProbe:
     """Train `cfg` (a RunConfig of one pipeline stage) and count one more step's saved activations."""
     from runners.data import make_data
+    from runners.launch import release_free_memory
     from runners.train import memory_now_bytes, timed_step, train
 
     if cfg.plan.pp != 1:
         raise ValueError(f"the activation probe counts one chunk's forward per micro-batch: pp must be 1, got {cfg.plan.pp}")
+    release_free_memory()  # what earlier runs in this process freed is not this run's idle memory
     idle = memory_now_bytes(device)
     metrics, trainer = train(cfg, device=device)
     counter = SavedBytes(trainer.chunks[0])

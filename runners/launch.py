@@ -11,7 +11,7 @@ network namespace, rendezvousing on node 0).
 
 Environment policy (`worker_env`): the processes on one host share its cores, so each gets
 OMP_NUM_THREADS = cores // processes on the host (at least 1; the emulated nodes share one host);
-unbuffered output; this checkout importable.
+unbuffered output; this checkout importable. Every worker keeps the memory it frees (`steady_allocator`).
 
 Protocol: a worker module is run as `python -m <module> --work-dir DIR` on every rank; it reads
 DIR/spec.json, rank 0 writes DIR/result.json, prints progress as `PLANNER_EVENT {json}` lines
@@ -108,6 +108,45 @@ def worker_env(*, procs_on_host: int) -> dict[str, str]:
             "PYTHONPATH": os.pathsep.join(filter(None, [CHECKOUT, os.environ.get("PYTHONPATH")]))}
 
 
+# glibc's malloc hands blocks above its mmap threshold (128 KiB at first, raised up to 32 MiB by the blocks freed)
+# back to the kernel when freed, and trims the heap's top beyond twice that threshold; the next step's
+# tensors of the same sizes then fault in fresh zeroed pages. A CPU step's transient tensors are large and
+# recur every step (the ring's fp32 score blocks: 16 MiB for 4 heads at a 1024-token side), so which of
+# them fault depends on what the process freed before. Measured on this project's 2-core host, 4 ranks, the
+# 4096-token benchmark model: the cp4 ring's step 12.0 / 12.1 s with glibc's defaults, 9.0 / 9.2 s with both
+# thresholds fixed high (dp4's 4.6-5.2 s either way); the probe's 1024-token ring square forward 169-235 ms
+# against 103-142, a half block's 45-72 against 32-46; either threshold alone was slower than the defaults.
+STEADY_MMAP_THRESHOLD = 2**30
+STEADY_TRIM_THRESHOLD = 2**30
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
+def steady_allocator() -> bool:
+    """Keep this process's freed memory for its next allocations (glibc's mallopt: blocks up to
+    STEADY_MMAP_THRESHOLD from the heap, the heap's free top kept up to STEADY_TRIM_THRESHOLD), so every
+    step reuses the pages the previous one touched and times the same whatever ran before. Peak memory is
+    unchanged (freed memory was only ever counted at its peak). False where the C library has no mallopt
+    (not glibc) or refuses: the defaults stay."""
+    import ctypes
+
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, STEADY_MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD,
+                                                                                      STEADY_TRIM_THRESHOLD))
+
+
+def release_free_memory() -> None:
+    """Give the memory this process holds freed back to the kernel (glibc's malloc_trim), where a memory
+    figure is about to start: with `steady_allocator` the resident set also holds what earlier runs in
+    the process freed, which is no part of the next run's memory. A no-op without glibc."""
+    import ctypes
+
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
 # --- the worker side --------------------------------------------------------------------------------
 def pick_device() -> tuple["torch.device", str]:
     """This rank's device and collective backend (call once per worker, before init_process_group).
@@ -152,15 +191,17 @@ def report_failure(work_dir: str | Path, *, rank: int, message: str, bad_input: 
 
 
 def worker_main(task: Callable[[dict], object], argv: list[str] | None = None) -> int:
-    """The body of every worker module's `__main__`: read DIR/spec.json, run `task(spec)` on this rank,
-    write its result (rank 0; an object with to_dict(), a dict or None) to DIR/result.json, and report
-    a failure the way the launcher names it. Returns the process exit code (2: bad input)."""
+    """The body of every worker module's `__main__`: read DIR/spec.json, run `task(spec)` on this rank (its
+    freed memory kept: `steady_allocator`), write its result (rank 0; an object with to_dict(), a dict or
+    None) to DIR/result.json, and report a failure the way the launcher names it. Returns the process exit
+    code (2: bad input)."""
     from runners.faults import describe_failure, die_with_parent
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--work-dir", required=True)
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", 0))
+    steady_allocator()
     if "TORCHELASTIC_RUN_ID" in os.environ or os.environ.get("PLANNER_LAUNCHER") == "direct":
         # never outlive the agent or launcher that started this worker
         die_with_parent()

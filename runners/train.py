@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from runners.config import RunConfig, RunMetrics, RunSummary, StepRecord
-from runners.launch import pick_device
+from runners.launch import pick_device, release_free_memory
 from specs.errors import PlannerError
 from specs.plan import check_plan
 
@@ -32,6 +32,7 @@ def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
+    release_free_memory()  # a peak from here counts what is live, not what earlier steps or runs freed
     try:  # "5" resets the peak resident set size (VmHWM) to the current RSS.
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:

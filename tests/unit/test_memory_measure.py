@@ -13,7 +13,9 @@ MIB = 2**20
 
 
 def _touch_mapped_file(path, nbytes: int) -> mmap.mmap:
-    path.write_bytes(b"\1" * nbytes)
+    with open(path, "wb") as f:  # a MiB at a time: a freed 64 MiB buffer may stay in the heap (steady_allocator)
+        for _ in range(nbytes // MIB):
+            f.write(b"\1" * MIB)
     with open(path, "rb") as f:
         mapped = mmap.mmap(f.fileno(), nbytes, prot=mmap.PROT_READ)
     assert sum(mapped[i] for i in range(0, nbytes, 4096)) == nbytes // 4096  # every page faulted in
