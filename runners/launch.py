@@ -124,9 +124,9 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 def steady_allocator() -> bool:
     """Keep this process's freed memory for its next allocations (glibc's mallopt: blocks up to
     STEADY_MMAP_THRESHOLD from the heap, the heap's free top kept up to STEADY_TRIM_THRESHOLD), so every
-    step reuses the pages the previous one touched and times the same whatever ran before. Peak memory is
-    unchanged (freed memory was only ever counted at its peak). False where the C library has no mallopt
-    (not glibc) or refuses: the defaults stay."""
+    step reuses the pages the previous one touched and times the same whatever ran before. The freed memory
+    stays resident, so a memory figure starts with `release_free_memory`. False where the C library has no
+    mallopt (not glibc) or refuses: the defaults stay."""
     import ctypes
 
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
