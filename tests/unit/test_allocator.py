@@ -35,14 +35,15 @@ print(json.dumps({"steady": steady, "faults": sum(faults[6:]), "rounds": faults}
 """
 
 
-def _faults(mode: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", FAULTS_SCRIPT, mode], capture_output=True, text=True, check=True,
+def _run(script: str, *args: str) -> dict:
+    """The JSON line `script` prints last, run in a fresh interpreter (the allocator setting is per process)."""
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, check=True,
                          cwd=CHECKOUT, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": CHECKOUT})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_freed_blocks_are_reused_without_page_faults():
-    steady = _faults("steady")
+    steady = _run(FAULTS_SCRIPT, "steady")
     if not steady["steady"]:
         pytest.skip("no glibc mallopt here: the C library's defaults stay")
     assert steady["faults"] < 10_000, steady  # two blocks at most, where the defaults fault 32,288 every round
@@ -77,9 +78,7 @@ print(json.dumps({"steady": steady, "kept": kept, "after": memory_now_bytes(cpu)
 def test_a_memory_figure_starts_from_live_memory_not_what_was_freed():
     """steady_allocator keeps freed blocks resident; reset_peak_memory and the activation probe's idle figure
     give them back first (release_free_memory), or a run would be charged what an earlier one freed."""
-    out = subprocess.run([sys.executable, "-c", RELEASE_SCRIPT], capture_output=True, text=True, check=True,
-                         cwd=CHECKOUT, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": CHECKOUT})
-    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    figures = _run(RELEASE_SCRIPT)
     if not figures["steady"]:
         pytest.skip("no glibc mallopt here: freed blocks go back by the C library's defaults")
     assert figures["kept"] > 56 * 2**20 and figures["after"] < 8 * 2**20, figures
