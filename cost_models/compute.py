@@ -45,7 +45,7 @@ import math
 from dataclasses import dataclass
 
 from specs.model import ModelSpec
-from cost_models.engines import ENGINES, EngineModel
+from cost_models.engines import ENGINES, EngineModel, ring_blocks_written_out
 from specs.hardware import FLASH_HALF_SEQ, Hardware
 
 # Elementwise kernels reach about 80% of the HBM datasheet bandwidth (STREAM-like copies on A100/H100).
@@ -450,8 +450,8 @@ def layer_compute_times(model: ModelSpec, hw: Hardware, *, micro_batch: int, seq
     Context parallelism over `cp` ranks (`seq_len` is the whole sequence): the token-wise GEMMs and
     elementwise ops see seq_len / cp tokens; the balanced causal split gives every rank 1/cp of the
     attention work, which is the whole sequence's attention over 1/cp of the heads (exactly so for
-    all-to-all, and for a ring on a fused kernel per block). This engine's ring (`ring_size` > 1)
-    writes its blocks out instead (`ring_blocks_times_s`)."""
+    all-to-all, and for a ring on a fused kernel per block). This engine's ring (`ring_size` > 1) is
+    priced by its own steps (`own_ring_times_s`) where the profile timed them or they are written out."""
     engine = engine or ENGINES["ours"]
     kernel = attention_kernel(model, engine, hw)
     gemm_dtype = "fp8" if precision == "fp8" else precision
@@ -462,11 +462,12 @@ def layer_compute_times(model: ModelSpec, hw: Hardware, *, micro_batch: int, seq
     dense_bwd = sum(backward_gemms_time_s(hw, g, dtype=gemm_dtype, accumulate_fp32=engine.main_grads_fp32)
                     for g in gemms["dense"])
     attn_dtype = "bf16" if precision == "fp8" else precision
+    own_ring = None
     if cp > 1 and ring_size > 1 and not engine.fused_ring_blocks:
-        # Written out in fp32 whatever the training precision (the log-sum-exp merge needs it).
-        attn_fwd, attn_bwd = ring_blocks_times_s(model, hw, micro_batch=micro_batch, seq_len=seq_len, tp=tp, cp=cp,
-                                                 ring_size=ring_size, dtype="fp32")
-        kernel = "blocks"
+        own_ring = own_ring_times_s(model, hw, micro_batch=micro_batch, seq_len=seq_len, tp=tp, cp=cp,
+                                    ring_size=ring_size, engine=engine)
+    if own_ring is not None:
+        (attn_fwd, attn_bwd), kernel = own_ring, "blocks"
     else:
         # A fused ring runs each step's kernels on half-chunks of seq_len / (2 cp) keys (Transformer Engine).
         attn_fwd, attn_bwd = _core_times_s(model, hw, kernel=kernel, micro_batch=micro_batch, seq_len=seq_len,
@@ -587,27 +588,37 @@ RING_KERNELS_FWD = 17
 RING_KERNELS_BWD = 14
 
 
+def own_ring_times_s(model: ModelSpec, hw: Hardware, *, micro_batch: int, seq_len: int, tp: int, cp: int,
+                     ring_size: int, engine: EngineModel | None = None) -> tuple[float, float] | None:
+    """(forward, backward) seconds of this engine's ring steps on one rank: as the profile timed them at this
+    head width and query / K-V head ratio (CPU profiles: Hardware.ring_points, `measured_ring_times_s`);
+    else written out in fp32 whatever the training precision, the log-sum-exp merge needs it
+    (`ring_blocks_times_s`, GPUs); else None: on CPUs the steps run torch's flash kernel and are priced like a
+    fused engine's (compute.layer_compute_times)."""
+    s_r = seq_len // ring_size
+    heads = micro_batch * model.num_heads // (tp * cp // ring_size)
+    measured = measured_ring_times_s(hw, side=s_r, heads=heads, head_dim=model.head_dim,
+                                     gqa=model.num_heads // model.num_kv_heads, ring_size=ring_size)
+    if measured is not None or not ring_blocks_written_out(engine or ENGINES["ours"], hw.device_type):
+        return measured
+    return ring_blocks_times_s(model, hw, micro_batch=micro_batch, seq_len=seq_len, tp=tp, cp=cp,
+                               ring_size=ring_size, dtype="fp32")
+
+
 def ring_blocks_times_s(model: ModelSpec, hw: Hardware, *, micro_batch: int, seq_len: int, tp: int, cp: int,
                         ring_size: int, dtype: str) -> tuple[float, float]:
-    """(forward, backward) seconds of this engine's written-out ring attention on one rank.
+    """(forward, backward) seconds of this engine's written-out ring attention on one rank (GPUs).
 
     Each ring rank holds s_r = seq_len / ring_size tokens (after the all-to-all part) for
     num_heads / (tp x cp / ring_size) heads; step 0 computes its full s_r x s_r square under the causal
     mask, each of the ring_size - 1 other steps half of one, so a rank computes (ring_size + 1) / 2 squares:
     two GEMMs forward (Q K^T, P V), five backward (the scores again, dV, dP, dQ, dK), each at the square's
     shape. The fp32 scores pass through memory on top (RING_SCORE_BYTES_*, forward and backward, and
-    step 0's mask over its square, RING_MASK_BYTES).
-
-    Where the profile timed the engine's own steps at this head width and query / K-V head ratio (CPU
-    profiles: Hardware.ring_points), they price the ring instead (`measured_ring_times_s`): at a 1024-token
-    side the GEMM-and-passes price above, times the layer-fitted compute scale, came out 1.34x the steps'
-    measured time on this project's 2-core host."""
+    step 0's mask over its square, RING_MASK_BYTES). When the CPU path wrote its blocks out too, this price
+    times the layer-fitted compute scale came out 1.34x the steps' measured time at a 1024-token side on
+    this project's 2-core host."""
     s_r = seq_len // ring_size
     heads = micro_batch * model.num_heads // (tp * cp // ring_size)
-    measured = measured_ring_times_s(hw, side=s_r, heads=heads, head_dim=model.head_dim,
-                                     gqa=model.num_heads // model.num_kv_heads, ring_size=ring_size)
-    if measured is not None:
-        return measured
     squares = (ring_size + 1) / 2
     d = model.head_dim
     qk, pv = Gemm(s_r, s_r, d, heads), Gemm(s_r, d, s_r, heads)

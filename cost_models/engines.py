@@ -49,7 +49,7 @@ class EngineModel:
     # Context parallelism: whether the engine runs it (Megatron-LM's --context-parallel-size,
     # torchtitan's context_parallel_degree; not the SC21 Megatron nor Megatron-DeepSpeed), and whether a
     # ring's partial blocks run on a fused attention kernel (Transformer Engine, torch's ring over SDPA)
-    # rather than written out (this engine's log-sum-exp blocks, cost_models/compute.py).
+    # rather than the engine's own steps (this engine's log-sum-exp blocks: `ring_blocks_written_out`).
     context_parallel: bool = True
     fused_ring_blocks: bool = True
     # MoE token dispatch (Megatron-Core --moe-token-dispatcher-type / --moe-flex-dispatcher-backend):
@@ -167,6 +167,13 @@ ENGINES: dict[str, EngineModel] = {e.name: e for e in (
 
 if tuple(ENGINES) != ENGINE_NAMES:  # the names are declared once, in specs (a plan file records its engine)
     raise RuntimeError(f"cost_models.engines prices {tuple(ENGINES)} but specs.planfile names {ENGINE_NAMES}")
+
+
+def ring_blocks_written_out(engine: EngineModel, device_type: str) -> bool:
+    """Whether `engine`'s ring writes each step's fp32 scores out on `device_type`: this project's engine on
+    GPUs; on CPUs its steps run torch's flash kernel, which returns the log-sum-exp the merge needs
+    (runners/context_parallel._fused_blocks); the other engines run a fused kernel per step everywhere."""
+    return not engine.fused_ring_blocks and device_type != "cpu"
 
 
 def engine_model(name: str | EngineModel) -> EngineModel:

@@ -52,7 +52,7 @@ from cost_models.memory import (ALLOCATOR_FRAGMENTATION, CPU_FRAMEWORK_RESERVE_B
                                 gpu_runtime_bytes, end_params_per_device, in_flight_profiles, layer_activation_bytes,
                                 layer_params_per_device, logits_bytes, model_state_bytes, peak_from_profiles,
                                 state_bytes_per_param)
-from cost_models.engines import engine_model
+from cost_models.engines import engine_model, ring_blocks_written_out
 from cost_models.linkshare import shared_send_delay_s
 from specs.schedule import rank_actions
 from cost_models.timeline import ChunkDurations, simulate
@@ -301,7 +301,7 @@ class LayerCosts:
     # parallelism (`_sp_replicated_reduce_s`).
     replicated_reduce_s: float = 0.0
     recompute_time_s: dict[str, float] = field(default_factory=dict)
-    # The largest transient of this engine's ring: one step's fp32 scores and probabilities.
+    # The largest transient of this engine's written-out ring (GPUs): one step's fp32 scores and probabilities.
     cp_working_bytes: float = 0.0
     # Speed of the layer's forward / backward compute while a collective holds some of the GPU's SMs, over
     # its speed on the whole device (compute.contended); 1 on CPUs.
@@ -494,7 +494,7 @@ def layer_costs(plan, *, model, cluster, job, engine: str = "ours") -> LayerCost
         last_extra_forward_s=ends.head_forward_s + (exposed * gather_s if sp else 0.0),
         first_extra_tp_comm_s=embed_comm_s + rep_first_s, last_extra_tp_comm_s=one_s + rep_last_s,
         tp_comm_s=tp_comm, cp_comm_s=cp_comm, recompute_time_s=recompute_s, replicated_reduce_s=rep_s,
-        cp_working_bytes=_ring_working_bytes(model, plan=plan, seq_len=job.seq_len, ring=ring, eng=eng),
+        cp_working_bytes=_ring_working_bytes(model, plan=plan, seq_len=job.seq_len, ring=ring, eng=eng, hw=hw),
         overlap_efficiency_forward=share_f, overlap_efficiency_backward=share_b)
 
 
@@ -839,10 +839,10 @@ def _materialized_scores_bytes(model, *, micro_batch: int, seq_len: int, heads_s
     return micro_batch * model.num_heads / heads_split * seq_len * seq_len * per_score
 
 
-def _ring_working_bytes(model, *, plan, seq_len: int, ring: int, eng) -> float:
-    """This engine's ring builds one step's fp32 scores and probabilities (step 0's full square of s / r
-    tokens, for num_heads / (tp x cp / r) heads); a fused engine keeps no square."""
-    if ring == 1 or eng.fused_ring_blocks:
+def _ring_working_bytes(model, *, plan, seq_len: int, ring: int, eng, hw) -> float:
+    """This engine's written-out ring builds one step's fp32 scores and probabilities (step 0's full square of
+    s / r tokens, for num_heads / (tp x cp / r) heads); a fused kernel keeps no square."""
+    if ring == 1 or not ring_blocks_written_out(eng, hw.device_type):
         return 0.0
     heads = plan.micro_batch * model.num_heads // (plan.tp * plan.cp // ring)
     return 2 * 4.0 * heads * (seq_len // ring) ** 2

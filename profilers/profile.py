@@ -46,9 +46,10 @@ KIB, MIB = 1024, 1024**2
 # the group's wall (runners/probe._group_seconds); 9: the fused attention's points timed in the same rounds
 # as the ring's steps, every rank at once (AttentionPoint.concurrent; runners/probe.measure_attention_blocks);
 # 10: every worker, and the profile's own sweeps, keep the memory they free (runners/launch.steady_allocator:
-# the ring's steps ran 25-40% faster, and no longer by what the process had freed before).
+# the ring's steps ran 25-40% faster, and no longer by what the process had freed before); 11: the ring's steps
+# run torch's CPU flash kernel (runners/context_parallel._fused_blocks), so the timed ring points changed.
 # A cached profile of another version is measured again (planner/machine.stale_reason).
-PROFILER_VERSION = 10
+PROFILER_VERSION = 11
 # Tokens a ring rank holds (its two chunks), where the probe times the ring's steps
 # (runners/probe.measure_attention_blocks): a tiny model's cp4 at 64 tokens holds 16, benchmarks/context_parallel.py's
 # cp4 at 4096 holds 1024. Per score the steps cost much more at the small sides (a step launches ~20 kernels)

@@ -25,9 +25,12 @@ step 0 is causal over my two chunks (the local layout is increasing in position)
 row sees src's first chunk only; src > j: only my second chunk's rows see src's two chunks. Every step but
 the first computes half of a full local block, so the ranks stay balanced.
 
-Partial attention is written out (scores, masked softmax, weighted values) in fp32, giving the
-log-sum-exp the merge needs on every device; the full-sequence part of the all-to-all kind uses
-scaled_dot_product_attention.
+A step's partial attention needs its log-sum-exp for the merge. On CPUs torch's flash kernel
+(`_scaled_dot_product_flash_attention_for_cpu`) returns it, and its backward, given the merged output and
+log-sum-exp, yields exactly the block's share of the gradients: the blocks run tiled, in the inputs' dtype,
+with no score block in memory. Elsewhere they are written out (scores, masked softmax, weighted values) in
+fp32. The running output and log-sum-exp are fp32 either way; the full-sequence part of the all-to-all
+kind uses scaled_dot_product_attention.
 """
 
 from __future__ import annotations
@@ -196,24 +199,41 @@ def _scores(q, k, *, causal: bool, scale: float) -> torch.Tensor:
     return scores
 
 
+def _fused_blocks(q: torch.Tensor) -> bool:
+    """Whether this device runs the ring's blocks on torch's flash kernel, which returns the log-sum-exp
+    (CPU); elsewhere they are written out."""
+    return q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
 def _partial(q, k, v, *, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q over one K/V block: (output fp32, log-sum-exp of the scores [b, heads, rows])."""
     rep = q.shape[1] // k.shape[1]
+    if _fused_blocks(q):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, _repeat_kv(k, rep), _repeat_kv(v, rep), 0.0, causal, scale=scale)
+        return out.float(), lse
     scores = _scores(q, _repeat_kv(k, rep), causal=causal, scale=scale)
     lse = torch.logsumexp(scores, dim=-1)
     return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), _repeat_kv(v, rep).float()), lse
 
 
-def _partial_backward(q, k, v, dout, lse, delta, *, causal: bool, scale: float):
-    """Gradients (fp32) of one block given the final output's log-sum-exp and delta = rowsum(dout x out)
-    (FlashAttention's backward, Dao et al. 2022): (dq, dk, dv), dk and dv summed over each GQA group."""
+def _partial_backward(q, k, v, dout, out, lse, delta, *, causal: bool, scale: float):
+    """Gradients (fp32) of one block given the final output, its log-sum-exp and delta = rowsum(dout x out)
+    (FlashAttention's backward, Dao et al. 2022): (dq, dk, dv), dk and dv summed over each GQA group. Given
+    the merged output and log-sum-exp, the fused kernel's backward yields exactly this block's share."""
     rep = q.shape[1] // k.shape[1]
-    kr, vr = _repeat_kv(k, rep).float(), _repeat_kv(v, rep).float()
-    p = torch.exp(_scores(q, kr, causal=causal, scale=scale) - lse.unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-1, -2), dout)
-    ds = p * (torch.matmul(dout, vr.transpose(-1, -2)) - delta.unsqueeze(-1))
-    dq = torch.matmul(ds, kr) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q.float()) * scale
+    if _fused_blocks(q):
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.to(q.dtype), q, _repeat_kv(k, rep), _repeat_kv(v, rep), out.to(q.dtype), lse, 0.0, causal,
+            scale=scale)
+        dq, dk, dv = dq.float(), dk.float(), dv.float()
+    else:
+        kr, vr = _repeat_kv(k, rep).float(), _repeat_kv(v, rep).float()
+        p = torch.exp(_scores(q, kr, causal=causal, scale=scale) - lse.unsqueeze(-1))
+        dv = torch.matmul(p.transpose(-1, -2), dout)
+        ds = p * (torch.matmul(dout, vr.transpose(-1, -2)) - delta.unsqueeze(-1))
+        dq = torch.matmul(ds, kr) * scale
+        dk = torch.matmul(ds.transpose(-1, -2), q.float()) * scale
     if rep > 1:
         b, _, s, d = dk.shape
         dk, dv = (t.view(b, k.shape[1], rep, s, d).sum(2) for t in (dk, dv))
@@ -231,13 +251,14 @@ def ring_forward_step(q, k, v, out, lse, *, rows: slice, cols: slice, causal: bo
     lse[:, :, rows] = merged
 
 
-def ring_backward_step(q, k, v, dout, lse, delta, dq, *, rows: slice, cols: slice, causal: bool,
+def ring_backward_step(q, k, v, dout, out, lse, delta, dq, *, rows: slice, cols: slice, causal: bool,
                        scale: float) -> torch.Tensor:
     """One ring step's backward: adds this block's query gradient into `dq` (fp32, in place) and returns the
     gradient of the block's K/V owner, [2, b, kv_heads, s, d] fp32 (zero outside `cols`). The step
     `planner profile` times as the ring's backward kernel."""
     dq_i, dk_i, dv_i = _partial_backward(q[:, :, rows], k[:, :, cols], v[:, :, cols], dout[:, :, rows],
-                                         lse[:, :, rows], delta[:, :, rows], causal=causal, scale=scale)
+                                         out[:, :, rows], lse[:, :, rows], delta[:, :, rows], causal=causal,
+                                         scale=scale)
     dq[:, :, rows] += dq_i
     dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
     dkv[0][:, :, cols] = dk_i
@@ -304,8 +325,8 @@ class _RingAttention(torch.autograd.Function):
             pending = ring.start(kv, tag=KV_TAG) if step < n - 1 else None
             rows, cols, causal = _block(step, me=me, n=n, half=half)
             # The K/V gradient of this step's K/V owner: what the previous ranks added, plus mine.
-            dkv = ring_backward_step(q, kv[0], kv[1], dout, lse, delta, dq, rows=rows, cols=cols, causal=causal,
-                                     scale=scale)
+            dkv = ring_backward_step(q, kv[0], kv[1], dout, out, lse, delta, dq, rows=rows, cols=cols,
+                                     causal=causal, scale=scale)
             if pending_dkv is not None:
                 dkv += ring.finish(pending_dkv).float()
             pending_dkv = ring.start(dkv.to(k.dtype), tag=DKV_TAG)

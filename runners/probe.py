@@ -214,8 +214,8 @@ def _ring_heads(model: ModelSpec) -> tuple[int, int]:
 
 def _ring_block_calls(model: ModelSpec, *, side: int, device: torch.device) -> list:
     """The four timed calls of a ring rank holding `side` tokens: step 0's causal square forward and
-    backward, then a half block's (every other step: side x side / 2 unmasked scores), in fp32 (the ring
-    computes in fp32 whatever the model's dtype), with the model's head width and query / K-V head ratio."""
+    backward, then a half block's (every other step: side x side / 2 unmasked scores), in fp32 (CPU runs'
+    dtype), with the model's head width and query / K-V head ratio."""
     from runners.context_parallel import ring_backward_step, ring_forward_step
 
     heads, kv_heads = _ring_heads(model)
@@ -235,8 +235,9 @@ def _ring_block_calls(model: ModelSpec, *, side: int, device: torch.device) -> l
             running = torch.full((1, heads, side), float("-inf"), device=device)
             ring_forward_step(q, k, v, o, running, rows=whole, cols=cols, causal=causal, scale=scale)
 
-        def backward(cols=cols, causal=causal, lse=lse, delta=delta, dq=dq) -> None:
-            ring_backward_step(q, k, v, dout, lse, delta, dq, rows=whole, cols=cols, causal=causal, scale=scale)
+        def backward(cols=cols, causal=causal, out=out, lse=lse, delta=delta, dq=dq) -> None:
+            ring_backward_step(q, k, v, dout, out, lse, delta, dq, rows=whole, cols=cols, causal=causal,
+                               scale=scale)
 
         calls += [forward, backward]
     return calls

@@ -92,8 +92,9 @@ class AttentionPoint:
 @dataclass(frozen=True)
 class RingBlockPoint:
     """This engine's ring attention steps (runners/context_parallel.ring_forward_step / ring_backward_step)
-    timed in fp32 (the ring computes in fp32 whatever the model's dtype): a rank holding `side` tokens of
-    `num_heads` query heads (`num_kv_heads` K/V heads) of `head_dim`, micro-batch 1. `square_*`: step 0,
+    timed in fp32 (on CPUs torch's flash kernel per step since profiler version 11, written out before): a
+    rank holding `side` tokens of `num_heads` query heads (`num_kv_heads` K/V heads) of `head_dim`,
+    micro-batch 1. `square_*`: step 0,
     the causal side x side block; `half_*`: every other step, side x side / 2 unmasked scores. Seconds per
     call, forward and backward. `concurrent`: timed on every rank of the profile at once (runners/probe.py,
     profiler version 8; the slowest rank's), so the processes sharing the host's cores are in the times;
@@ -210,8 +211,8 @@ class Hardware:
     # before; cost_models/compute.measured_attention_times_s prices from them).
     attention_points: tuple[AttentionPoint, ...] = ()
     # CPU profiles: this engine's context-parallel ring steps timed by local tokens at the profiled model's
-    # head width (runners/probe.measure_attention_blocks; cost_models/compute.ring_blocks_times_s prices the
-    # ring from them where the head width matches, else from its GEMMs and passes).
+    # head width (runners/probe.measure_attention_blocks; cost_models/compute.own_ring_times_s prices the
+    # ring from them where the head width matches, else like a fused engine's).
     ring_points: tuple[RingBlockPoint, ...] = ()
     # GPUs: streaming multiprocessors and the output tile (rows, columns) of the library's large-GEMM kernel;
     # a GEMM runs in waves of one tile per SM, so shapes that leave the last wave part-empty or pad their

@@ -221,7 +221,7 @@ def _ring_points(ns_per_score: dict[int, float], *, head_dim: int = 32, heads: i
 
 
 def test_measured_ring_steps_price_the_ring_by_their_scores_in_log_log():
-    from cost_models.compute import measured_ring_times_s, ring_blocks_times_s
+    from cost_models.compute import measured_ring_times_s, own_ring_times_s, ring_blocks_times_s
 
     points = _ring_points({64: 2.0, 1024: 1.0})  # 4 heads each
     hw = dataclasses.replace(HW["cpu"], ring_points=points, kernel_overhead_s=0.0)
@@ -246,14 +246,18 @@ def test_measured_ring_steps_price_the_ring_by_their_scores_in_log_log():
     # Timed on every rank at once (profiler version 8): the sharing is in the times already.
     together = dataclasses.replace(shared, ring_points=tuple(dataclasses.replace(p, concurrent=True) for p in points))
     assert measured_ring_times_s(together, side=1024, heads=8, ring_size=4, **kw)[0] == pytest.approx(base)
-    # Another head width or GQA ratio than measured: no price from the points (the GEMMs-and-passes one stands).
+    # Another head width or GQA ratio than measured: no price from the points.
     assert measured_ring_times_s(hw, side=1024, heads=8, ring_size=4, head_dim=64, gqa=1) is None
     assert measured_ring_times_s(hw, side=1024, heads=8, ring_size=4, head_dim=32, gqa=2) is None
+    # The engine's steps: as timed where timed; else written out on GPUs, and on CPUs (flash kernel per
+    # step) priced like a fused engine's (None here).
     model = dataclasses.replace(PRESETS["tiny"], hidden_size=128, num_heads=4, num_kv_heads=4)
-    plain = ring_blocks_times_s(model, HW["cpu"], micro_batch=1, seq_len=4096, tp=1, cp=4, ring_size=4, dtype="fp32")
-    priced = ring_blocks_times_s(model, hw, micro_batch=2, seq_len=4096, tp=1, cp=4, ring_size=4, dtype="fp32")
+    shape = dict(seq_len=4096, tp=1, cp=4, ring_size=4)
+    priced = own_ring_times_s(model, hw, micro_batch=2, **shape)
     assert priced == pytest.approx(measured_ring_times_s(hw, side=1024, heads=8, ring_size=4, **kw))
-    assert priced != pytest.approx(plain)
+    assert own_ring_times_s(model, HW["cpu"], micro_batch=2, **shape) is None
+    assert own_ring_times_s(model, HW["h100"], micro_batch=2, **shape) == pytest.approx(
+        ring_blocks_times_s(model, HW["h100"], micro_batch=2, dtype="fp32", **shape))
 
 
 def test_flash_rate_follows_the_measured_head_dim_ratio():

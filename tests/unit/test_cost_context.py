@@ -186,6 +186,21 @@ def test_this_engines_activations_per_rank_fall_exactly_as_one_over_cp():
             assert act[1] / act[cp] == pytest.approx(cp, rel=1e-12)
 
 
+def test_our_ring_keeps_a_score_square_only_where_it_writes_its_blocks_out():
+    """On GPUs this engine's ring builds step 0's fp32 scores and probabilities (8 bytes a score of
+    num_heads x (seq / cp)^2); on CPUs its steps run torch's flash kernel and keep no square."""
+    job = Job(global_batch=1, seq_len=8192, precision="bf16")
+    plan = Plan(cp=4, tp=2, num_micro_batches=1)
+    square = 8.0 * MODEL.num_heads // 2 * (8192 // 4) ** 2
+    gpu = layer_costs(plan, model=MODEL, cluster=Cluster(num_nodes=1, devices_per_node=8, hardware=H100), job=job)
+    assert gpu.cp_working_bytes == pytest.approx(square)
+    cpu = layer_costs(plan, model=MODEL, cluster=Cluster(num_nodes=1, devices_per_node=8, hardware=HW["cpu"]), job=job)
+    assert cpu.cp_working_bytes == 0.0
+    fused = layer_costs(plan, model=MODEL, cluster=Cluster(num_nodes=1, devices_per_node=8, hardware=H100), job=job,
+                        engine="megatron")
+    assert fused.cp_working_bytes == 0.0
+
+
 def test_ring_exps_run_at_the_profiles_silu_rate():
     """The ring's exps are priced at the measured SiLU rate (8 bytes an element) where a profile has one,
     times the cores its processes share (not the fitted compute scale); without one, as a bandwidth-bound
