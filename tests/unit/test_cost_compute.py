@@ -169,19 +169,29 @@ def test_measured_attention_is_exact_at_its_points_and_interpolated_by_log_seque
     # Width 36 is halfway between 8 and 64: at seq 256, (1 + 4) / 2.
     fwd, _ = measured_attention_times_s(hw, micro_batch=1, seq_len=256, num_heads=1, head_dim=36, dtype="fp32")
     assert fwd == pytest.approx(2.5e-9 * scores(1, 1, 256))
-    # Beyond the longest point the per-score cost holds (time grows as s^2). A measurement is not rescaled
-    # by compute_time_scale, but 4 processes on 2 cores run it at half a core each.
+    # Beyond the longest point, a + b / s per score through the last two: 1 ns at 256 and 2 at 1024 give
+    # a = 7 / 3 and b = -1 / 3 x 1024, so at 4096 2.25 ns. A measurement is not rescaled by
+    # compute_time_scale, but 4 processes on 2 cores run it at half a core each.
     scaled = dataclasses.replace(hw, calibration={"compute_time_scale": 3.0}, measured_processes=4, measured_cores=2)
     fwd, _ = measured_attention_times_s(scaled, micro_batch=1, seq_len=4096, num_heads=1, head_dim=8, dtype="fp32")
-    assert fwd == pytest.approx(2 * 2e-9 * scores(1, 1, 4096))
+    assert fwd == pytest.approx(2 * 2.25e-9 * scores(1, 1, 4096))
     alone = dataclasses.replace(scaled, measured_processes=2, measured_cores=8)
     assert measured_attention_times_s(alone, micro_batch=1, seq_len=4096, num_heads=1, head_dim=8, dtype="fp32")[0] == \
-        pytest.approx(2e-9 * scores(1, 1, 4096))
+        pytest.approx(2.25e-9 * scores(1, 1, 4096))
     # Points timed on every rank at once (profiler version 9) hold the sharing already: priced as they are.
     together = dataclasses.replace(scaled, attention_points=tuple(dataclasses.replace(p, concurrent=True)
                                                                   for p in points))
     assert measured_attention_times_s(together, micro_batch=1, seq_len=4096, num_heads=1, head_dim=8,
-                                      dtype="fp32")[0] == pytest.approx(2e-9 * scores(1, 1, 4096))
+                                      dtype="fp32")[0] == pytest.approx(2.25e-9 * scores(1, 1, 4096))
+    # Falling per-score costs fall towards their fixed part: 4 ns at 1024, 3 at 2048: a = 2, so 2.5 at 4096;
+    # never below zero (8 and 3: a = 0, time then grows as s: 1.5 ns a score at 4096).
+    falling = dataclasses.replace(hw, attention_points=_attention_points({(1024, 8): 4.0, (2048, 8): 3.0}))
+    fwd, _ = measured_attention_times_s(falling, micro_batch=1, seq_len=4096, num_heads=1, head_dim=8, dtype="fp32")
+    assert fwd == pytest.approx(2.5e-9 * scores(1, 1, 4096))
+    steep_fall = dataclasses.replace(hw, attention_points=_attention_points({(1024, 8): 8.0, (2048, 8): 3.0}))
+    fwd, _ = measured_attention_times_s(steep_fall, micro_batch=1, seq_len=4096, num_heads=1, head_dim=8,
+                                        dtype="fp32")
+    assert fwd == pytest.approx(1.5e-9 * scores(1, 1, 4096))
     # A narrower head than any measured: the line through the two widths, extrapolated (1 + 3 x (4 - 8) / 56)...
     fwd, _ = measured_attention_times_s(hw, micro_batch=1, seq_len=256, num_heads=1, head_dim=4, dtype="fp32")
     assert fwd == pytest.approx((1 - 12 / 56) * 1e-9 * scores(1, 1, 256))
