@@ -25,7 +25,7 @@ step 0 is causal over my two chunks (the local layout is increasing in position)
 row sees src's first chunk only; src > j: only my second chunk's rows see src's two chunks. Every step but
 the first computes half of a full local block, so the ranks stay balanced.
 
-A step's partial attention needs its log-sum-exp for the merge. On CPUs torch's flash kernel
+A step's partial attention needs its log-sum-exp for the merge. On CPUs (fp32, bf16, fp16) torch's flash kernel
 (`_scaled_dot_product_flash_attention_for_cpu`) returns it, and its backward, given the merged output and
 log-sum-exp, yields exactly the block's share of the gradients: the blocks run tiled, in the inputs' dtype,
 with no score block in memory. Elsewhere they are written out (scores, masked softmax, weighted values) in
@@ -199,10 +199,14 @@ def _scores(q, k, *, causal: bool, scale: float) -> torch.Tensor:
     return scores
 
 
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the kernel's log-sum-exp is fp32 for these
+
+
 def _fused_blocks(q: torch.Tensor) -> bool:
     """Whether this device runs the ring's blocks on torch's flash kernel, which returns the log-sum-exp
-    (CPU); elsewhere they are written out."""
-    return q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+    (CPU, the training dtypes); elsewhere they are written out."""
+    return (q.device.type == "cpu" and q.dtype in FUSED_DTYPES
+            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"))
 
 
 def _partial(q, k, v, *, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

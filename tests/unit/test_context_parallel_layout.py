@@ -77,3 +77,24 @@ def test_ring_steps_merge_to_attention_and_its_gradients(monkeypatch, fused):
                                      scale=scale)
         assert torch.allclose(dkv[0], k_leaf.grad, atol=1e-5) and torch.allclose(dkv[1], v_leaf.grad, atol=1e-5)
     assert torch.allclose(dq, leaves[0].grad, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_ring_steps_run_in_every_dtype(dtype):
+    """The flash kernel per step takes the training dtypes (its log-sum-exp fp32); others are written out."""
+    g = torch.Generator().manual_seed(0)
+    q, dout = torch.randn(1, 4, 16, 8, generator=g).to(dtype), torch.randn(1, 4, 16, 8, generator=g)
+    k, v = (torch.randn(1, 2, 16, 8, generator=g).to(dtype) for _ in range(2))
+    out, lse = torch.zeros(q.shape), torch.full(q.shape[:3], float("-inf"))
+    whole, scale = slice(None), 8 ** -0.5
+    cpm.ring_forward_step(q, k, v, out, lse, rows=whole, cols=whole, causal=True, scale=scale)
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        leaves[0], leaves[1].repeat_interleave(2, 1), leaves[2].repeat_interleave(2, 1), is_causal=True)
+    ref.backward(dout)
+    assert torch.allclose(out, ref.detach(), atol=2e-2)
+    dq = torch.zeros(q.shape)
+    dkv = cpm.ring_backward_step(q, k, v, dout, out, lse, (dout * out).sum(-1), dq, rows=whole, cols=whole,
+                                 causal=True, scale=scale)
+    assert torch.allclose(dq, leaves[0].grad, atol=5e-2)
+    assert torch.allclose(dkv[0], leaves[1].grad, atol=5e-2) and torch.allclose(dkv[1], leaves[2].grad, atol=5e-2)
