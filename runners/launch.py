@@ -37,6 +37,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -300,8 +301,9 @@ def run_workers(module: str, spec: dict, *, where: Where, on_event: Callable[[di
 
 
 def _run_local(cmd: list[str], *, env: dict[str, str], on_line: Callable[[int, str], None]) -> int:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **env}, start_new_session=True)
+    with interrupt_deferred():
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, **env}, start_new_session=True)
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -360,10 +362,12 @@ def _run_direct(nproc: int, module_argv: list[str], *, env: dict[str, str],
 
     try:
         for rank in range(nproc):
-            proc = subprocess.Popen([sys.executable, *module_argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True, start_new_session=True,
-                                    env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)})
-            procs.append(proc)
+            with interrupt_deferred():  # a Ctrl-C inside Popen would leave a started worker out of `procs`
+                procs.append(subprocess.Popen([sys.executable, *module_argv], stdout=subprocess.PIPE,
+                                              stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                              env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                                                   "ROLE_RANK": str(rank)}))
+            proc = procs[-1]
             readers.append(threading.Thread(target=pump, args=(proc,), daemon=True))
             readers[-1].start()
         first = None
@@ -380,6 +384,29 @@ def _run_direct(nproc: int, module_argv: list[str], *, env: dict[str, str],
         return (0, None) if first is None else (first[1] if first[1] > 0 else 1, first)
     finally:
         _kill_groups(procs, grace_s=DIRECT_GRACE_S)
+
+
+@contextmanager
+def interrupt_deferred():
+    """Hold a Ctrl-C (SIGINT) that arrives inside the block until the block ends, then raise it as usual.
+
+    A KeyboardInterrupt raised inside subprocess.Popen, after the fork and before Popen returns, leaves a
+    started child that its caller never got to record, so nothing stops it: seen as a collective worker
+    left running after `planner profile` returned from Ctrl-C (1 in 8 tries with SIGINT sent as the first
+    worker appeared). Only the main thread receives Python's signal handlers; elsewhere the block runs as is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught and callable(previous):
+            previous(signal.SIGINT, None)
+        elif caught and previous == signal.SIG_DFL:
+            raise KeyboardInterrupt
 
 
 def _kill_groups(procs: list[subprocess.Popen], *, grace_s: float) -> None:

@@ -67,3 +67,34 @@ def test_a_worker_that_outlives_its_group_leader_is_killed(tmp_path):
     assert leader.poll() == -signal.SIGTERM and time.monotonic() - start < 8
     stat = Path(f"/proc/{worker}/stat")  # gone, or a zombie no init reaped yet
     assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def test_a_ctrl_c_while_a_worker_starts_still_leaves_the_worker_recorded():
+    """runners.launch.interrupt_deferred: a SIGINT arriving inside the block (here: right after Popen's fork,
+    where KeyboardInterrupt used to escape before the child was recorded) is raised when the block ends, so
+    the started child is in the list the launcher stops; outside a block Ctrl-C acts at once as before."""
+    import signal
+    import subprocess
+    import sys
+
+    from runners.launch import _kill_groups, interrupt_deferred
+
+    # Python's own handler, as a terminal run has it (a run in a shell's background inherits SIGINT ignored)
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        started: list[subprocess.Popen] = []
+        with pytest.raises(KeyboardInterrupt):
+            with interrupt_deferred():
+                child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.2)  # the handler has run by now; without the deferral the append below never happens
+                started.append(child)
+        assert started == [child] and child.poll() is None
+        _kill_groups(started, grace_s=2.0)
+        assert child.poll() == -signal.SIGTERM
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)
+    finally:
+        signal.signal(signal.SIGINT, outer)
