@@ -37,11 +37,11 @@ import threading
 import time
 import traceback
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from runners.interrupts import interrupt_deferred
 from specs.errors import PlannerError
 from specs.jsonio import read_json_file, write_json_atomic
 
@@ -384,29 +384,6 @@ def _run_direct(nproc: int, module_argv: list[str], *, env: dict[str, str],
         return (0, None) if first is None else (first[1] if first[1] > 0 else 1, first)
     finally:
         _kill_groups(procs, grace_s=DIRECT_GRACE_S)
-
-
-@contextmanager
-def interrupt_deferred():
-    """Hold a Ctrl-C (SIGINT) that arrives inside the block until the block ends, then raise it as usual.
-
-    A KeyboardInterrupt raised inside subprocess.Popen, after the fork and before Popen returns, leaves a
-    started child that its caller never got to record, so nothing stops it: seen as a collective worker
-    left running after `planner profile` returned from Ctrl-C (1 in 8 tries with SIGINT sent as the first
-    worker appeared). Only the main thread receives Python's signal handlers; elsewhere the block runs as is."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if caught and callable(previous):
-            previous(signal.SIGINT, None)
-        elif caught and previous == signal.SIG_DFL:
-            raise KeyboardInterrupt
 
 
 def _kill_groups(procs: list[subprocess.Popen], *, grace_s: float) -> None:

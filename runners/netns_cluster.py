@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from runners.interrupts import interrupt_deferred
 from specs.errors import PlannerError
 
 log = logging.getLogger(__name__)
@@ -379,10 +380,11 @@ def launch_on_cluster(state: ClusterState, argv_per_node: Sequence[Sequence[str]
     threads = []
     try:
         for node, argv in enumerate(argv_per_node):
-            proc = subprocess.Popen(exec_argv(state, node, argv), env={**os.environ, **(env or {})},
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                    start_new_session=True)
-            procs.append(proc)
+            with interrupt_deferred():  # a Ctrl-C inside Popen would leave a started node out of `procs`
+                procs.append(subprocess.Popen(exec_argv(state, node, argv), env={**os.environ, **(env or {})},
+                                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                              bufsize=1, start_new_session=True))
+            proc = procs[-1]
             thread = threading.Thread(target=_pump, args=(proc, node, emit), daemon=True)
             thread.start()
             threads.append(thread)
@@ -445,11 +447,12 @@ class ElasticNodes:
         self.lock = threading.Lock()
 
     def start(self, node: int) -> None:
-        proc = subprocess.Popen(exec_argv(self.state, node, self.argv[node]), env={**os.environ, **self.env},
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                start_new_session=True)
-        with self.lock:
-            self.procs[node] = proc
+        with interrupt_deferred():  # a Ctrl-C inside Popen would leave a started node out of `procs`
+            proc = subprocess.Popen(exec_argv(self.state, node, self.argv[node]), env={**os.environ, **self.env},
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                    start_new_session=True)
+            with self.lock:
+                self.procs[node] = proc
         thread = threading.Thread(target=_pump, args=(proc, node, self.emit), daemon=True)
         thread.start()
         self.threads.append(thread)

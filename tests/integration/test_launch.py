@@ -70,14 +70,15 @@ def test_a_worker_that_outlives_its_group_leader_is_killed(tmp_path):
 
 
 def test_a_ctrl_c_while_a_worker_starts_still_leaves_the_worker_recorded():
-    """runners.launch.interrupt_deferred: a SIGINT arriving inside the block (here: right after Popen's fork,
+    """runners.interrupts.interrupt_deferred: a SIGINT arriving inside the block (here: right after Popen's fork,
     where KeyboardInterrupt used to escape before the child was recorded) is raised when the block ends, so
     the started child is in the list the launcher stops; outside a block Ctrl-C acts at once as before."""
     import signal
     import subprocess
     import sys
 
-    from runners.launch import _kill_groups, interrupt_deferred
+    from runners.interrupts import interrupt_deferred
+    from runners.launch import _kill_groups
 
     # Python's own handler, as a terminal run has it (a run in a shell's background inherits SIGINT ignored)
     outer = signal.signal(signal.SIGINT, signal.default_int_handler)
