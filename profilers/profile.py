@@ -192,6 +192,13 @@ def attention_rounds(budget_s: float) -> int:
     return max(3, round(ATTENTION_ROUNDS * min(1.0, budget_s / 1.5)))
 
 
+def sync_share(budget_s: float) -> float:
+    """The sync-wait probe's share of its default length (its loops' length and its rounds,
+    runners/probe.measure_sync_wait): 1 at the default budgets, less for a shorter --probe-seconds (0.2 at
+    0.3 s), as `overlap_repeats`. At 0.3 s its full length took 18 of a 2-process quick profile's 52 s."""
+    return min(1.0, budget_s / 1.5)
+
+
 def run_layer_probe(options: ProfileOptions, *, progress: Progress = _no_progress) -> dict:
     """The engine's layer, ring-step, overlap, sharding, context-parallel and sync-wait probes (runners.probe)
     on every rank at once: the Hardware fields they fill (layer_probe, ring_points, overlap_probe,
@@ -201,7 +208,7 @@ def run_layer_probe(options: ProfileOptions, *, progress: Progress = _no_progres
     spec = {"model": model.to_dict(), "budget_s": budget_s, "timeout_s": options.comm_timeout_s,
             "overlap_repeats": overlap_repeats(budget_s),
             "ring_sides": list(RING_SIDES if options.quick else RING_SIDES_FULL),
-            "attention_rounds": attention_rounds(budget_s),
+            "attention_rounds": attention_rounds(budget_s), "sync_share": sync_share(budget_s),
             "attention_seq_lens": list(ATTENTION_SEQ_LENS if options.quick else ATTENTION_SEQ_LENS_FULL),
             "attention_head_dims": list(attention_head_dims(model))}
 

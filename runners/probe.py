@@ -86,6 +86,7 @@ class ProbeSpec:
     # The fused attention's points beside them (CPU; profilers/profile.ATTENTION_SEQ_LENS, attention_head_dims).
     attention_seq_lens: tuple[int, ...] = ()
     attention_head_dims: tuple[int, ...] = ()
+    sync_share: float = 1.0  # of the sync-wait probe's loop length and rounds (profilers/profile.sync_share)
 
 
 @dataclass(frozen=True)
@@ -614,13 +615,14 @@ def _spin(calls: int, a: torch.Tensor) -> None:
         torch.mm(a, a)
 
 
-def measure_sync_wait(*, device: torch.device, rounds: int = SYNC_ROUNDS) -> dict[str, float]:
+def measure_sync_wait(*, device: torch.device, share: float = 1.0) -> dict[str, float]:
     """What a blocking collective waits for its last ranks after a segment of compute (CPU; the cost model's
     cost_models/comm.sync_wait_s): for every group size c of `context_probe_sizes` (every rank in a group of c
     consecutive ranks at once) and segment w of SYNC_SEGMENTS_S, loops of w of work each followed by a
     one-element all-reduce in the group, less the same loops without the all-reduce, less the all-reduce called
     back to back, each loop timed as the whole group's wall (`_group_seconds`); `sync{c}_{w in microseconds}_s`,
-    the ranks' mean of the median over `rounds` interleaved rounds (never below 0), with `world`. Each rank's
+    the ranks' mean of the median over SYNC_ROUNDS interleaved rounds (never below 0), with `world`; `share`
+    (at most 1) of the rounds (at least 3) and of each loop's length asks for a quicker, noisier probe. Each rank's
     compute runs longer or shorter by a little (and on a host with fewer cores than ranks, by the scheduler's
     time slices), so the group waits for its slowest arrival; the collective curves, timed back to back, hold
     none of it. Each loop's own rank-local time would not do for the loop without the all-reduce: its ranks
@@ -643,11 +645,12 @@ def measure_sync_wait(*, device: torch.device, rounds: int = SYNC_ROUNDS) -> dic
 
         return _group_seconds(body, repeats=iterations, device=device)
 
+    rounds, loop_s = max(3, round(SYNC_ROUNDS * min(1.0, share))), SYNC_LOOP_S * min(1.0, share)
     cases = [(c, w) for c in groups for w in SYNC_SEGMENTS_S]
     samples: dict[tuple[int, float], list[float]] = {case: [] for case in cases}
     for r in range(rounds):
         for c, w in cases[r % len(cases):] + cases[:r % len(cases)]:
-            calls, iterations = max(1, round(w / per_call_s)), max(8, round(SYNC_LOOP_S / w))
+            calls, iterations = max(1, round(w / per_call_s)), max(8, round(loop_s / w))
             alone = loop(calls, iterations, None)
             met = loop(calls, iterations, groups[c])
             samples[c, w].append(met - alone - loop(0, SYNC_LATENCY_CALLS, groups[c]))
@@ -716,7 +719,7 @@ def run_task(spec_dict: dict) -> ProbeResult | None:
             context = measure_context(spec.model, device=device, dtype=dtype, repeats=spec.overlap_repeats)
             if rank == 0:
                 emit_event("progress", done=5, total=PROBE_STEPS, label="sync-wait probe")
-            sync = measure_sync_wait(device=device)
+            sync = measure_sync_wait(device=device, share=spec.sync_share)
     dist.destroy_process_group()
     return ProbeResult(points=slowest, overlap=overlap, sharding=sharding, context=context,
                        sync=sync, ring=ring, attention=attention) if rank == 0 else None

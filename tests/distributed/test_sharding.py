@@ -506,8 +506,7 @@ def _sync_probe_worker(rank: int, world_size: int) -> dict:
     import runners.probe as probe
 
     torch.set_num_threads(1)
-    probe.SYNC_LOOP_S = 0.02  # this process's module: keep the test short
-    return probe.measure_sync_wait(device=torch.device("cpu"), rounds=1)
+    return probe.measure_sync_wait(device=torch.device("cpu"), share=0.07)  # 3 rounds of ~0.02 s loops
 
 
 def test_the_sync_wait_probe_reports_every_group_size_and_segment_on_every_rank():
