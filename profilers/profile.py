@@ -173,10 +173,18 @@ def measures_collectives(options: ProfileOptions) -> bool:
 PROBE_ATTEMPTS = 2
 
 
+def budget_share(budget_s: float) -> float:
+    """How much of its default length a probe runs at this --probe-seconds: 1 at the default budgets (1.5 s a
+    point and more), less for a shorter one (0.2 at 0.3 s), which asks for a quicker, noisier probe. The sync-wait
+    probe takes it as is (its loops' length and its rounds, runners/probe.measure_sync_wait: at 0.3 s its full
+    length took 18 of a 2-process quick profile's 52 s)."""
+    return min(1.0, budget_s / 1.5)
+
+
 def overlap_repeats(budget_s: float) -> int:
-    """The overlap probe's micro-steps per mode and round: 12 at the default budgets (1.5 s a point and
-    more), fewer for a shorter --probe-seconds (3 at 0.3 s), which asks for a quicker, noisier probe."""
-    return max(3, round(12 * min(1.0, budget_s / 1.5)))
+    """The overlap probe's micro-steps per mode and round: 12 at the default budgets, fewer for a shorter
+    --probe-seconds (3 at 0.3 s): `budget_share`."""
+    return max(3, round(12 * budget_share(budget_s)))
 
 
 # The attention probe's interleaved rounds (runners/probe.measure_attention_blocks) at the default budgets: its
@@ -187,16 +195,9 @@ ATTENTION_ROUNDS = 7
 
 
 def attention_rounds(budget_s: float) -> int:
-    """The attention probe's rounds: ATTENTION_ROUNDS at the default budgets (1.5 s a point and more), fewer for
-    a shorter --probe-seconds (3 at 0.3 s), as `overlap_repeats`."""
-    return max(3, round(ATTENTION_ROUNDS * min(1.0, budget_s / 1.5)))
-
-
-def sync_share(budget_s: float) -> float:
-    """The sync-wait probe's share of its default length (its loops' length and its rounds,
-    runners/probe.measure_sync_wait): 1 at the default budgets, less for a shorter --probe-seconds (0.2 at
-    0.3 s), as `overlap_repeats`. At 0.3 s its full length took 18 of a 2-process quick profile's 52 s."""
-    return min(1.0, budget_s / 1.5)
+    """The attention probe's rounds: ATTENTION_ROUNDS at the default budgets, fewer for a shorter --probe-seconds
+    (3 at 0.3 s): `budget_share`."""
+    return max(3, round(ATTENTION_ROUNDS * budget_share(budget_s)))
 
 
 def run_layer_probe(options: ProfileOptions, *, progress: Progress = _no_progress) -> dict:
@@ -208,7 +209,7 @@ def run_layer_probe(options: ProfileOptions, *, progress: Progress = _no_progres
     spec = {"model": model.to_dict(), "budget_s": budget_s, "timeout_s": options.comm_timeout_s,
             "overlap_repeats": overlap_repeats(budget_s),
             "ring_sides": list(RING_SIDES if options.quick else RING_SIDES_FULL),
-            "attention_rounds": attention_rounds(budget_s), "sync_share": sync_share(budget_s),
+            "attention_rounds": attention_rounds(budget_s), "sync_share": budget_share(budget_s),
             "attention_seq_lens": list(ATTENTION_SEQ_LENS if options.quick else ATTENTION_SEQ_LENS_FULL),
             "attention_head_dims": list(attention_head_dims(model))}
 

@@ -86,7 +86,7 @@ class ProbeSpec:
     # The fused attention's points beside them (CPU; profilers/profile.ATTENTION_SEQ_LENS, attention_head_dims).
     attention_seq_lens: tuple[int, ...] = ()
     attention_head_dims: tuple[int, ...] = ()
-    sync_share: float = 1.0  # of the sync-wait probe's loop length and rounds (profilers/profile.sync_share)
+    sync_share: float = 1.0  # of the sync-wait probe's loop length and rounds (profilers/profile.budget_share)
 
 
 @dataclass(frozen=True)
@@ -645,7 +645,8 @@ def measure_sync_wait(*, device: torch.device, share: float = 1.0) -> dict[str, 
 
         return _group_seconds(body, repeats=iterations, device=device)
 
-    rounds, loop_s = max(3, round(SYNC_ROUNDS * min(1.0, share))), SYNC_LOOP_S * min(1.0, share)
+    share = min(1.0, share)
+    rounds, loop_s = max(3, round(SYNC_ROUNDS * share)), SYNC_LOOP_S * share
     cases = [(c, w) for c in groups for w in SYNC_SEGMENTS_S]
     samples: dict[tuple[int, float], list[float]] = {case: [] for case in cases}
     for r in range(rounds):

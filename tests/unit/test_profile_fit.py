@@ -428,7 +428,7 @@ def test_a_point_is_timed_as_the_op_after_compute_less_the_compute_alone(tmp_pat
 def test_the_attention_probe_takes_seven_rounds_at_the_default_budgets_and_three_for_a_short_one(monkeypatch):
     """profilers/profile.attention_rounds: 7 at the default --probe-seconds (1.5 quick, 4 full), 3 at the tests'
     0.3 s, and the spec the probe worker receives carries them with the attention ladder and the sync-wait
-    probe's share of its length (profilers/profile.sync_share)."""
+    probe's share of its length (profilers/profile.budget_share)."""
     import profilers.profile as profile
 
     assert [profile.attention_rounds(b) for b in (4.0, 1.5, 0.75, 0.3, 0.01)] == [7, 7, 4, 3, 3]
