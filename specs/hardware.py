@@ -91,13 +91,13 @@ class AttentionPoint:
 
 @dataclass(frozen=True)
 class RingBlockPoint:
-    """This engine's ring attention steps (runners/context_parallel.ring_forward_step / ring_backward_step)
-    timed in fp32 (on CPUs torch's flash kernel per step since profiler version 11, written out before): a
-    rank holding `side` tokens of `num_heads` query heads (`num_kv_heads` K/V heads) of `head_dim`,
-    micro-batch 1. `square_*`: step 0, the causal side x side block; `half_*`: every other step, side x
-    side / 2 unmasked scores. Seconds per call, forward and backward. `concurrent`: timed on every rank of the profile at once (runners/probe.py,
-    profiler version 8; the slowest rank's), so the processes sharing the host's cores are in the times;
-    False: in one process with the others idle (older profiles)."""
+    """This engine's ring attention steps (runners/context_parallel.ring_forward_step / ring_backward_step) timed in
+    fp32 (on CPUs torch's flash kernel per step since profiler version 11, written out before): a rank holding
+    `side` tokens of `num_heads` query heads (`num_kv_heads` K/V heads) of `head_dim`, micro-batch 1. `square_*`:
+    step 0, the causal side x side block; `half_*`: every other step, side x side / 2 unmasked scores. Seconds per
+    call, forward and backward. `concurrent`: timed on every rank of the profile at once (runners/probe.py, profiler
+    version 8; the slowest rank's), so the processes sharing the host's cores are in the times; False: in one
+    process with the others idle (older profiles)."""
 
     side: int
     num_heads: int
