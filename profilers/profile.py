@@ -68,6 +68,18 @@ ATTENTION_SEQ_LENS_FULL = (64, 256, 1024, 2048, 4096)
 ATTENTION_WIDE_HEAD_DIM = 64
 
 
+def attention_seq_lens(model: ModelSpec, *, quick: bool) -> tuple[int, ...]:
+    """The lengths the attention probe times: the full ladder, or the quick one with the full ladder's longer
+    points up to the model's maximum length. Past the longest point the price extrapolates (a + b / s through
+    the last two, cost_models/compute._per_score_s), and a long-context plan runs its attention there: 4 ranks
+    of a 2-core host timed 4 heads of 32 at 4096 tokens 3-4% under the extrapolation from 1024 and 2048 (8%
+    for the backward at 64 wide), and two points' noise moves the extrapolation twice as far as either."""
+    if not quick:
+        return ATTENTION_SEQ_LENS_FULL
+    longer = tuple(s for s in ATTENTION_SEQ_LENS_FULL if ATTENTION_SEQ_LENS[-1] < s <= model.max_seq_len)
+    return ATTENTION_SEQ_LENS + longer
+
+
 def attention_head_dims(model: ModelSpec) -> tuple[int, ...]:
     d = model.head_dim
     return (d, 2 * d) if d == ATTENTION_WIDE_HEAD_DIM else tuple(sorted({d, ATTENTION_WIDE_HEAD_DIM}))
@@ -210,7 +222,7 @@ def run_layer_probe(options: ProfileOptions, *, progress: Progress = _no_progres
             "overlap_repeats": overlap_repeats(budget_s),
             "ring_sides": list(RING_SIDES if options.quick else RING_SIDES_FULL),
             "attention_rounds": attention_rounds(budget_s), "sync_share": budget_share(budget_s),
-            "attention_seq_lens": list(ATTENTION_SEQ_LENS if options.quick else ATTENTION_SEQ_LENS_FULL),
+            "attention_seq_lens": list(attention_seq_lens(model, quick=options.quick)),
             "attention_head_dims": list(attention_head_dims(model))}
 
     def on_event(event: dict) -> None:

@@ -445,3 +445,20 @@ def test_the_attention_probe_takes_seven_rounds_at_the_default_budgets_and_three
     assert [s["sync_share"] for s in specs] == [1.0, pytest.approx(0.2)]  # the sync-wait probe's length
     assert specs[0]["attention_seq_lens"] == list(profile.ATTENTION_SEQ_LENS)
     assert specs[0]["attention_head_dims"] == [8, 64]  # the tiny model's head width, and 64
+
+
+def test_the_quick_attention_ladder_reaches_the_models_length_up_to_the_full_ladders():
+    """profilers/profile.attention_seq_lens: a long-context model's quick profile times its attention at its own
+    length (4096 for the CP benchmark's model) instead of extrapolating past 2048; the tiny model's quick ladder
+    and every full ladder are unchanged."""
+    import dataclasses
+
+    import profilers.profile as profile
+    from specs.model import PRESETS
+
+    def lens(max_seq_len, quick=True):
+        return profile.attention_seq_lens(dataclasses.replace(PRESETS["tiny"], max_seq_len=max_seq_len), quick=quick)
+
+    assert lens(128) == lens(2048) == lens(3000) == (64, 256, 1024, 2048)
+    assert lens(4096) == lens(131072) == (64, 256, 1024, 2048, 4096)
+    assert lens(128, quick=False) == profile.ATTENTION_SEQ_LENS_FULL
