@@ -47,9 +47,11 @@ KIB, MIB = 1024, 1024**2
 # as the ring's steps, every rank at once (AttentionPoint.concurrent; runners/probe.measure_attention_blocks);
 # 10: every worker, and the profile's own sweeps, keep the memory they free (runners/launch.steady_allocator:
 # the ring's steps ran 25-40% faster, and no longer by what the process had freed before); 11: the ring's steps
-# run torch's CPU flash kernel (runners/context_parallel._fused_blocks), so the timed ring points changed.
+# run torch's CPU flash kernel (runners/context_parallel._fused_blocks), so the timed ring points changed; 12: the
+# attention probe's windows lose their own cost (runners/probe._window_overhead_s), and the quick profile times
+# the fused attention at the model's length up to 4096 tokens (attention_seq_lens).
 # A cached profile of another version is measured again (planner/machine.stale_reason).
-PROFILER_VERSION = 11
+PROFILER_VERSION = 12
 # Tokens a ring rank holds (its two chunks), where the probe times the ring's steps
 # (runners/probe.measure_attention_blocks): a tiny model's cp4 at 64 tokens holds 16, benchmarks/context_parallel.py's
 # cp4 at 4096 holds 1024. Per score the steps cost much more at the small sides (a step launches ~20 kernels)

@@ -71,6 +71,9 @@ RING_BUDGET_SHARE = 16
 # of a 2-core host), which a handful of short calls cannot spread thin. The 64-token SDPA of 4 heads of 8
 # (forward and backward) read 1.88 ms a call in windows of 5 calls, 1.10 in 100 and 1.07 in 400.
 ATTENTION_MIN_WINDOW_S = 0.05
+# Empty windows timed at the start of each of the attention probe's rounds: their median is the window's own
+# cost, taken off each window of the round (`_window_overhead_s`).
+WINDOW_OVERHEAD_SAMPLES = 5
 # The worker's progress steps: layer, attention, overlap, sharding, context-parallel and sync-wait probes.
 PROBE_STEPS = 6
 
@@ -259,6 +262,17 @@ def _group_seconds(body, *, repeats: int, device: torch.device) -> float:
     return (time.perf_counter() - start) / repeats
 
 
+def _window_overhead_s(device: torch.device) -> float:
+    """What a timed window (`_group_seconds`) adds to its calls: the median of WINDOW_OVERHEAD_SAMPLES empty
+    windows, the closing barrier and the ranks' skew in leaving the opening one. Left in, it priced the ring's
+    steps 10-25% over their time in a step: the attention probe's windows (ATTENTION_MIN_WINDOW_S) hold one or
+    two 20-70 ms steps of a 1024-token side, and 4 ranks of a 2-core host read cp4's four steps at 4096 tokens
+    283-309 ms a layer and micro-batch where windows of 0.2 s read 224-281 (and with the empty window taken
+    off, 211-276); the fused kernel's 4096-token points (0.25-1.1 s a call) moved 1-3%."""
+    return statistics.median(_group_seconds(lambda: None, repeats=1, device=device)
+                             for _ in range(WINDOW_OVERHEAD_SAMPLES))
+
+
 def _sdpa_calls(*, heads: int, seq_len: int, head_dim: int, device: torch.device) -> list:
     """Causal scaled_dot_product_attention (the engine's attention core) of `heads` heads over `seq_len` tokens,
     micro-batch 1, fp32: [forward, forward + backward]."""
@@ -283,7 +297,8 @@ def measure_attention_blocks(model: ModelSpec, *, device: torch.device, budget_s
     at each side of `sides`, and the fused causal attention (`_sdpa_calls`) at each of `seq_lens` x
     `head_dims`, timed on every rank at once (CPU) in the same interleaved rounds: per call the group's wall
     seconds (`_group_seconds`) over as many calls as fit in budget_s / rounds (at least ATTENTION_MIN_WINDOW_S)
-    by the second warm-up call's slowest rank (at least one), the median of `rounds` rounds. A step runs while
+    by the second warm-up call's slowest rank (at least one), less the window's own cost spread over its calls
+    (`_window_overhead_s`, at most half the window), the median of `rounds` rounds. A step runs while
     its peers run theirs on the same host, each at its share of the cores and of the memory bandwidth these
     memory-bound kernels lean on.
     Timed in one process with the other cores idle, the 1024-token half block's backward read 46, 19 and
@@ -309,8 +324,10 @@ def measure_attention_blocks(model: ModelSpec, *, device: torch.device, budget_s
     repeats = {key: max(1, min(1000, round(window / max(t, 1e-6)))) for key, t in zip(keys, one.tolist())}
     samples: dict[tuple, list[float]] = {key: [] for key in keys}
     for _ in range(rounds):
+        overhead = _window_overhead_s(device)
         for name, i in keys:
-            samples[name, i].append(_group_seconds(calls[name][i], repeats=repeats[name, i], device=device))
+            seconds = _group_seconds(calls[name][i], repeats=repeats[name, i], device=device)
+            samples[name, i].append(max(seconds - overhead / repeats[name, i], seconds / 2))
     medians = torch.tensor([statistics.median(samples[key]) for key in keys], dtype=torch.float64, device=device)
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)
     med = dict(zip(keys, medians.tolist()))

@@ -534,6 +534,34 @@ def _group_seconds_worker(rank: int, world_size: int) -> dict:
     return {"grouped": grouped, "points": points, "attention": attention}
 
 
+def _window_overhead_worker(rank: int, world_size: int) -> dict:
+    import runners.probe as probe
+    from specs.model import PRESETS
+
+    torch.set_num_threads(1)
+    measured = probe._window_overhead_s(torch.device("cpu"))
+    probe.ATTENTION_MIN_WINDOW_S = 0.0  # one call a window
+    probe._group_seconds = lambda body, *, repeats, device: 0.010
+    out = {"measured": measured}
+    for overhead in (0.004, 0.008):
+        probe._window_overhead_s = lambda device, overhead=overhead: overhead
+        out[overhead] = probe.measure_attention_blocks(PRESETS["tiny"], device=torch.device("cpu"), budget_s=1e-9,
+                                                       sides=(16,), seq_lens=(64,), head_dims=(8,), rounds=2)
+    return out
+
+
+def test_the_attention_probe_takes_the_windows_own_cost_off_its_calls():
+    """runners/probe.measure_attention_blocks: a window of one 10 ms call whose empty window (the closing
+    barrier and the ranks' skew: `_window_overhead_s`) takes 4 ms reads 6 ms a call; an overhead over half the
+    window leaves half. The empty window measured for real costs a few milliseconds at most."""
+    first, second = run_on_ranks(_window_overhead_worker, world_size=2)
+    assert 0 <= first["measured"] < 0.05
+    for overhead, expected in ((0.004, 0.006), (0.008, 0.005)):
+        ring, attention = first[overhead]
+        assert [(p.square_forward_s, p.half_backward_s) for p in ring] == [pytest.approx((expected, expected))]
+        assert [(p.forward_s, p.backward_s) for p in attention] == [pytest.approx((expected, expected))]
+
+
 def test_the_attention_probe_times_the_steps_as_the_groups_wall_on_every_rank():
     """runners/probe._group_seconds is the group's wall per call (the slowest rank's calls plus the end
     barrier), not a rank's own mean; measure_attention_blocks returns the same ring and fused-attention points
