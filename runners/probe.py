@@ -621,6 +621,16 @@ def measure_context(model: ModelSpec, *, device: torch.device, dtype: torch.dtyp
 # as every rank computing at once gets them (the cost model's layer times on this host are the same), each
 # timed loop about SYNC_LOOP_S long, SYNC_ROUNDS interleaved rounds.
 SYNC_SEGMENTS_S = (0.5e-3, 2e-3, 8e-3, 32e-3)
+# And at the default budgets (share 1) one as long as a long-context layer's pass between two of its all-to-alls
+# (cp4 at 4096 tokens on this project's host: 47 ms forward, 108 backward), which the cost model would otherwise
+# hold at 32 ms's wait: 4 ranks of the 2-core host waited 2.7-2.9 ms after 32 ms and 5.5-9.0 after 128 (two
+# probes). Its loops take ~1 s each (8 segments at least), 20 s of a 4-process profile.
+SYNC_LONG_SEGMENT_S = 128e-3
+
+
+def sync_segments(share: float) -> tuple[float, ...]:
+    """The sync-wait probe's segments: SYNC_SEGMENTS_S, and SYNC_LONG_SEGMENT_S at the default budgets."""
+    return SYNC_SEGMENTS_S + ((SYNC_LONG_SEGMENT_S,) if share >= 1 else ())
 SYNC_LOOP_S = 0.3
 SYNC_ROUNDS = 5
 SYNC_LATENCY_CALLS = 40
@@ -635,7 +645,7 @@ def _spin(calls: int, a: torch.Tensor) -> None:
 def measure_sync_wait(*, device: torch.device, share: float = 1.0) -> dict[str, float]:
     """What a blocking collective waits for its last ranks after a segment of compute (CPU; the cost model's
     cost_models/comm.sync_wait_s): for every group size c of `context_probe_sizes` (every rank in a group of c
-    consecutive ranks at once) and segment w of SYNC_SEGMENTS_S, loops of w of work each followed by a
+    consecutive ranks at once) and segment w of `sync_segments`, loops of w of work each followed by a
     one-element all-reduce in the group, less the same loops without the all-reduce, less the all-reduce called
     back to back, each loop timed as the whole group's wall (`_group_seconds`); `sync{c}_{w in microseconds}_s`,
     the ranks' mean of the median over SYNC_ROUNDS interleaved rounds (never below 0), with `world`; `share`
@@ -664,7 +674,7 @@ def measure_sync_wait(*, device: torch.device, share: float = 1.0) -> dict[str, 
 
     share = min(1.0, share)
     rounds, loop_s = max(3, round(SYNC_ROUNDS * share)), SYNC_LOOP_S * share
-    cases = [(c, w) for c in groups for w in SYNC_SEGMENTS_S]
+    cases = [(c, w) for c in groups for w in sync_segments(share)]
     samples: dict[tuple[int, float], list[float]] = {case: [] for case in cases}
     for r in range(rounds):
         for c, w in cases[r % len(cases):] + cases[:r % len(cases)]:

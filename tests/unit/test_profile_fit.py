@@ -462,3 +462,18 @@ def test_the_quick_attention_ladder_reaches_the_models_length_up_to_the_full_lad
     assert lens(128) == lens(2048) == lens(3000) == (64, 256, 1024, 2048)
     assert lens(4096) == lens(131072) == (64, 256, 1024, 2048, 4096)
     assert lens(128, quick=False) == profile.ATTENTION_SEQ_LENS_FULL
+
+
+def test_the_sync_wait_probe_times_a_long_layers_segment_at_the_default_budgets_only():
+    """runners/probe.sync_segments: a cp4 layer at 4096 tokens meets its all-to-all group after 47 ms (forward) and
+    108 ms (backward) here, past the 32 ms segment; the default budgets (share 1) time 128 ms too, a shorter
+    --probe-seconds keeps the four short ones (the tests' profiles)."""
+    from cost_models.comm import sync_wait_s
+    from runners.probe import SYNC_SEGMENTS_S, sync_segments
+
+    assert sync_segments(1.0) == SYNC_SEGMENTS_S + (0.128,)
+    assert sync_segments(0.2) == SYNC_SEGMENTS_S == (0.5e-3, 2e-3, 8e-3, 32e-3)
+    calibration = {"sync_wait_s_4_500": 0.0004, "sync_wait_s_4_32000": 0.0029, "sync_wait_s_4_128000": 0.0074}
+    assert sync_wait_s(calibration, group_size=4, segment_s=0.080) == pytest.approx(0.0025 + 0.0045 / 2)
+    del calibration["sync_wait_s_4_128000"]
+    assert sync_wait_s(calibration, group_size=4, segment_s=0.080) == pytest.approx(0.0025)  # held at 32 ms's
