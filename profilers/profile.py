@@ -49,7 +49,8 @@ KIB, MIB = 1024, 1024**2
 # the ring's steps ran 25-40% faster, and no longer by what the process had freed before); 11: the ring's steps
 # run torch's CPU flash kernel (runners/context_parallel._fused_blocks), so the timed ring points changed; 12: the
 # attention probe's windows lose their own cost (runners/probe._window_overhead_s), and the quick profile times
-# the fused attention at the model's length up to 4096 tokens (attention_seq_lens).
+# the fused attention at the model's length up to 4096 tokens (attention_seq_lens), and at the default budgets the
+# sync-wait probe times a 128-ms segment (runners/probe.sync_segments).
 # A cached profile of another version is measured again (planner/machine.stale_reason).
 PROFILER_VERSION = 12
 # Tokens a ring rank holds (its two chunks), where the probe times the ring's steps

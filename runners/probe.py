@@ -626,14 +626,14 @@ SYNC_SEGMENTS_S = (0.5e-3, 2e-3, 8e-3, 32e-3)
 # hold at 32 ms's wait: 4 ranks of the 2-core host waited 2.7-2.9 ms after 32 ms and 5.5-9.0 after 128 (two
 # probes). Its loops take ~1 s each (8 segments at least), 20 s of a 4-process profile.
 SYNC_LONG_SEGMENT_S = 128e-3
+SYNC_LOOP_S = 0.3
+SYNC_ROUNDS = 5
+SYNC_LATENCY_CALLS = 40
 
 
 def sync_segments(share: float) -> tuple[float, ...]:
     """The sync-wait probe's segments: SYNC_SEGMENTS_S, and SYNC_LONG_SEGMENT_S at the default budgets."""
     return SYNC_SEGMENTS_S + ((SYNC_LONG_SEGMENT_S,) if share >= 1 else ())
-SYNC_LOOP_S = 0.3
-SYNC_ROUNDS = 5
-SYNC_LATENCY_CALLS = 40
 
 
 def _spin(calls: int, a: torch.Tensor) -> None:
